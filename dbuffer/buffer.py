@@ -1,0 +1,397 @@
+"""DBuffer: many tensors in one flat buffer, placed on a DeviceMesh.
+
+The global buffer is laid out once by :func:`dbuffer.layout.compute_layout` for the finest
+sharding the mesh allows (every rank its own shard), so the same layout serves every placement
+on that mesh and no redistribution ever moves a tensor inside the buffer. Each rank stores only
+its ``local_buffer``: the contiguous range of the global buffer that its placements give it.
+
+Guarantees:
+
+* Every primitive validates its arguments (``out`` included) before any collective, so a bad call
+  raises on every rank alike and no rank is left waiting in a collective.
+* With ``out=``, the result lives in ``out``'s storage; nothing of the result's size is allocated.
+  Without it, a new buffer is allocated, except for :meth:`DBuffer.scatter`, which returns a view.
+* The receiving DBuffer of a collective is a new object; ``self`` is never modified, except by
+  :meth:`release_storage` / :meth:`reallocate_storage` and by passing ``out=self``, which
+  :meth:`allreduce` allows (an in-place all-reduce).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Sequence
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Partial, Placement, Replicate, Shard
+
+from dbuffer import collectives
+from dbuffer.collectives import Pending
+from dbuffer.layout import Layout, compute_layout
+from dbuffer.placements import Step, check_placements, num_shards, plan_redistribute, shard_index
+
+__all__ = ["DBuffer", "distribute_tensors"]
+
+Shapes = Sequence[Sequence[int]]
+
+
+class DBuffer:
+    """A flat buffer holding ``len(tensor_shapes)`` tensors, placed on ``mesh`` by ``placements``.
+
+    Allocates a zero-filled local buffer (zeros, so padding never carries NaN or garbage into a
+    reduction or a norm).
+    """
+
+    def __init__(
+        self,
+        mesh: DeviceMesh,
+        placements: Sequence[Placement],
+        tensor_shapes: Shapes,
+        dtype: torch.dtype,
+        device: torch.device | str | None = None,
+        *,
+        layout: Layout | None = None,
+        local_buffer: torch.Tensor | None = None,
+    ) -> None:
+        if not isinstance(mesh, DeviceMesh):
+            raise TypeError(f"mesh must be a torch DeviceMesh, got {type(mesh).__name__}")
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}")
+        self.mesh = mesh
+        self.placements = check_placements(placements, mesh.ndim)
+        coordinate = mesh.get_coordinate()
+        if coordinate is None:
+            raise ValueError(f"this rank is not part of the mesh {mesh}; build the DBuffer only on its ranks")
+        self._coordinate = tuple(coordinate)
+        self.layout = layout if layout is not None else compute_layout(_shapes(tensor_shapes), mesh.size())
+        self.dtype = dtype
+        self.device = torch.device(device) if device is not None else _mesh_device(mesh)
+        self.num_shards = num_shards(mesh.shape, self.placements)
+        self.shard_index = shard_index(mesh.shape, self.placements, self._coordinate)
+        numel = self.layout.shard_numel_for(self.num_shards)
+        if local_buffer is None:
+            local_buffer = torch.zeros(numel, dtype=dtype, device=self.device)
+        else:
+            _check_local_buffer(local_buffer, numel, dtype, self.device)
+        self.local_buffer = local_buffer
+        self._refill_pending = False
+        self._capacity_bytes = local_buffer.untyped_storage().nbytes()
+
+    # ------------------------------------------------------------------ construction
+
+    @classmethod
+    def from_local(
+        cls,
+        local_buffer: torch.Tensor,
+        mesh: DeviceMesh,
+        placements: Sequence[Placement],
+        tensor_shapes: Shapes,
+    ) -> "DBuffer":
+        """Wrap an existing local buffer (no copy). It must be 1-D, contiguous and exactly the
+        size this rank's shard has under ``placements``."""
+        if not isinstance(local_buffer, torch.Tensor):
+            raise TypeError(f"local_buffer must be a torch.Tensor, got {type(local_buffer).__name__}")
+        return cls(
+            mesh, placements, tensor_shapes, local_buffer.dtype, local_buffer.device, local_buffer=local_buffer
+        )
+
+    def _like(self, placements: Sequence[Placement], dtype: torch.dtype | None = None, local_buffer=None) -> "DBuffer":
+        return DBuffer(
+            self.mesh,
+            placements,
+            self.shapes,
+            dtype or self.dtype,
+            self.device,
+            layout=self.layout,
+            local_buffer=local_buffer,
+        )
+
+    # ------------------------------------------------------------------ inspection
+
+    @property
+    def shapes(self) -> tuple[tuple[int, ...], ...]:
+        return tuple(item.shape for item in self.layout.items)
+
+    def __len__(self) -> int:
+        return len(self.layout.items)
+
+    def __repr__(self) -> str:
+        return (
+            f"DBuffer({len(self)} tensors, placements={list(self.placements)}, dtype={self.dtype}, "
+            f"local={tuple(self.local_buffer.shape)}, shard {self.shard_index}/{self.num_shards})"
+        )
+
+    def local_rows(self, i: int) -> tuple[int, int]:
+        """Rows ``[start, end)`` of tensor ``i`` held by this rank."""
+        return self.layout.item_rows(self._item(i), self.shard_index, self.num_shards)
+
+    def get_local_tensor(self, i: int) -> torch.Tensor:
+        """A view of this rank's rows of tensor ``i``.
+
+        Unsharded placements give the whole tensor in its own shape; sharded ones give
+        ``(k, *shape[1:])`` with ``k`` possibly 0 (a 0-D tensor is one row: ``(k,)``).
+        """
+        item = self.layout.items[self._item(i)]
+        start, end = self.layout.item_local_range(self._item(i), self.shard_index, self.num_shards)
+        flat = self.local_buffer[start:end]
+        if self.num_shards == 1:
+            return flat.view(item.shape)
+        r0, r1 = self.local_rows(i)
+        return flat.view(r1 - r0, *item.shape[1:])
+
+    def get_dtensor(self, i: int):
+        """Tensor ``i`` as an exact DTensor view of this buffer; see :mod:`dbuffer.dtensor`."""
+        from dbuffer.dtensor import make_dtensor
+
+        return make_dtensor(self, self._item(i))
+
+    def _item(self, i: int) -> int:
+        if not -len(self) <= i < len(self):
+            raise IndexError(f"tensor index {i} out of range for a DBuffer of {len(self)} tensors")
+        return i % len(self)
+
+    # ------------------------------------------------------------------ redistribution
+
+    def redistribute(
+        self, placements: Sequence[Placement], *, out: "DBuffer | None" = None, async_op: bool = False
+    ):
+        """Move to ``placements``, changing any number of mesh axes in one call.
+
+        The changed axes are inferred and ordered by :func:`dbuffer.placements.plan_redistribute`.
+        With ``async_op=True`` the last collective is left in flight and a handle is returned whose
+        ``wait()`` gives the result; earlier steps of a multi-step plan run synchronously.
+        """
+        target = check_placements(placements, self.mesh.ndim)
+        steps = plan_redistribute(self.placements, target)
+        if out is not None:
+            self._check_out(out, target, self.dtype, "redistribute")
+        if not steps:
+            if out is not None and out.local_buffer.data_ptr() != self.local_buffer.data_ptr():
+                out.local_buffer.copy_(self.local_buffer)
+            result = out if out is not None else self
+            return _done(result) if async_op else result
+        current = self
+        for n, step in enumerate(steps):
+            last = n == len(steps) - 1
+            pending = current._run(step, out if last else None, async_op and last)
+            if not last:
+                current = pending.wait()
+        return pending if async_op else pending.wait()
+
+    def allgather(self, axis: int, *, out: "DBuffer | None" = None, async_op: bool = False):
+        """All-gather over mesh ``axis``: ``Shard(0) -> Replicate()``. The axis must be the
+        innermost sharded one (otherwise the gathered shards would not be contiguous)."""
+        return self._primitive("allgather", axis, Replicate(), out, async_op)
+
+    def reduce_scatter(
+        self, axis: int, placement: Placement = Shard(0), *, out: "DBuffer | None" = None, async_op: bool = False
+    ):
+        """Reduce-scatter over mesh ``axis``: ``Partial(op) -> placement`` (``Shard(0)``). The
+        axis becomes the innermost sharded one."""
+        if placement != Shard(0):
+            raise ValueError(f"reduce_scatter produces Shard(0); got placement={placement}")
+        return self._primitive("reduce_scatter", axis, placement, out, async_op)
+
+    def allreduce(self, axis: int, *, out: "DBuffer | None" = None, async_op: bool = False):
+        """All-reduce over mesh ``axis``: ``Partial(op) -> Replicate()``. ``out=self`` reduces in place."""
+        return self._primitive("allreduce", axis, Replicate(), out, async_op)
+
+    def scatter(self, axis: int, placement: Placement = Shard(0), *, out: "DBuffer | None" = None, async_op: bool = False):
+        """Local scatter over mesh ``axis``: ``Replicate() -> Shard(0)``, no communication.
+        Without ``out`` the result is a view of this buffer."""
+        if placement != Shard(0):
+            raise ValueError(f"scatter produces Shard(0); got placement={placement}")
+        return self._primitive("scatter", axis, placement, out, async_op)
+
+    def cast(self, dtype: torch.dtype, *, out: "DBuffer | None" = None) -> "DBuffer":
+        """The same placements in ``dtype`` (a rounding copy; exact when ``dtype`` can hold every
+        value, e.g. bf16 -> fp32)."""
+        if out is not None:
+            self._check_out(out, self.placements, dtype, "cast")
+        else:
+            out = self._like(self.placements, dtype)
+        out.local_buffer.copy_(self.local_buffer)
+        return out
+
+    _SOURCES = {"allgather": Shard, "reduce_scatter": Partial, "allreduce": Partial, "scatter": Replicate}
+
+    def _primitive(self, kind: str, axis: int, new: Placement, out, async_op: bool):
+        if not 0 <= axis < self.mesh.ndim:
+            raise ValueError(f"axis must be in [0, {self.mesh.ndim}) for this mesh, got {axis}")
+        have = self.placements[axis]
+        if not isinstance(have, self._SOURCES[kind]):
+            raise ValueError(
+                f"{kind} on axis {axis} needs a {self._SOURCES[kind].__name__} placement there, "
+                f"but the buffer is {have}; use redistribute() to get there"
+            )
+        after = list(self.placements)
+        after[axis] = new
+        step = Step(kind, axis, tuple(after))  # type: ignore[arg-type]
+        if kind in ("allgather", "reduce_scatter", "scatter"):
+            inner = [a for a in range(axis + 1, self.mesh.ndim) if isinstance(self.placements[a], Shard)]
+            if inner:
+                raise ValueError(
+                    f"{kind} on axis {axis} while inner axes {inner} are sharded would make "
+                    f"non-contiguous shards; use redistribute(), which orders the axes for you"
+                )
+        if out is self and kind == "allreduce":  # in place: a new view of the same storage
+            out = self._like(step.after, local_buffer=self.local_buffer)
+        elif out is not None:
+            self._check_out(out, step.after, self.dtype, kind)
+        pending = self._run(step, out, async_op)
+        return pending if async_op else pending.wait()
+
+    def _run(self, step: Step, out: "DBuffer | None", async_op: bool) -> Pending:
+        """Run one step (arguments already validated). The Pending's wait() returns a DBuffer."""
+        group = self.mesh.get_group(step.axis)
+        size = self.mesh.shape[step.axis]
+        if out is None:
+            if step.kind == "scatter":
+                piece = self.local_buffer.view(size, -1)[self._coordinate[step.axis]]
+                out = self._like(step.after, local_buffer=piece)
+                return _done(out)
+            out = self._like(step.after, local_buffer=_empty_for(self, step.after))
+        dst = out.local_buffer
+        src = self.local_buffer
+        with out._refill_guard():
+            work = self._launch(step, dst, src, group, size, async_op)
+        return Pending([work], lambda: (work.wait(), out)[1])
+
+    def _launch(self, step: Step, dst: torch.Tensor, src: torch.Tensor, group, size: int, async_op: bool) -> Pending:
+        if step.kind == "allgather":
+            work = collectives.all_gather(dst, src, group, async_op)
+        elif step.kind == "reduce_scatter":
+            work = collectives.reduce_scatter(dst, src, self.placements[step.axis].reduce_op, group, async_op)
+        elif step.kind == "allreduce":
+            if dst.data_ptr() != src.data_ptr():
+                dst.copy_(src)
+            work = collectives.all_reduce(dst, self.placements[step.axis].reduce_op, group, async_op)
+        else:  # scatter into out
+            dst.copy_(src.view(size, -1)[self._coordinate[step.axis]])
+            work = _done(dst)
+        return work
+
+    def _check_out(self, out: "DBuffer", placements: Sequence[Placement], dtype: torch.dtype, op: str) -> None:
+        problem = None
+        if not isinstance(out, DBuffer):
+            problem = f"is a {type(out).__name__}, not a DBuffer"
+        elif out.mesh != self.mesh:
+            problem = f"lives on mesh {out.mesh}, not {self.mesh}"
+        elif tuple(out.placements) != tuple(placements):
+            problem = f"has placements {list(out.placements)}; the result has {list(placements)}"
+        elif out.layout is not self.layout and out.layout != self.layout:
+            problem = "holds different tensor shapes (a different layout)"
+        elif out.dtype != dtype:
+            problem = f"has dtype {out.dtype}; the result has {dtype}"
+        elif out.device != self.device:
+            problem = f"is on {out.device}; the result is on {self.device}"
+        elif out.local_buffer.numel() != out.layout.shard_numel_for(out.num_shards):
+            problem = "has released storage; call out.reallocate_storage() first"
+        if problem:
+            raise ValueError(f"{op}: out {problem}. Build out with DBuffer(mesh, placements, shapes, dtype) to match.")
+
+    # ------------------------------------------------------------------ storage
+
+    def release_storage(self) -> None:
+        """Free the local storage. Views (``get_local_tensor``, parameters, tensors autograd saved)
+        stay valid objects and see the storage again after :meth:`reallocate_storage`; their
+        values are undefined until something writes the buffer again."""
+        self._check_owns_storage("release_storage")
+        self.local_buffer.untyped_storage().resize_(0)
+
+    def reallocate_storage(self) -> None:
+        """Give the local buffer its storage back (uninitialised); a no-op if it has it.
+
+        The first primitive that then writes into this buffer (as ``out=``) refills it without
+        bumping autograd's version counter, so tensors saved for backward before the release
+        stay usable: the refill restores data, it is not an in-place modification.
+        """
+        self._check_owns_storage("reallocate_storage")
+        storage = self.local_buffer.untyped_storage()
+        if storage.nbytes() != self._capacity_bytes:
+            storage.resize_(self._capacity_bytes)
+            self._refill_pending = True
+
+    def _refill_guard(self):
+        if not self._refill_pending:
+            return contextlib.nullcontext()
+        self._refill_pending = False
+        return torch.autograd._unsafe_preserve_version_counter(self.local_buffer)
+
+    def is_storage_released(self) -> bool:
+        return self.local_buffer.untyped_storage().nbytes() == 0 and self._capacity_bytes > 0
+
+    def _check_owns_storage(self, op: str) -> None:
+        if self.local_buffer.storage_offset() != 0 or self._capacity_bytes != self.local_buffer.numel() * self.local_buffer.element_size():
+            raise ValueError(
+                f"{op}: the local buffer is a view into a larger storage (from scatter() or a "
+                f"user-supplied local_buffer), so freeing it would free its neighbours too"
+            )
+
+
+def distribute_tensors(
+    tensors: Sequence[torch.Tensor], mesh: DeviceMesh, placements: Sequence[Placement]
+) -> DBuffer:
+    """A DBuffer holding ``tensors`` (every rank passes the same full tensors), copying only the
+    ranges this rank owns. ``Partial("sum")`` puts the values on the first rank of each partial
+    axis and zeros elsewhere; ``Partial("avg")`` puts them everywhere."""
+    tensors = list(tensors)
+    dtypes = {t.dtype for t in tensors}
+    if len(dtypes) > 1:
+        raise ValueError(f"tensors have mixed dtypes {sorted(map(str, dtypes))}; a DBuffer holds one dtype, cast first")
+    devices = {t.device for t in tensors}
+    buf = DBuffer(
+        mesh,
+        placements,
+        [t.shape for t in tensors],
+        dtypes.pop() if dtypes else torch.float32,
+        devices.pop() if len(devices) == 1 else None,
+    )
+    holds = all(
+        buf._coordinate[a] == 0 for a, p in enumerate(buf.placements) if isinstance(p, Partial) and p.reduce_op == "sum"
+    )
+    if holds:
+        for i, t in enumerate(tensors):
+            r0, r1 = buf.local_rows(i)
+            local = buf.get_local_tensor(i)
+            local.copy_((t.reshape(1) if t.dim() == 0 else t)[r0:r1].reshape(local.shape))
+    return buf
+
+
+def _shapes(shapes: Shapes) -> list[tuple[int, ...]]:
+    try:
+        return [tuple(int(d) for d in s) for s in shapes]
+    except TypeError:
+        raise TypeError("tensor_shapes must be a sequence of shapes (sequences of ints)") from None
+
+
+def _mesh_device(mesh: DeviceMesh) -> torch.device:
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh.device_type)
+
+
+def _empty_for(buf: DBuffer, placements: Sequence[Placement]) -> torch.Tensor:
+    numel = buf.layout.shard_numel_for(num_shards(buf.mesh.shape, placements))
+    return torch.empty(numel, dtype=buf.dtype, device=buf.device)
+
+
+def _check_local_buffer(t: torch.Tensor, numel: int, dtype: torch.dtype, device: torch.device) -> None:
+    if t.dim() != 1 or not t.is_contiguous():
+        raise ValueError(
+            f"local_buffer must be a contiguous 1-D tensor, got shape {tuple(t.shape)} "
+            f"(contiguous={t.is_contiguous()}); pass t.reshape(-1).contiguous()"
+        )
+    if t.numel() != numel:
+        raise ValueError(
+            f"local_buffer has {t.numel()} elements but this rank's shard holds {numel} "
+            f"(layout for these shapes and placements)"
+        )
+    if t.dtype != dtype:
+        raise ValueError(f"local_buffer has dtype {t.dtype}, expected {dtype}")
+    if t.device != device:
+        raise ValueError(f"local_buffer is on {t.device}, expected {device}")
+
+
+def _done(result) -> Pending:
+    return Pending([], lambda: result)

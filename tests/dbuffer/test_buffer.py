@@ -1,0 +1,324 @@
+"""DBuffer on real ranks: gloo processes and torch's threaded group, 1-D and 2x2 meshes.
+
+References are computed independently from the full tensors every rank can rebuild from a seed.
+"""
+
+from __future__ import annotations
+
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+from dbuffer import DBuffer, RowShardedDTensor, distribute_tensors
+from tests.harness import run_ranks
+
+SHAPES = [(7, 3), (), (0, 4), (5,), (2, 3, 2), (1,), (11, 2), (3, 0)]
+S, R = Shard(0), Replicate()
+SUM, AVG = Partial("sum"), Partial("avg")
+
+
+def _full_tensors(dtype=torch.float32, shapes=SHAPES) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(s, generator=g).to(dtype) for s in shapes]
+
+
+def _mesh(shape):
+    return init_device_mesh("cpu", shape)
+
+
+def _rows(t: torch.Tensor, buf: DBuffer, i: int) -> torch.Tensor:
+    """Reference for buf.get_local_tensor(i): the rows this rank should hold, from the full tensor."""
+    r0, r1 = buf.local_rows(i)
+    if buf.num_shards == 1:
+        return t
+    return t.reshape(-1)[r0:r1] if t.dim() == 0 else t[r0:r1]
+
+
+def _check_holds(buf: DBuffer, fulls: list[torch.Tensor], **tol) -> None:
+    for i, t in enumerate(fulls):
+        torch.testing.assert_close(buf.get_local_tensor(i), _rows(t, buf, i), **tol)
+
+
+# --------------------------------------------------------------------- round trips
+
+
+def _shard_replicate_shard(mesh_shape, placements) -> bool:
+    mesh = _mesh(mesh_shape)
+    fulls = _full_tensors()
+    buf = distribute_tensors(fulls, mesh, placements)
+    _check_holds(buf, fulls)
+    full = buf.redistribute([R] * mesh.ndim)
+    _check_holds(full, fulls)
+    back = full.redistribute(placements)
+    assert torch.equal(back.local_buffer, buf.local_buffer)
+    return True
+
+
+@pytest.mark.parametrize(
+    "backend,mesh_shape,placements",
+    [
+        ("gloo", (2,), [S]),
+        ("threaded", (4,), [S]),
+        ("threaded", (2, 2), [S, S]),
+        ("threaded", (2, 2), [R, S]),
+        ("threaded", (2, 2), [S, R]),
+    ],
+)
+def test_shard_replicate_shard_is_identity(backend, mesh_shape, placements) -> None:
+    world = 1
+    for d in mesh_shape:
+        world *= d
+    assert all(run_ranks(_shard_replicate_shard, world, mesh_shape, placements, backend=backend))
+
+
+def _multi_axis_moves() -> bool:
+    mesh = _mesh((2, 2))
+    fulls = _full_tensors()
+    for src, dst in [([S, S], [R, S]), ([R, S], [S, S]), ([S, R], [R, S]), ([S, S], [S, R])]:
+        moved = distribute_tensors(fulls, mesh, src).redistribute(dst)
+        assert moved.placements == tuple(dst)
+        _check_holds(moved, fulls)
+    return True
+
+
+def test_multi_axis_redistribute_on_2x2() -> None:
+    assert all(run_ranks(_multi_axis_moves, 4, backend="threaded"))
+
+
+# --------------------------------------------------------------------- reductions
+
+
+def _partial_reductions(mesh_shape, src, dst) -> bool:
+    mesh = _mesh(mesh_shape)
+    fulls = _full_tensors()
+    world = dist.get_world_size()
+    rank = dist.get_rank()
+    contributions = [[t * (r + 1) for t in fulls] for r in range(world)]
+    buf = DBuffer(mesh, src, SHAPES, torch.float32)
+    for i, t in enumerate(contributions[rank]):
+        buf.get_local_tensor(i).copy_(t)
+    # Reference: reduce over the ranks that differ only along the partial axes.
+    coord = mesh.get_coordinate()
+    peers = [
+        r for r in range(world)
+        if all(c == c0 for a, (c, c0) in enumerate(zip(_coord_of(r, mesh_shape), coord)) if not isinstance(src[a], Partial))
+    ]
+    avg_axes = [a for a, p in enumerate(src) if p == AVG]
+    divisor = 1
+    for a in avg_axes:
+        divisor *= mesh_shape[a]
+    expected = [sum(contributions[r][i] for r in peers) / divisor for i in range(len(fulls))]
+    result = buf.redistribute(dst)
+    _check_holds(result, expected, rtol=1e-5, atol=1e-5)
+    return True
+
+
+def _coord_of(rank, mesh_shape):
+    coord = []
+    for d in reversed(mesh_shape):
+        coord.append(rank % d)
+        rank //= d
+    return list(reversed(coord))
+
+
+@pytest.mark.parametrize(
+    "backend,mesh_shape,src,dst",
+    [
+        ("gloo", (2,), [SUM], [S]),
+        ("gloo", (2,), [AVG], [S]),
+        ("gloo", (2,), [AVG], [R]),
+        ("threaded", (4,), [SUM], [R]),
+        ("threaded", (4,), [AVG], [S]),
+        ("threaded", (2, 2), [SUM, SUM], [S, S]),
+        ("threaded", (2, 2), [AVG, AVG], [R, S]),  # HSDP gradients
+        ("threaded", (2, 2), [SUM, AVG], [R, R]),
+    ],
+)
+def test_partial_reduces_to_reference(backend, mesh_shape, src, dst) -> None:
+    world = mesh_shape[0] * (mesh_shape[1] if len(mesh_shape) > 1 else 1)
+    assert all(run_ranks(_partial_reductions, world, mesh_shape, src, dst, backend=backend))
+
+
+# --------------------------------------------------------------------- out=, cast, async, storage
+
+
+def _out_shares_storage() -> bool:
+    mesh = _mesh((dist.get_world_size(),))
+    fulls = _full_tensors()
+    sharded = distribute_tensors(fulls, mesh, [S])
+    out = DBuffer(mesh, [R], SHAPES, torch.float32)
+    ptr = out.local_buffer.data_ptr()
+    result = sharded.allgather(0, out=out)
+    assert result.local_buffer.data_ptr() == ptr
+    _check_holds(result, fulls)
+    # reduce-scatter and in-place all-reduce into caller memory
+    partial = DBuffer.from_local(result.local_buffer.clone(), mesh, [SUM], SHAPES)
+    rs_out = DBuffer(mesh, [S], SHAPES, torch.float32)
+    assert partial.reduce_scatter(0, out=rs_out).local_buffer.data_ptr() == rs_out.local_buffer.data_ptr()
+    _check_holds(rs_out, [t * dist.get_world_size() for t in fulls], rtol=1e-5, atol=1e-5)
+    in_place = partial.allreduce(0, out=partial)
+    assert in_place.local_buffer.data_ptr() == partial.local_buffer.data_ptr()
+    # scatter without out is a view; with out it copies into out
+    view = result.scatter(0)
+    assert view.local_buffer.untyped_storage().data_ptr() == result.local_buffer.untyped_storage().data_ptr()
+    assert torch.equal(view.local_buffer, sharded.local_buffer)
+    return True
+
+
+def _cast_is_exact() -> bool:
+    mesh = _mesh((dist.get_world_size(),))
+    bf16 = distribute_tensors(_full_tensors(torch.bfloat16), mesh, [S])
+    up = bf16.cast(torch.float32)
+    assert up.dtype == torch.float32 and torch.equal(up.local_buffer.to(torch.bfloat16), bf16.local_buffer)
+    out = DBuffer(mesh, [S], SHAPES, torch.bfloat16)
+    down = up.cast(torch.bfloat16, out=out)
+    assert down is out and torch.equal(out.local_buffer, bf16.local_buffer)
+    return True
+
+
+def _async_handles_complete() -> bool:
+    mesh = _mesh((dist.get_world_size(),))
+    fulls = _full_tensors()
+    sharded = distribute_tensors(fulls, mesh, [S])
+    handle = sharded.allgather(0, async_op=True)
+    full = handle.wait()
+    _check_holds(full, fulls)
+    partial = DBuffer.from_local(full.local_buffer.clone(), mesh, [AVG], SHAPES)
+    handles = [partial.reduce_scatter(0, async_op=True), partial.allreduce(0, async_op=True),
+               sharded.redistribute([R], async_op=True)]
+    rs, ar, rd = (h.wait() for h in handles)
+    _check_holds(rs, fulls, rtol=1e-6, atol=1e-6)
+    _check_holds(ar, fulls, rtol=1e-6, atol=1e-6)
+    _check_holds(rd, fulls)
+    return True
+
+
+def _saved_view_survives_release() -> bool:
+    mesh = _mesh((dist.get_world_size(),))
+    fulls = _full_tensors()
+    weights = distribute_tensors(fulls, mesh, [S])
+    full = weights.allgather(0)
+    w = full.get_local_tensor(0)
+    x = torch.ones(3, requires_grad=True)
+    loss = (w * x).sum()  # autograd saves the view w
+    full.release_storage()
+    assert full.is_storage_released() and w.untyped_storage().nbytes() == 0
+    full.reallocate_storage()
+    weights.allgather(0, out=full)
+    loss.backward()
+    torch.testing.assert_close(x.grad, fulls[0].sum(0))
+    return True
+
+
+@pytest.mark.parametrize("backend", ["gloo", "threaded"])
+def test_out_cast_async_and_storage(backend) -> None:
+    for fn in (_out_shares_storage, _cast_is_exact, _async_handles_complete, _saved_view_survives_release):
+        assert all(run_ranks(fn, 2, backend=backend)), fn.__name__
+
+
+# --------------------------------------------------------------------- DTensor exactness and DCP
+
+
+def _dtensors_are_exact(mesh_shape, placements) -> bool:
+    mesh = _mesh(mesh_shape)
+    fulls = _full_tensors()
+    buf = distribute_tensors(fulls, mesh, placements)
+    ragged = 0
+    for i, t in enumerate(fulls):
+        d = buf.get_dtensor(i)
+        ragged += isinstance(d, RowShardedDTensor)
+        assert d.shape == t.shape
+        torch.testing.assert_close(d.full_tensor(), t, rtol=0, atol=0)
+        if isinstance(d, RowShardedDTensor):
+            assert d.to_local().data_ptr() == buf.get_local_tensor(i).data_ptr()
+    return ragged
+
+
+def test_get_dtensor_full_tensor_is_exact() -> None:
+    ragged = run_ranks(_dtensors_are_exact, 4, (4,), [S], backend="threaded")
+    assert ragged[0] > 0  # the test really covers splits DTensor would get wrong
+    run_ranks(_dtensors_are_exact, 4, (2, 2), [S, S], backend="threaded")
+    run_ranks(_dtensors_are_exact, 4, (2, 2), [R, S], backend="threaded")
+    run_ranks(_dtensors_are_exact, 2, (2,), [S], backend="gloo")
+
+
+def _dcp_round_trip(path: str) -> bool:
+    import torch.distributed.checkpoint as dcp
+
+    mesh = _mesh((dist.get_world_size(),))
+    fulls = _full_tensors()
+    buf = distribute_tensors(fulls, mesh, [S])
+    dcp.save({f"t{i}": buf.get_dtensor(i) for i in range(len(fulls))}, checkpoint_id=path)
+    fresh = DBuffer(mesh, [S], SHAPES, torch.float32)
+    dcp.load({f"t{i}": fresh.get_dtensor(i) for i in range(len(fulls)) if len(SHAPES[i])}, checkpoint_id=path)
+    for i, shape in enumerate(SHAPES):
+        if len(shape):
+            assert torch.equal(fresh.get_local_tensor(i), buf.get_local_tensor(i)), i
+    # A replicated load of a sharded save also sees the right values.
+    dense = DBuffer(mesh, [R], SHAPES, torch.float32)
+    dcp.load({f"t{i}": dense.get_dtensor(i) for i in range(len(fulls))}, checkpoint_id=path)
+    _check_holds(dense, fulls, rtol=0, atol=0)
+    return True
+
+
+def test_dcp_sees_the_right_values() -> None:
+    with tempfile.TemporaryDirectory() as path:
+        assert all(run_ranks(_dcp_round_trip, 2, path, backend="gloo"))
+
+
+# --------------------------------------------------------------------- bad input
+
+
+def _bad_inputs() -> bool:
+    mesh = _mesh((dist.get_world_size(),))
+    other_mesh = _mesh((1, dist.get_world_size()))
+    buf = distribute_tensors(_full_tensors(), mesh, [S])
+    cases = [
+        (lambda: buf.allgather(0, out=DBuffer(mesh, [R], SHAPES, torch.float64)), "dtype"),
+        (lambda: buf.allgather(0, out=DBuffer(mesh, [S], SHAPES, torch.float32)), "placements"),
+        (lambda: buf.allgather(0, out=DBuffer(mesh, [R], SHAPES[:-1], torch.float32)), "layout"),
+        (lambda: buf.allgather(0, out=DBuffer(other_mesh, [R, R], SHAPES, torch.float32)), "mesh"),
+        (lambda: buf.allreduce(0), "Partial"),
+        (lambda: DBuffer(mesh, [Shard(1)], SHAPES, torch.float32), "Shard\\(0\\)"),
+        (lambda: DBuffer(mesh, [Partial("max")], SHAPES, torch.float32), "Partial\\('sum'\\)"),
+        (lambda: DBuffer(mesh, [S, S], SHAPES, torch.float32), "one placement per mesh axis"),
+        (lambda: DBuffer.from_local(torch.zeros(4, 1000).t()[0], mesh, [S], SHAPES), "contiguous"),
+        (lambda: DBuffer.from_local(torch.zeros(3), mesh, [S], SHAPES), "elements"),
+        (lambda: distribute_tensors([torch.zeros(2), torch.zeros(2, dtype=torch.bfloat16)], mesh, [S]), "mixed dtypes"),
+        (lambda: buf.redistribute([SUM]), "Partial"),
+    ]
+    for fn, pattern in cases:
+        with pytest.raises((ValueError, TypeError), match=pattern):
+            fn()
+            raise AssertionError(f"no error for the case expecting {pattern!r}")
+    # nothing stored was lost, and the group still works
+    _check_holds(buf, _full_tensors())
+    _check_holds(buf.redistribute([R]), _full_tensors())
+    return True
+
+
+@pytest.mark.parametrize("backend", ["gloo", "threaded"])
+def test_bad_input_raises_before_any_collective(backend) -> None:
+    assert all(run_ranks(_bad_inputs, 2, backend=backend, timeout=60))
+
+
+# --------------------------------------------------------------------- fake: rank r of a huge world
+
+
+def _fake_rank_memory() -> tuple[int, int]:
+    mesh = _mesh((dist.get_world_size(),))
+    shapes = [(4096, 4096)] * 8 + [(4096,)] * 4
+    buf = DBuffer(mesh, [S], shapes, torch.bfloat16)
+    full = buf.allgather(0)
+    assert full.local_buffer.numel() == buf.layout.total_numel
+    return buf.local_buffer.numel(), full.local_buffer.numel()
+
+
+def test_fake_group_gives_rank_shapes() -> None:
+    [(local, full)] = run_ranks(_fake_rank_memory, 1024, backend="fake", fake_rank=1000)
+    data = 8 * 4096 * 4096 + 4 * 4096
+    assert local * 1024 == full and data <= full <= data * 1.05

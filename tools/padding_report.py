@@ -1,0 +1,83 @@
+"""Padding report: how much a row-atomic DBuffer layout pads real models.
+
+Run from the repository root::
+
+    python3 tools/padding_report.py
+
+Shapes come from the public model configs and follow Hugging Face module
+registration order (embedding; per layer: q, k, v, o, then the MLP or MoE,
+then the two RMSNorm weights; final norm; lm_head), because layout order is
+registration order. Mixtral uses per-expert weights (w1, w2, w3 per expert, as
+in the Hugging Face model); "Mixtral-8x7B-stacked" stacks each into ``[E, ...]``
+to show why that hurts: a row becomes a whole expert matrix (58.7M elements),
+larger than a shard at high world sizes.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+if __package__ in (None, ""):  # run as a script: make the repository root importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from dbuffer.layout import compute_layout  # noqa: E402
+
+Shape = tuple[int, ...]
+
+# name: (vocab, dim, layers, heads, kv_heads, head_dim, ffn, experts)
+_CONFIGS: dict[str, tuple[int, int, int, int, int, int, int, int]] = {
+    "Llama-3-8B": (128256, 4096, 32, 32, 8, 128, 14336, 0),
+    "Llama-3-70B": (128256, 8192, 80, 64, 8, 128, 28672, 0),
+    "Mixtral-8x7B": (32000, 4096, 32, 32, 8, 128, 14336, 8),
+    "Mixtral-8x7B-stacked": (32000, 4096, 32, 32, 8, 128, 14336, 8),
+}
+MODELS = tuple(_CONFIGS)
+WORLD_SIZES = tuple(2**k for k in range(3, 11))  # 8 .. 1024
+
+
+def model_shapes(name: str) -> list[Shape]:
+    """Parameter shapes of ``name`` (one of :data:`MODELS`) in registration order."""
+    if name not in _CONFIGS:
+        raise ValueError(f"unknown model {name!r}; choose one of {', '.join(MODELS)}")
+    vocab, dim, layers, heads, kv_heads, head_dim, ffn, experts = _CONFIGS[name]
+    shapes: list[Shape] = [(vocab, dim)]  # embed_tokens
+    for _ in range(layers):
+        shapes += [
+            (heads * head_dim, dim),  # q_proj
+            (kv_heads * head_dim, dim),  # k_proj
+            (kv_heads * head_dim, dim),  # v_proj
+            (dim, heads * head_dim),  # o_proj
+        ]
+        if experts == 0:
+            shapes += [(ffn, dim), (ffn, dim), (dim, ffn)]  # gate_proj, up_proj, down_proj
+        elif name.endswith("-stacked"):
+            shapes += [(experts, dim), (experts, ffn, dim), (experts, dim, ffn), (experts, ffn, dim)]
+        else:
+            shapes.append((experts, dim))  # router
+            for _ in range(experts):
+                shapes += [(ffn, dim), (dim, ffn), (ffn, dim)]  # w1, w2, w3
+        shapes += [(dim,), (dim,)]  # input_layernorm, post_attention_layernorm
+    shapes += [(dim,), (vocab, dim)]  # final norm, lm_head (untied)
+    return shapes
+
+
+def report(models: tuple[str, ...] = MODELS, world_sizes: tuple[int, ...] = WORLD_SIZES) -> str:
+    """The padding table as text."""
+    lines = [f"{'model':<22}{'world':>6}{'params':>16}{'padding %':>11}{'padded elems':>16}{'layout ms':>11}"]
+    for name in models:
+        shapes = model_shapes(name)
+        for n in world_sizes:
+            start = time.perf_counter()
+            layout = compute_layout(shapes, n)
+            ms = (time.perf_counter() - start) * 1e3
+            lines.append(
+                f"{name:<22}{n:>6}{layout.data_numel:>16,}{100 * layout.padding_fraction:>10.4f}%"
+                f"{layout.padding_numel:>16,}{ms:>11.1f}"
+            )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(report())
