@@ -101,6 +101,14 @@ class RowShardedDTensor(DTensor):
             )
         return DTensor.from_local(self.full_tensor(), mesh, list(placements), run_check=False)
 
+    def detach(self) -> "RowShardedDTensor":  # type: ignore[override]
+        """Keep the subclass (and its row ranges): ``nn.Parameter(x)`` requires ``detach()`` to
+        return the same type, and FSDP-style sharded parameters are Parameters of these views."""
+        out = RowShardedDTensor(self._local_tensor.detach(), self._spec, requires_grad=False)
+        out._rows_per_shard = self._rows_per_shard
+        out._row_start = self._row_start
+        return out
+
     # DCP: describe the true piece instead of the torch.chunk one.
     def _chunk(self):
         from torch.distributed.checkpoint.metadata import ChunkStorageMetadata

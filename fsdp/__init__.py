@@ -1,0 +1,43 @@
+"""fsdp: fully sharded data parallel on DBuffers, with torch FSDP2's API and Megatron-FSDP's
+sharding strategies and precision policy. All communication happens inside :mod:`dbuffer`.
+
+From torch FSDP2, change the import: ``fully_shard(module, mesh=, reshard_after_forward=,
+mp_policy=MixedPrecisionPolicy(param_dtype=, reduce_dtype=, output_dtype=, cast_forward_inputs=))``
+and the module methods ``unshard(async_op=)``, ``reshard()``, ``set_requires_gradient_sync()``,
+``set_reshard_after_forward()``, ``set_reshard_after_backward()``, ``set_is_last_backward()``,
+``set_modules_to_forward_prefetch()``, ``set_modules_to_backward_prefetch()`` behave alike;
+``module.parameters()`` are DTensors, so torch optimizers, ``clip_grad_norm_`` and DCP work.
+
+From Megatron-FSDP: ``sharding_strategy`` in ``no_shard | optim | optim_grads |
+optim_grads_params`` (ZeRO-0..3, default ZeRO-3); ``MixedPrecisionPolicy(main_params_dtype=
+torch.float32, main_grads_dtype=...)``; ``param.main_grad``; ``module.zero_grad_buffer()`` and
+``module.finish_grad_sync()``.
+
+Differences worth knowing:
+
+* Every rank must build the module with identical values (same seed), as with FSDP2: each rank
+  keeps its own rows, nothing is broadcast.
+* The main weights are FP32 by default even for a module built in BF16 (Megatron), and the
+  compute weights are a persistent copy refreshed once per optimizer step, not cast per gather.
+* With ``main_grads_dtype`` different from the main dtype, ``param.grad`` is a cast copy of
+  ``param.main_grad``; zero gradients with ``zero_grad()`` (set_to_none) or ``zero_grad_buffer()``.
+* The model weights are refreshed after any ``torch.optim`` optimizer step (a global step hook)
+  or any in-place change autograd's version counter sees (``load_state_dict``); after another
+  kind of update call ``group.mark_stale()`` on the unit's groups.
+* 1-D meshes only (no HSDP); 0-D parameters only with ``no_shard``; a parameter tied across two
+  units is an error (put both users in one unit).
+"""
+
+from fsdp.api import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
+from fsdp.param_group import ParameterGroup
+from fsdp.policy import MixedPrecisionPolicy, Strategy
+
+__all__ = [
+    "FSDPModule",
+    "MixedPrecisionPolicy",
+    "ParameterGroup",
+    "Strategy",
+    "UnshardHandle",
+    "fully_shard",
+    "register_fsdp_forward_method",
+]

@@ -1,0 +1,278 @@
+"""fully_shard and FSDPModule: the public surface, shaped like torch FSDP2's.
+
+``fully_shard(module)`` groups the parameters the module owns (everything below it that no
+nested unit owns) into :class:`~fsdp.param_group.ParameterGroup` s, registers sharded DTensor
+parameters in their place, and swaps the module's class to ``FSDP<Orig>`` so the FSDP2 methods
+(``unshard``, ``reshard``, ``set_requires_gradient_sync``, ...) are available on it. Like FSDP2,
+shard nested modules first (bottom-up), the root last.
+
+Every check runs before any buffer is built or any collective runs, so a misuse raises the
+same error on every rank.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Iterable, Optional, Union
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
+
+from fsdp.param_group import ParamInfo, ParameterGroup
+from fsdp.policy import MixedPrecisionPolicy, Strategy, parse_strategy
+from fsdp.state import FSDPState, finish_grad_sync
+
+__all__ = ["FSDPModule", "MixedPrecisionPolicy", "UnshardHandle", "fully_shard", "register_fsdp_forward_method"]
+
+# Attribute naming the unit that owns a parameter (set on the original and the sharded one).
+_OWNER = "_fsdp_owner"
+_CLASS_CACHE: dict[type, type] = {}
+
+
+class UnshardHandle:
+    """Returned by ``unshard(async_op=True)``; ``wait()`` finishes the all-gathers."""
+
+    def __init__(self, state: Optional[FSDPState]) -> None:
+        self._state = state
+
+    def wait(self) -> None:
+        if self._state is not None:
+            self._state.wait_unshard()
+            self._state._use_unsharded()
+            self._state = None
+
+
+class FSDPModule:
+    """Mixin of every sharded module (the class becomes ``FSDP<Orig>(FSDPModule, Orig)``)."""
+
+    _fsdp_state: FSDPState
+
+    # ---------------------------------------------------------------- FSDP2 surface
+
+    def unshard(self, async_op: bool = False) -> Optional[UnshardHandle]:
+        """All-gather this unit's parameters now (e.g. to overlap with other work)."""
+        state = self._fsdp_state
+        state.unshard(async_op=async_op)
+        if async_op:
+            return UnshardHandle(state)
+        state._use_unsharded()
+        return None
+
+    def reshard(self) -> None:
+        """Register the sharded parameters again and free the unsharded ones (ZeRO-3)."""
+        self._fsdp_state.reshard()
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """False: keep accumulating unsharded gradients locally (no communication) until a
+        backward with sync on, or :meth:`finish_grad_sync`."""
+        for state in self._states(recurse):
+            state.requires_grad_sync = requires_gradient_sync
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        for state in self._states(recurse):
+            state.reshard_after_backward = reshard_after_backward
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
+        for state in self._states(recurse):
+            state.reshard_after_forward = reshard_after_forward
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """False: the end of backward leaves reductions in flight and ``.grad`` unattached; a
+        later last backward or :meth:`finish_grad_sync` completes them."""
+        self._fsdp_state.is_last_backward = is_last_backward
+
+    def set_modules_to_forward_prefetch(self, modules: list["FSDPModule"]) -> None:
+        self._fsdp_state.forward_prefetch = [_state_of(m) for m in modules]
+
+    def set_modules_to_backward_prefetch(self, modules: list["FSDPModule"]) -> None:
+        self._fsdp_state.backward_prefetch = [_state_of(m) for m in modules]
+
+    # ---------------------------------------------------------------- Megatron surface
+
+    def zero_grad_buffer(self) -> None:
+        """Zero the main-grad buffers of every unit below (``param.grad`` views stay attached)."""
+        for state in self._states(True):
+            for group in state.groups:
+                if group.requires_grad:
+                    group.zero_grad_buffer()
+
+    def finish_grad_sync(self) -> None:
+        """Reduce gradients still held locally, wait for every reduction, attach ``.grad``."""
+        finish_grad_sync(self._states(True), launch=True)
+
+    def _states(self, recurse: bool) -> list[FSDPState]:
+        if not recurse:
+            return [self._fsdp_state]
+        states: list[FSDPState] = []
+        for m in self.modules():  # type: ignore[attr-defined]
+            if isinstance(m, FSDPModule) and m._fsdp_state not in states:
+                states.append(m._fsdp_state)
+        return states
+
+
+def _state_of(module: nn.Module) -> FSDPState:
+    if not isinstance(module, FSDPModule):
+        raise TypeError(f"{type(module).__name__} is not sharded; pass modules returned by fully_shard")
+    return module._fsdp_state
+
+
+def fully_shard(
+    module: Union[nn.Module, list[nn.Module]],
+    *,
+    mesh: Optional[DeviceMesh] = None,
+    reshard_after_forward: bool = True,
+    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
+    sharding_strategy: Union[str, Strategy] = "optim_grads_params",
+    ignored_params: Optional[Iterable[nn.Parameter]] = None,
+):
+    """Shard ``module`` (or a list of modules forming one unit) over the 1-D data-parallel ``mesh``.
+
+    Returns the module, its class swapped to ``FSDP<Orig>``. Nested units must be sharded first.
+    """
+    modules = list(module) if isinstance(module, (list, tuple)) else [module]
+    strategy = parse_strategy(sharding_strategy)
+    if not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise TypeError(f"mp_policy must be an fsdp.MixedPrecisionPolicy, got {type(mp_policy).__name__}")
+    if not isinstance(reshard_after_forward, bool):
+        raise TypeError(f"reshard_after_forward must be a bool, got {reshard_after_forward!r}")
+    for m in modules:
+        if not isinstance(m, nn.Module):
+            raise TypeError(f"fully_shard expects nn.Module(s), got {type(m).__name__}")
+        if isinstance(m, FSDPModule):
+            raise ValueError(f"{type(m).__name__} is already sharded; fully_shard each module once")
+    ignored = set(map(id, ignored_params or ()))
+    infos = _collect_params(modules, ignored)
+    _check_params(infos, strategy, mp_policy)
+    mesh = _check_mesh(mesh, infos)
+
+    classes = [type(m) for m in modules]
+    try:
+        for m in modules:
+            m.__class__ = _fsdp_class(type(m))
+        groups = _build_groups(infos, mesh, strategy, mp_policy)
+        state = FSDPState(modules, groups, mp_policy, reshard_after_forward)
+        for group in groups:
+            group.use_params(unsharded=False)
+    except BaseException:
+        for m, cls in zip(modules, classes):
+            m.__class__ = cls
+        raise
+    owner = f"the unit of {classes[0].__name__}"
+    for info, group_param in _sharded_of(groups):
+        setattr(info.param, _OWNER, owner)  # a tied registration elsewhere still refers to it
+        setattr(group_param, _OWNER, owner)
+        info.param = None  # the full tensor is no longer needed
+    state.install_hooks()
+    for m in modules:
+        m._fsdp_state = state
+    return module
+
+
+def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+    """Run the unit's forward hooks around ``module.<method_name>`` too (e.g. ``generate``),
+    as torch FSDP2's function of the same name does."""
+    state = _state_of(module)
+    method = getattr(module, method_name)
+
+    @functools.wraps(method)
+    def wrapped(*args, **kwargs):
+        args, kwargs = state._pre_forward(module, args, kwargs)
+        return state._post_forward(module, args, method(*args, **kwargs))
+
+    setattr(module, method_name, wrapped)
+
+
+def _fsdp_class(cls: type) -> type:
+    if cls not in _CLASS_CACHE:
+        _CLASS_CACHE[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+    return _CLASS_CACHE[cls]
+
+
+def _collect_params(modules: list[nn.Module], ignored: set[int]) -> list[ParamInfo]:
+    """Parameters registered below ``modules`` outside nested units, in registration order,
+    each with all of its registrations (tied parameters appear once)."""
+    infos: dict[int, ParamInfo] = {}
+    seen_modules: set[int] = set()
+    for top in modules:
+        stack: list[tuple[str, nn.Module]] = [("", top)]
+        while stack:
+            prefix, m = stack.pop()
+            if id(m) in seen_modules:
+                continue
+            seen_modules.add(id(m))
+            for name, p in m._parameters.items():
+                if p is None or id(p) in ignored:
+                    continue
+                fqn = prefix + name
+                if hasattr(p, _OWNER):
+                    raise ValueError(
+                        f"parameter {fqn!r} is already owned by {getattr(p, _OWNER)}; a parameter (tied ones "
+                        f"included) must belong to one unit: shard a module that holds all its uses"
+                    )
+                info = infos.setdefault(id(p), ParamInfo(fqn, p))
+                info.registrations.append((m, name))
+            children = [(f"{prefix}{n}.", c) for n, c in m.named_children() if not isinstance(c, FSDPModule)]
+            stack.extend(reversed(children))
+    return list(infos.values())
+
+
+def _check_params(infos: list[ParamInfo], strategy: Strategy, policy: MixedPrecisionPolicy) -> None:
+    for info in infos:
+        p = info.param
+        if isinstance(p, DTensor):
+            raise ValueError(f"parameter {info.fqn!r} is already a DTensor; shard plain modules only")
+        if p.device.type == "meta":
+            raise ValueError(f"parameter {info.fqn!r} is on the meta device; materialise the module first")
+        if not p.is_floating_point() and (policy.param_dtype is not None or policy.main_grads_dtype is not None):
+            raise ValueError(
+                f"parameter {info.fqn!r} has non-floating dtype {p.dtype} but the policy casts "
+                f"(param_dtype={policy.param_dtype}); pass it in ignored_params or make it a buffer"
+            )
+        if p.dim() == 0 and strategy.shard_optim:
+            raise ValueError(
+                f"parameter {info.fqn!r} is 0-D, which cannot be sharded as a row range; "
+                f"reshape it to (1,) or use sharding_strategy='no_shard'"
+            )
+    devices = {info.param.device for info in infos}
+    if len(devices) > 1:
+        raise ValueError(f"the unit's parameters are on several devices {sorted(map(str, devices))}; move them to one")
+
+
+def _check_mesh(mesh: Optional[DeviceMesh], infos: list[ParamInfo]) -> DeviceMesh:
+    if infos:
+        device_type = infos[0].param.device.type
+    else:  # a unit with no parameters of its own: nothing is placed on the mesh
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    if mesh is None:
+        if not dist.is_initialized():
+            raise RuntimeError("fully_shard needs torch.distributed initialised (or pass mesh=)")
+        return init_device_mesh(device_type, (dist.get_world_size(),))
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"mesh must be a torch DeviceMesh, got {type(mesh).__name__}")
+    if mesh.ndim != 1:
+        raise ValueError(f"mesh must be 1-D (the data-parallel ranks), got a {mesh.ndim}-D mesh {mesh}")
+    if infos and mesh.device_type != device_type:
+        raise ValueError(f"mesh is for device type {mesh.device_type!r} but the parameters are on {device_type!r}")
+    if mesh.get_coordinate() is None:
+        raise ValueError(f"this rank is not part of mesh {mesh}; call fully_shard only on its ranks")
+    return mesh
+
+
+def _build_groups(
+    infos: list[ParamInfo], mesh: DeviceMesh, strategy: Strategy, policy: MixedPrecisionPolicy
+) -> list[ParameterGroup]:
+    buckets: dict[tuple[torch.dtype, bool], list[ParamInfo]] = {}
+    for info in infos:
+        buckets.setdefault((info.param.dtype, info.param.requires_grad), []).append(info)
+    return [
+        ParameterGroup(group, mesh, strategy, policy.dtypes_for(dtype), requires_grad)
+        for (dtype, requires_grad), group in buckets.items()
+    ]
+
+
+def _sharded_of(groups: list[ParameterGroup]):
+    for group in groups:
+        yield from zip(group.infos, group.sharded_params)

@@ -1,0 +1,331 @@
+"""ParameterGroup: the parameters of one unit sharing (dtype, requires_grad), as a set of DBuffers.
+
+Buffers, all on one layout (parameter registration order, so every rank packs the same bytes):
+
+* ``main``: the weights the optimizer updates; sharded unless ``no_shard``. The registered
+  parameters are DTensor views of it, so a plain torch optimizer works on them unchanged.
+* ``model``: the compute-dtype copy at the placement of ``main``. When dtype and placement match
+  it *is* ``main`` (no copy, no per-step cast); otherwise it is refreshed by ``cast(out=)`` after
+  the optimizer step, never through a full-size temporary.
+* ``unsharded``: the full compute weights forward/backward read. ``optim_grads_params`` gathers
+  it before use and releases its storage after; the other strategies keep it (for ``no_shard``
+  with matching dtype it is ``main`` itself).
+* ``grad_in``: where the unsharded gradients of this rank land, ``Partial("avg")`` in the reduce
+  dtype; storage exists only while gradients are being accumulated.
+* ``main_grad``: the reduced gradients, sharded for ``optim_grads*``; ``param.grad`` and
+  ``param.main_grad`` are DTensor views of it.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from dbuffer import DBuffer, Pending
+from fsdp.policy import Dtypes, Strategy
+from fsdp.streams import CommStreams
+
+__all__ = ["ParamInfo", "ParameterGroup"]
+
+SHARD, REPLICATE, AVG = [Shard(0)], [Replicate()], [Partial("avg")]
+
+
+@dataclass
+class ParamInfo:
+    """One parameter of a unit and every (module, attribute) it is registered under. ``param``,
+    the original full tensor, is dropped once the unit is built so that its memory is freed."""
+
+    fqn: str
+    param: Optional[nn.Parameter]
+    registrations: list[tuple[nn.Module, str]] = field(default_factory=list)
+
+
+class ParameterGroup:
+    """The DBuffers of one (dtype, requires_grad) group and the moves between them."""
+
+    def __init__(
+        self, infos: list[ParamInfo], mesh: DeviceMesh, strategy: Strategy, dtypes: Dtypes, requires_grad: bool
+    ) -> None:
+        self.infos = infos
+        self.mesh = mesh
+        self.strategy = strategy
+        self.dtypes = dtypes
+        self.requires_grad = requires_grad
+        device = infos[0].param.device
+        shapes = [tuple(i.param.shape) for i in infos]
+        main_pl = SHARD if strategy.shard_optim else REPLICATE
+        self.main = DBuffer(mesh, main_pl, shapes, dtypes.main, device)
+        self.streams = CommStreams.for_device(self.main.device)
+        self._fill_main([i.param for i in infos])
+        self.model = self.main if dtypes.model == dtypes.main else self._new(main_pl, dtypes.model)
+        if not strategy.shard_optim:
+            self.unsharded = self.model  # no_shard: the replicated model weights are the full ones
+        else:
+            self.unsharded = self._new(REPLICATE, dtypes.model)
+        self.sharded_params = [
+            nn.Parameter(self.main.get_dtensor(k), requires_grad=requires_grad) for k in range(len(infos))
+        ]
+        self.unsharded_params = [
+            nn.Parameter(self.unsharded.get_local_tensor(k), requires_grad=requires_grad) for k in range(len(infos))
+        ]
+        for p in self.sharded_params:
+            p._fsdp_group = weakref.ref(self)  # found by the optimizer-step hook below
+        self._stale = True  # the main weights changed since the last refresh
+        self._weights_version: Optional[int] = None  # weights_version() at the last refresh
+        self._refreshes = 0
+        self._gathered: Optional[int] = None  # refresh the unsharded storage holds, if any
+        self._gather_pending: Optional[Pending] = None
+        if strategy.shard_params:
+            self.unsharded.release_storage()
+        self.refresh()
+        if requires_grad:
+            self._init_grads()
+
+    def _new(self, placements, dtype: torch.dtype) -> DBuffer:
+        return DBuffer(self.mesh, placements, self.main.shapes, dtype, self.main.device, layout=self.main.layout)
+
+    @torch.no_grad()
+    def _fill_main(self, params: list[torch.Tensor]) -> None:
+        """Copy this rank's rows of every (identically initialised) full parameter."""
+        for k, p in enumerate(params):
+            r0, r1 = self.main.local_rows(k)
+            local = self.main.get_local_tensor(k)
+            src = p.detach() if self.main.num_shards == 1 else p.detach()[r0:r1]
+            local.copy_(src.reshape(local.shape))
+
+    # ------------------------------------------------------------------ weights
+
+    def weights_version(self) -> int:
+        """Changes when an in-place op autograd sees updates a parameter (``load_state_dict``,
+        a for-loop optimizer). Foreach ops on DTensors do not bump it, hence also :meth:`mark_stale`,
+        called after every ``torch.optim`` optimizer step."""
+        return sum(p._version for p in self.sharded_params) + self.main.local_buffer._version
+
+    def mark_stale(self) -> None:
+        """The main weights changed: refresh the model weights before the next use."""
+        self._stale = True
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        """Bring the model weights up to date with the main weights, if they changed.
+
+        Sharded strategies cast only this rank's shard; the persistent unsharded weights of
+        ``optim``/``optim_grads`` are then all-gathered from it. ``optim_grads_params`` gathers
+        at the next :meth:`unshard` instead.
+        """
+        version = self.weights_version()
+        if not self._stale and version == self._weights_version:
+            return
+        if self.model is not self.main:
+            self.main.cast(self.dtypes.model, out=self.model)
+        if self.strategy.shard_optim and not self.strategy.shard_params:
+            self.model.allgather(0, out=self.unsharded)
+        self._weights_version = version
+        self._stale = False
+        self._refreshes += 1
+
+    def unshard(self, async_op: bool = False) -> None:
+        """Make the unsharded weights current: all-gather (ZeRO-3) into the reused buffer."""
+        if self._gather_pending is not None:  # prefetched: its source was refreshed at launch
+            if not async_op:
+                self.wait_unshard()
+            return
+        self.refresh()
+        if not self.strategy.shard_params:
+            return
+        if self._gathered == self._refreshes and not self.unsharded.is_storage_released():
+            return
+        self._version_before_gather = self.unsharded.local_buffer._version
+        self.unsharded.reallocate_storage()
+        with self.streams.launch(self.streams.all_gather):
+            self._gather_pending = self.model.allgather(0, out=self.unsharded, async_op=True)
+        if not async_op:
+            self.wait_unshard()
+
+    def wait_unshard(self) -> None:
+        if self._gather_pending is not None:
+            self._gather_pending.wait()
+            self.streams.wait(self.streams.all_gather)
+            self._gather_pending = None
+            self._gathered = self._refreshes
+            # A regather restores values autograd saved in forward; it is not a modification.
+            # (DBuffer's refill guard covers the launch; this also covers work done in wait().)
+            torch._C._autograd._unsafe_set_version_counter(
+                (self.unsharded.local_buffer,), (self._version_before_gather,)
+            )
+
+    def reshard(self) -> None:
+        """Free the unsharded weights (ZeRO-3 only: the other strategies keep them)."""
+        if not self.strategy.shard_params:
+            return
+        self.wait_unshard()
+        if not self.unsharded.is_storage_released():
+            self.unsharded.release_storage()
+        self._gathered = None
+
+    def use_params(self, unsharded: bool) -> None:
+        """Register the unsharded (plain) or sharded (DTensor) parameters on their modules."""
+        params = self.unsharded_params if unsharded else self.sharded_params
+        for info, p in zip(self.infos, params):
+            for module, name in info.registrations:
+                module._parameters[name] = p
+
+    # ------------------------------------------------------------------ gradients
+
+    def _init_grads(self) -> None:
+        s, d = self.strategy, self.dtypes
+        self.grad_in = self._new(AVG, d.reduce)
+        self.grad_in.release_storage()
+        self.main_grad = self._new(SHARD if s.shard_grads else REPLICATE, d.main_grad)
+        # ``optim``: the grads are whole on every rank but the parameters are shards of them.
+        view = self.main_grad.scatter(0) if s.shard_optim and not s.shard_grads else self.main_grad
+        self.main_grad_views = [view.get_dtensor(k) for k in range(len(self.infos))]
+        self._seen: set[int] = set()  # params whose gradient arrived in this backward
+        self._local: set[int] = set()  # params with gradients in grad_in, not yet reduced
+        self._in_main: set[int] = set()  # params with gradients in main_grad
+        self._reduce: Optional[tuple[Pending, bool]] = None
+        self._main_grad_has_data = False  # False: the next reduction overwrites main_grad
+        self._grads_attached = False
+
+    def register_grad_hooks(self, on_group_done: Callable[["ParameterGroup"], None]) -> None:
+        """Copy each unsharded gradient into ``grad_in`` as soon as autograd has accumulated it
+        (Megatron's main_grad style), and report when the whole group has its gradients."""
+        for k, p in enumerate(self.unsharded_params):
+            p.register_post_accumulate_grad_hook(self._make_hook(k, on_group_done))
+
+    def _make_hook(self, k: int, on_group_done):
+        def hook(p: torch.Tensor) -> None:
+            grad, p.grad = p.grad, None
+            if grad is None:
+                return
+            if self._reduce is not None:  # left in flight by set_is_last_backward(False)
+                self.finish_reduce()
+            if not self._local:
+                self.grad_in.reallocate_storage()
+                self.grad_in.local_buffer.zero_()  # padding and unused parameters reduce as 0
+            with torch.no_grad():
+                self.grad_in.get_local_tensor(k).add_(grad)
+            self._local.add(k)
+            self._seen.add(k)
+            if len(self._seen) == len(self.infos):
+                on_group_done(self)
+
+        return hook
+
+    def end_backward(self) -> None:
+        self._seen.clear()
+
+    def has_local_grads(self) -> bool:
+        return self.requires_grad and bool(self._local)
+
+    def launch_reduce(self) -> None:
+        """Average ``grad_in`` over the ranks, asynchronously: reduce-scatter for sharded main
+        grads, all-reduce otherwise; straight into ``main_grad`` when it is overwritten in the
+        same dtype, else into a temporary (sharded, or ``grad_in`` itself) folded in by
+        :meth:`finish_reduce`."""
+        if not self._local:
+            return
+        if self._reduce is not None:
+            self.finish_reduce()
+        overwrite = self._overwrite_main_grad()
+        self._in_main = set(self._local) if overwrite else self._in_main | self._local
+        direct = overwrite and self.dtypes.reduce == self.dtypes.main_grad
+        with self.streams.launch(self.streams.reduce_scatter):
+            if self.strategy.shard_grads:
+                target = self.main_grad if direct else self._new(SHARD, self.dtypes.reduce)
+                pending = self.grad_in.reduce_scatter(0, out=target, async_op=True)
+            elif direct:
+                pending = self.grad_in.allreduce(0, out=self.main_grad, async_op=True)
+            else:
+                pending = self.grad_in.allreduce(0, out=self.grad_in, async_op=True)
+        self._local = set()
+        self._reduce = (pending, overwrite)
+
+    def _overwrite_main_grad(self) -> bool:
+        """Whether the next reduction replaces ``main_grad`` (it was zeroed: the optimizer set
+        every ``.grad`` to None since we attached them) or accumulates into it (micro-batches)."""
+        self._detect_zeroed()
+        overwrite = not self._main_grad_has_data
+        self._main_grad_has_data = True
+        return overwrite
+
+    def _detect_zeroed(self) -> None:
+        if self._grads_attached and all(p.grad is None for p in self.sharded_params):
+            self._main_grad_has_data = False
+            self._grads_attached = False
+
+    @torch.no_grad()
+    def finish_reduce(self) -> bool:
+        """Wait for the reduction, fold it into ``main_grad`` and free ``grad_in``. True if one ran."""
+        if self._reduce is None:
+            return False
+        pending, overwrite = self._reduce
+        self._reduce = None
+        result = pending.wait()
+        self.streams.wait(self.streams.reduce_scatter)
+        if result is not self.main_grad:
+            if overwrite:
+                self.main_grad.local_buffer.copy_(result.local_buffer)
+            else:
+                self.main_grad.local_buffer.add_(result.local_buffer)
+        if not self._local:
+            self.grad_in.release_storage()
+        return True
+
+    @torch.no_grad()
+    def attach_grads(self) -> None:
+        """Point ``param.grad`` / ``param.main_grad`` of the sharded parameters at ``main_grad``,
+        for the parameters that received a gradient (unused ones keep ``grad=None``, as in
+        single-process training, so weight decay and momentum skip them).
+
+        When the main-grad dtype differs from the main-weight dtype, ``param.grad`` is a cast copy
+        (torch requires ``grad.dtype == param.dtype``); zero it with ``zero_grad()`` (set_to_none)
+        or :meth:`zero_grad_buffer`.
+        """
+        self._detect_zeroed()
+        if not self._main_grad_has_data:
+            return
+        for k in sorted(self._in_main):
+            p, view = self.sharded_params[k], self.main_grad_views[k]
+            p.main_grad = view
+            if view.dtype == p.dtype:
+                if p.grad is not view:
+                    p.grad = view
+            else:
+                p.grad = view.to(p.dtype)
+        self._grads_attached = True
+
+    @torch.no_grad()
+    def zero_grad_buffer(self) -> None:
+        """Zero the main grads (``.grad`` views stay attached) and drop unreduced local grads."""
+        if self._reduce is not None:
+            self._reduce[0].wait()
+            self._reduce = None
+        self._local = set()
+        if not self.grad_in.is_storage_released():
+            self.grad_in.release_storage()
+        self.main_grad.local_buffer.zero_()
+        for p in self.sharded_params:
+            if p.grad is not None and p.grad.dtype != self.dtypes.main_grad:
+                p.grad.zero_()
+        self._seen.clear()
+        self._main_grad_has_data = False
+
+def _after_optimizer_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    """Mark the groups whose parameters a torch.optim optimizer just updated as stale."""
+    for param_group in optimizer.param_groups:
+        for p in param_group["params"]:
+            ref = getattr(p, "_fsdp_group", None)
+            group = ref() if ref is not None else None
+            if group is not None:
+                group.mark_stale()
+
+
+register_optimizer_step_post_hook(_after_optimizer_step)

@@ -1,0 +1,97 @@
+"""What is sharded and in which dtype: the sharding strategy and the mixed-precision policy.
+
+Both are plain values, validated when built, so every misuse raises before any buffer exists or
+any collective runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+__all__ = ["MixedPrecisionPolicy", "Strategy", "parse_strategy"]
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """Which of the three per-parameter states live sharded (ZeRO stage = how many are)."""
+
+    name: str
+    shard_optim: bool  # main weights (and so optimizer state)
+    shard_grads: bool  # main grads: reduce-scatter instead of all-reduce
+    shard_params: bool  # model weights: gathered before forward and backward, freed after
+
+
+STRATEGIES = {
+    "no_shard": Strategy("no_shard", False, False, False),
+    "optim": Strategy("optim", True, False, False),
+    "optim_grads": Strategy("optim_grads", True, True, False),
+    "optim_grads_params": Strategy("optim_grads_params", True, True, True),
+}
+
+
+def parse_strategy(value: "str | Strategy") -> Strategy:
+    if isinstance(value, Strategy):
+        return value
+    if not isinstance(value, str) or value not in STRATEGIES:
+        raise ValueError(
+            f"unknown sharding_strategy {value!r}; use one of {sorted(STRATEGIES)} "
+            f"(ZeRO-0..3: no_shard, optim, optim_grads, optim_grads_params)"
+        )
+    return STRATEGIES[value]
+
+
+@dataclass(frozen=True)
+class MixedPrecisionPolicy:
+    """Dtypes of the four copies of a floating parameter.
+
+    FSDP2 names are kept (``param_dtype``, ``reduce_dtype``, ``output_dtype``,
+    ``cast_forward_inputs``); Megatron-FSDP adds the main copies:
+
+    * ``main_params_dtype``: the sharded weights the optimizer updates (FP32 by default, whatever
+      dtype the module was built in). ``None`` keeps each parameter's own dtype.
+    * ``param_dtype``: the model/compute weights forward and backward run with. ``None``: the
+      main dtype (then the model weights *are* the main weights, no copy).
+    * ``main_grads_dtype``: the gradient accumulation buffer. ``None``: the main dtype. When it
+      differs from the main dtype, ``param.grad`` is a cast copy of ``param.main_grad``.
+    * ``reduce_dtype``: the dtype gradients are averaged across ranks in. ``None``: like FSDP2,
+      the compute dtype.
+    """
+
+    param_dtype: Optional[torch.dtype] = None
+    reduce_dtype: Optional[torch.dtype] = None
+    output_dtype: Optional[torch.dtype] = None
+    cast_forward_inputs: bool = True
+    main_params_dtype: Optional[torch.dtype] = torch.float32
+    main_grads_dtype: Optional[torch.dtype] = None
+
+    def __post_init__(self) -> None:
+        for name in ("param_dtype", "reduce_dtype", "output_dtype", "main_params_dtype", "main_grads_dtype"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, torch.dtype) or not value.is_floating_point):
+                raise ValueError(f"MixedPrecisionPolicy.{name} must be a floating torch.dtype or None, got {value!r}")
+
+    @property
+    def casts(self) -> bool:
+        """Whether the policy changes any dtype of a parameter."""
+        return any(
+            d is not None for d in (self.param_dtype, self.reduce_dtype, self.main_params_dtype, self.main_grads_dtype)
+        )
+
+    def dtypes_for(self, orig: torch.dtype) -> "Dtypes":
+        """The dtypes of a parameter built as ``orig`` (non-floating ones are never cast)."""
+        if not orig.is_floating_point:
+            return Dtypes(orig, orig, orig, orig)
+        main = self.main_params_dtype or orig
+        model = self.param_dtype or main
+        return Dtypes(main, model, self.main_grads_dtype or main, self.reduce_dtype or model)
+
+
+@dataclass(frozen=True)
+class Dtypes:
+    main: torch.dtype
+    model: torch.dtype
+    main_grad: torch.dtype
+    reduce: torch.dtype

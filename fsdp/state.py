@@ -1,0 +1,212 @@
+"""FSDPState: one unit's hooks around forward and backward, prefetching, and the end of backward.
+
+Life of a step, per unit (ZeRO-3 shown; the other strategies skip the gathers and frees):
+
+1. forward pre-hook: refresh model weights if the optimizer stepped, all-gather (or wait for a
+   prefetched gather), register the unsharded parameters, start gathering the next unit;
+2. forward post-hook: register the sharded parameters again and free the unsharded storage
+   (``reshard_after_forward``; not for the root while grad is on: its backward comes next),
+   and hook the outputs so that their gradient triggers step 3;
+3. pre-backward (first output gradient): gather again, start gathering the unit before it;
+4. each parameter's post-accumulate-grad hook copies its gradient into the group's ``grad_in``;
+   when a group has all of them its reduction starts (async) and its unsharded storage is freed;
+5. the root's final callback (queued on the autograd engine) reduces whatever is left, reshards
+   every unit, waits for every reduction and attaches ``param.grad``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.nn as nn
+from torch.utils._pytree import tree_flatten, tree_map
+
+from fsdp.param_group import ParameterGroup
+from fsdp.policy import MixedPrecisionPolicy
+
+__all__ = ["FSDPState", "finish_grad_sync"]
+
+
+class FSDPState:
+    def __init__(
+        self,
+        modules: list[nn.Module],
+        groups: list[ParameterGroup],
+        policy: MixedPrecisionPolicy,
+        reshard_after_forward: bool,
+    ) -> None:
+        self.modules = modules
+        self.groups = groups
+        self.policy = policy
+        self.reshard_after_forward = reshard_after_forward
+        self.reshard_after_backward = True
+        self.requires_grad_sync = True
+        self.is_last_backward = True
+        self.forward_prefetch: Optional[list[FSDPState]] = None  # None: the next unit run
+        self.backward_prefetch: Optional[list[FSDPState]] = None  # None: the previous unit run
+        self.root: Optional[FSDPState] = None
+        self.units: list[FSDPState] = []  # root only: every unit of its tree
+        self.forward_order: list[FSDPState] = []  # root only: units in the order they ran
+        self._order_recorded = False
+        self._unsharded = False  # the unsharded parameters are registered
+        self._pre_backward_done = False
+        self._callback_queued = False
+        self._handles: list = []
+
+    def install_hooks(self) -> None:
+        """Called once the unit is fully built, so a failed setup leaves no hook behind."""
+        for group in self.groups:
+            if group.requires_grad:
+                group.register_grad_hooks(self._on_group_grads_done)
+        for module in self.modules:
+            module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
+            module.register_forward_hook(self._post_forward)
+
+    # ------------------------------------------------------------------ setup
+
+    def _lazy_init(self) -> None:
+        """The first unit to run forward is the root of every unit below it without one."""
+        from fsdp.api import FSDPModule
+
+        self.root = self
+        seen: set[int] = set()
+        for top in self.modules:
+            for m in top.modules():
+                state = m._fsdp_state if isinstance(m, FSDPModule) else None
+                if state is not None and id(state) not in seen and (state.root is None or state is self):
+                    seen.add(id(state))
+                    state.root = self
+                    self.units.append(state)
+
+    # ------------------------------------------------------------------ unshard / reshard
+
+    def unshard(self, async_op: bool = False) -> None:
+        for group in self.groups:
+            group.unshard(async_op=True)
+        if not async_op:
+            self.wait_unshard()
+
+    def wait_unshard(self) -> None:
+        for group in self.groups:
+            group.wait_unshard()
+
+    def reshard(self, free: bool = True) -> None:
+        """Register the sharded parameters again; with ``free``, also release the unsharded
+        storage (ZeRO-3). Without it the next unshard skips the gather unless the optimizer
+        has stepped since."""
+        for group in self.groups:
+            if free:
+                group.reshard()
+            group.use_params(unsharded=False)
+        self._unsharded = False
+
+    def _use_unsharded(self) -> None:
+        if not self._unsharded:
+            for group in self.groups:
+                group.use_params(unsharded=True)
+            self._unsharded = True
+
+    # ------------------------------------------------------------------ forward
+
+    def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict):
+        if self.root is None:
+            self._lazy_init()
+        root = self.root
+        if root is self and torch.is_grad_enabled():
+            self._order_recorded = bool(self.forward_order)
+        if not root._order_recorded and self not in root.forward_order:
+            root.forward_order.append(self)
+        self.unshard()
+        self._use_unsharded()
+        for nxt in self._next_units(self.forward_prefetch, +1):
+            nxt.unshard(async_op=True)
+        if self.policy.param_dtype is not None and self.policy.cast_forward_inputs:
+            args, kwargs = _cast_floats((args, kwargs), self.policy.param_dtype)
+        return args, kwargs
+
+    def _post_forward(self, module: nn.Module, args: tuple, output: Any):
+        grad = torch.is_grad_enabled()
+        # The sharded parameters are registered again in any case (module.parameters() is the
+        # optimizer's view); the storage is kept for the root, whose backward comes next.
+        self.reshard(free=not grad or (self.reshard_after_forward and self.root is not self))
+        if grad:
+            self._pre_backward_done = False
+            for t in tree_flatten(output)[0]:
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(self._pre_backward)
+        if self.policy.output_dtype is not None:
+            output = _cast_floats(output, self.policy.output_dtype)
+        return output
+
+    def _next_units(self, explicit: Optional[list["FSDPState"]], step: int) -> list["FSDPState"]:
+        if explicit is not None:
+            return explicit
+        order = self.root.forward_order if self.root is not None else []
+        if not self.root._order_recorded or self not in order:
+            return []
+        k = order.index(self) + step
+        return [order[k]] if 0 <= k < len(order) else []
+
+    # ------------------------------------------------------------------ backward
+
+    def _pre_backward(self, grad: torch.Tensor) -> None:
+        self.root._queue_final_callback()
+        if self._pre_backward_done:
+            return
+        self._pre_backward_done = True
+        self.unshard()
+        for prev in self._next_units(self.backward_prefetch, -1):
+            prev.unshard(async_op=True)
+
+    def _on_group_grads_done(self, group: ParameterGroup) -> None:
+        root = self.root if self.root is not None else self
+        root._queue_final_callback()
+        if self.requires_grad_sync:
+            group.launch_reduce()
+        if self.reshard_after_backward:
+            group.reshard()
+
+    def _queue_final_callback(self) -> None:
+        if not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._final_callback)
+
+    def _final_callback(self) -> None:
+        self._callback_queued = False
+        units = self.units or [self]
+        for unit in units:
+            if unit.requires_grad_sync:
+                for group in unit.groups:
+                    if group.has_local_grads():
+                        group.launch_reduce()
+            unit.reshard(free=unit.reshard_after_backward)
+            unit._pre_backward_done = False
+            for group in unit.groups:
+                if group.requires_grad:
+                    group.end_backward()
+        if self.is_last_backward:
+            self.finish_grad_sync(launch=False)
+
+    def finish_grad_sync(self, launch: bool = True) -> None:
+        """Wait for every reduction of this tree and attach the gradients; with ``launch``, first
+        reduce gradients still held locally (after ``set_requires_gradient_sync(False)``)."""
+        finish_grad_sync(self.units or [self], launch)
+
+
+def finish_grad_sync(units: list[FSDPState], launch: bool) -> None:
+    groups = [g for unit in units for g in unit.groups if g.requires_grad]
+    if launch:
+        for group in groups:  # all launched before any wait: they overlap
+            group.launch_reduce()
+    for group in groups:
+        group.finish_reduce()
+        group.attach_grads()
+
+def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
+    def cast(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype:
+            return x.to(dtype)
+        return x
+
+    return tree_map(cast, tree)

@@ -1,0 +1,152 @@
+"""fully_shard's surface: class swapping, FSDP2-compatible methods, and misuse errors that are
+raised before any collective (only rank 0 misuses; a collective would hang it)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
+
+import fsdp
+import fsdp.api
+from tests.fsdp.models import Block, loss_fn, make_batches, make_model
+from tests.harness import run_ranks
+
+
+def _surface(model) -> bool:
+    names = [n for n, _ in model.named_parameters()]
+    m = copy.deepcopy(model)
+    for b in m.blocks:
+        fsdp.fully_shard(b)
+    out = fsdp.fully_shard(m)
+    assert out is m and type(m).__name__ == "FSDPTinyLM" and isinstance(m, fsdp.FSDPModule)
+    assert isinstance(m, type(model)) and type(m.blocks[0]).__name__ == "FSDPBlock"
+    assert [n for n, _ in m.named_parameters()] == names  # same FQNs as before
+    assert all(isinstance(p, DTensor) for p in m.parameters())
+    # unshard / reshard by hand
+    handle = m.blocks[0].unshard(async_op=True)
+    handle.wait()
+    assert not any(isinstance(p, DTensor) for p in m.blocks[0].parameters())
+    m.blocks[0].reshard()
+    assert all(isinstance(p, DTensor) for p in m.blocks[0].parameters())
+    # a list of modules is one unit
+    m2 = copy.deepcopy(model)
+    fsdp.fully_shard([m2.blocks[0], m2.blocks[1]])
+    assert m2.blocks[0]._fsdp_state is m2.blocks[1]._fsdp_state
+    fsdp.fully_shard(m2)
+    x, y = make_batches(1)[0]
+    loss_fn(m2, x, y).backward()
+    assert all(p.grad is not None for p in m2.parameters())
+    x, y = make_batches(1)[0]
+    # another method run like forward
+    m5 = fsdp.fully_shard(copy.deepcopy(model))
+    m5.logits_of = lambda tokens: m5.head(m5.norm(m5.embed(tokens)))
+    fsdp.register_fsdp_forward_method(m5, "logits_of")
+    with torch.no_grad():
+        assert m5.logits_of(x).shape == (*x.shape, 16)
+    # a root without parameters of its own
+    m4 = torch.nn.Sequential(*copy.deepcopy(model).blocks)
+    for b in m4:
+        fsdp.fully_shard(b)
+    fsdp.fully_shard(m4)
+    assert m4._fsdp_state.groups == []
+    m4(torch.randn(2, 3, 8)).sum().backward()
+    assert all(isinstance(p.grad, DTensor) for p in m4.parameters())
+    # ignored parameters stay plain and unmanaged (their gradients are not synchronised)
+    m3 = copy.deepcopy(model)
+    keep = m3.norm.weight
+    fsdp.fully_shard(m3, ignored_params={keep})
+    assert m3.norm.weight is keep and not isinstance(keep, DTensor)
+    assert all(info.fqn != "norm.weight" for g in m3._fsdp_state.groups for info in g.infos)
+    loss_fn(m3, x, y).backward()
+    assert keep.grad is not None and isinstance(m3.head.weight.grad, DTensor)
+    return True
+
+
+def test_class_swap_and_fsdp2_methods() -> None:
+    assert all(run_ranks(_surface, 2, make_model(), backend="gloo"))
+
+
+class WithInt(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(2, 2)
+        self.count = nn.Parameter(torch.zeros(3, dtype=torch.int64), requires_grad=False)
+
+
+class Scalar(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.tensor(1.0))
+
+
+def _expect(fn, exc, text) -> str:
+    try:
+        fn()
+    except exc as e:
+        assert text in str(e), (text, str(e))
+        return "ok"
+    raise AssertionError(f"expected {exc.__name__} containing {text!r}")
+
+
+def _misuse() -> dict:
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    mesh2d = init_device_mesh("cpu", (dist.get_world_size(), 1))
+    other = DeviceMesh("cpu", [1])  # excludes rank 0
+    out = {}
+    if dist.get_rank() != 0:
+        return out
+    bf16 = fsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    out["non_float"] = _expect(lambda: fsdp.fully_shard(WithInt(), mesh=mesh, mp_policy=bf16), ValueError, "non-floating")
+    out["mesh_2d"] = _expect(lambda: fsdp.fully_shard(Block(), mesh=mesh2d), ValueError, "1-D")
+    out["mesh_rank"] = _expect(lambda: fsdp.fully_shard(Block(), mesh=other), ValueError, "not part of mesh")
+    out["mesh_type"] = _expect(lambda: fsdp.fully_shard(Block(), mesh="cpu"), TypeError, "DeviceMesh")
+    out["strategy"] = _expect(lambda: fsdp.fully_shard(Block(), sharding_strategy="zero4"), ValueError, "unknown sharding_strategy")
+    out["policy"] = _expect(lambda: fsdp.MixedPrecisionPolicy(param_dtype=torch.int8), ValueError, "floating")
+    out["scalar"] = _expect(lambda: fsdp.fully_shard(Scalar(), mesh=mesh), ValueError, "0-D")
+    # sharding twice
+    block = fsdp.fully_shard(Block(), mesh=mesh)
+    out["twice"] = _expect(lambda: fsdp.fully_shard(block, mesh=mesh), ValueError, "already sharded")
+    # a module shared by two parents: the second parent finds its parameters owned
+    shared = nn.Linear(2, 2)
+    a, b = nn.Sequential(shared), nn.Sequential(nn.Linear(2, 2), shared)
+    fsdp.fully_shard(a, mesh=mesh)
+    out["owned"] = _expect(lambda: fsdp.fully_shard(b, mesh=mesh), ValueError, "already owned")
+    assert type(b) is nn.Sequential and not isinstance(b[0].weight, DTensor)  # untouched
+    # a failure during setup restores the class and the parameters
+    block = Block()
+    before = dict(block.named_parameters())
+    real = fsdp.api.ParameterGroup
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("injected")
+
+    fsdp.api.ParameterGroup = boom
+    try:
+        out["restore"] = _expect(lambda: fsdp.fully_shard(block, mesh=mesh), RuntimeError, "injected")
+    finally:
+        fsdp.api.ParameterGroup = real
+    assert type(block) is Block and dict(block.named_parameters()) == before
+    fsdp.fully_shard(block, mesh=mesh)  # and it can be sharded afterwards
+    return out
+
+
+def test_misuse_raises_before_any_collective() -> None:
+    results = run_ranks(_misuse, 2, backend="gloo", timeout=60)
+    assert set(results[0].values()) == {"ok"} and len(results[0]) == 10, results[0]
+
+
+def test_policy_dtypes() -> None:
+    p = fsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    d = p.dtypes_for(torch.float32)
+    assert (d.main, d.model, d.main_grad, d.reduce) == (torch.float32, torch.bfloat16, torch.float32, torch.bfloat16)
+    d = fsdp.MixedPrecisionPolicy(main_params_dtype=None).dtypes_for(torch.float64)
+    assert (d.main, d.model, d.main_grad, d.reduce) == (torch.float64,) * 4
+    assert fsdp.MixedPrecisionPolicy().dtypes_for(torch.int64).main == torch.int64
+    with pytest.raises(ValueError, match="unknown sharding_strategy"):
+        fsdp.api.parse_strategy("FULL_SHARD")

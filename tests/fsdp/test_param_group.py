@@ -1,0 +1,167 @@
+"""ParameterGroup buffers: which copies exist, alias, are sharded; gradients and norms."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+import fsdp
+from tests.fsdp.models import full_state, make_batches, make_model, max_diff, reference, train
+from tests.fsdp.test_parity import STRATEGIES, shard
+from tests.harness import run_ranks
+
+
+def _buffers(model) -> dict:
+    out = {}
+    for strategy in STRATEGIES:
+        for policy in (fsdp.MixedPrecisionPolicy(), fsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16)):
+            m = shard(copy.deepcopy(model), False, sharding_strategy=strategy, mp_policy=policy)
+            (g,) = m._fsdp_state.groups
+            s = g.strategy
+            same = policy.param_dtype is None
+            assert (g.model is g.main) == same  # the model weights alias the main ones when they can
+            assert g.main.placements == ((Shard(0),) if s.shard_optim else (Replicate(),))
+            assert g.main_grad.placements == ((Shard(0),) if s.shard_grads else (Replicate(),))
+            assert (g.unsharded is g.main) == (strategy == "no_shard" and same)
+            assert g.unsharded.is_storage_released() == s.shard_params
+            assert g.grad_in.is_storage_released()
+            for p in m.parameters():
+                assert isinstance(p, DTensor) and p.placements == g.main.placements
+            # registered parameters are exact views of the main weights
+            p0 = next(m.parameters())
+            assert p0._local_tensor.untyped_storage().data_ptr() == g.main.local_buffer.untyped_storage().data_ptr()
+            out[(strategy, same)] = True
+    return out
+
+
+@pytest.mark.parametrize("backend,world", [("gloo", 2), ("threaded", 4)])
+def test_buffers_follow_the_strategy(backend, world) -> None:
+    model = make_model()
+    assert all(all(r.values()) for r in run_ranks(_buffers, world, model, backend=backend))
+
+
+def _clip_norms(model, batches) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = {}
+    for strategy in STRATEGIES:
+        m = shard(copy.deepcopy(model), True, sharding_strategy=strategy)
+        out[strategy] = train(m, batches, rank=rank, world=world, clip=0.5)
+    return out
+
+
+@pytest.mark.parametrize("backend,world", [("gloo", 2), ("threaded", 4)])
+def test_clip_grad_norm_matches_single_process(backend, world) -> None:
+    model, batches = make_model(), make_batches(3)
+    ref = train(copy.deepcopy(model), batches, clip=0.5)
+    for strategy, norms in run_ranks(_clip_norms, world, model, batches, backend=backend)[0].items():
+        assert len(norms) == len(ref) == 3
+        for got, want in zip(norms, ref):
+            assert abs(got - want) <= 1e-6 * want, (strategy, norms, ref)
+
+
+def _frozen(model, batches, ref) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = {}
+    for strategy in STRATEGIES:
+        m = copy.deepcopy(model)
+        m.embed.weight.requires_grad_(False)
+        m.blocks[0].up.bias.requires_grad_(False)
+        m = shard(m, True, sharding_strategy=strategy)
+        groups = {(g.dtypes.main, g.requires_grad): g for g in m._fsdp_state.groups}
+        assert set(groups) == {(torch.float32, True), (torch.float32, False)}
+        frozen = groups[(torch.float32, False)]
+        assert not hasattr(frozen, "main_grad")
+        train(m, batches, rank=rank, world=world)
+        assert m.embed.weight.grad is None and not hasattr(m.embed.weight, "main_grad")
+        assert not m.embed.weight.requires_grad and m.head.weight.requires_grad
+        out[strategy] = max_diff(full_state(m), ref)
+    return out
+
+
+def test_frozen_parameters_get_no_main_grad() -> None:
+    model, batches = make_model(), make_batches(3)
+    ref_model = copy.deepcopy(model)
+    ref_model.embed.weight.requires_grad_(False)
+    ref_model.blocks[0].up.bias.requires_grad_(False)
+    ref = reference(ref_model, batches)
+    for strategy, diff in run_ranks(_frozen, 2, model, batches, ref, backend="gloo")[0].items():
+        assert diff <= 1e-5, (strategy, diff)
+
+
+def _main_grad_views(model, batches) -> bool:
+    m = shard(copy.deepcopy(model), True, sharding_strategy="optim_grads_params")
+    x, y = batches[0]
+    from tests.fsdp.models import loss_fn
+
+    loss_fn(m, x, y).backward()
+    for p in m.parameters():
+        assert p.main_grad is p.grad  # fp32 main grads: .grad is the main-grad view itself
+    m.zero_grad_buffer()
+    assert all(float(p.grad._local_tensor.abs().sum()) == 0 for p in m.parameters())
+    return True
+
+
+def test_main_grad_and_zero_grad_buffer() -> None:
+    model, batches = make_model(), make_batches(1)
+    assert all(run_ranks(_main_grad_views, 2, model, batches, backend="threaded"))
+
+
+def sgd_momentum(params):
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9, foreach=False)
+
+
+def adamw_for_loop(params):
+    return torch.optim.AdamW(params, lr=1e-2, foreach=False)
+
+
+def adamw_foreach(params):
+    return torch.optim.AdamW(params, lr=1e-2, foreach=True)
+
+
+def sgd_foreach(params):
+    return torch.optim.SGD(params, lr=0.05, foreach=True)
+
+
+OPTIMIZERS = [sgd_momentum, adamw_for_loop, adamw_foreach, sgd_foreach]
+
+
+def _optimizers(model, batches, refs) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = {}
+    for make_opt, ref in zip(OPTIMIZERS, refs):
+        for strategy in STRATEGIES:
+            m = shard(copy.deepcopy(model), True, sharding_strategy=strategy)
+            train(m, batches, rank=rank, world=world, make_opt=make_opt)
+            out[(make_opt.__name__, strategy)] = max_diff(full_state(m), ref)
+    return out
+
+
+def test_plain_torch_optimizers_work_unchanged() -> None:
+    model, batches = make_model(), make_batches(3)
+    refs = [reference(model, batches, make_opt=make_opt) for make_opt in OPTIMIZERS]
+    result = run_ranks(_optimizers, 2, model, batches, refs, backend="gloo")[0]
+    bad = {k: v for k, v in result.items() if not v <= 1e-5}
+    assert not bad, bad
+
+
+def _state_dict_round_trip(model, batches) -> bool:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    from tests.fsdp.models import loss_fn
+
+    trained = shard(copy.deepcopy(model), True)
+    train(trained, batches, rank=rank, world=world)
+    fresh = shard(copy.deepcopy(model), True)
+    x, y = batches[0]
+    loss_fn(fresh, x, y)  # gathers the untrained weights once
+    fresh.load_state_dict(trained.state_dict())  # in-place copies: the next forward refreshes
+    with torch.no_grad():
+        return torch.equal(loss_fn(fresh, x, y), loss_fn(trained, x, y))
+
+
+def test_load_state_dict_refreshes_model_weights() -> None:
+    model, batches = make_model(), make_batches(2)
+    assert all(run_ranks(_state_dict_round_trip, 2, model, batches, backend="gloo"))
