@@ -322,3 +322,29 @@ def test_fake_group_gives_rank_shapes() -> None:
     [(local, full)] = run_ranks(_fake_rank_memory, 1024, backend="fake", fake_rank=1000)
     data = 8 * 4096 * 4096 + 4 * 4096
     assert local * 1024 == full and data <= full <= data * 1.05
+
+
+# --------------------------------------------------------------------- gloo's point-to-point paths
+
+
+def _point_to_point_paths() -> bool:
+    """Large shards take gloo's hand-built point-to-point all-gather and reduce-scatter; force
+    that path on small data and rerun the checks above through it."""
+    from dbuffer import collectives
+
+    saved = collectives._P2P_MIN_SHARD_BYTES
+    collectives._P2P_MIN_SHARD_BYTES = 0
+    try:
+        _out_shares_storage()
+        _async_handles_complete()
+        for src, dst in (([SUM], [S]), ([AVG], [S]), ([AVG], [R])):
+            _partial_reductions((dist.get_world_size(),), src, dst)
+        _shard_replicate_shard((dist.get_world_size(),), [S])
+    finally:
+        collectives._P2P_MIN_SHARD_BYTES = saved
+        collectives.release_workspaces()
+    return True
+
+
+def test_gloo_point_to_point_paths() -> None:
+    assert all(run_ranks(_point_to_point_paths, 2, backend="gloo"))
