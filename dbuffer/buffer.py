@@ -96,15 +96,21 @@ class DBuffer:
         )
 
     def _like(self, placements: Sequence[Placement], dtype: torch.dtype | None = None, local_buffer=None) -> "DBuffer":
-        return DBuffer(
-            self.mesh,
-            placements,
-            self.shapes,
-            dtype or self.dtype,
-            self.device,
-            layout=self.layout,
-            local_buffer=local_buffer,
-        )
+        """A sibling on the same mesh and layout. ``placements`` come from the planner (already
+        valid), so this skips the constructor's checks: it runs once per collective."""
+        out = object.__new__(DBuffer)
+        out.mesh, out.layout, out.device, out._coordinate = self.mesh, self.layout, self.device, self._coordinate
+        out.placements = tuple(placements)
+        out.dtype = dtype or self.dtype
+        out.num_shards = num_shards(self.mesh.shape, out.placements)
+        out.shard_index = shard_index(self.mesh.shape, out.placements, self._coordinate)
+        numel = self.layout.shard_numel_for(out.num_shards)
+        if local_buffer is None:
+            local_buffer = torch.zeros(numel, dtype=out.dtype, device=self.device)
+        out.local_buffer = local_buffer
+        out._refill_pending = False
+        out._capacity_bytes = local_buffer.untyped_storage().nbytes()
+        return out
 
     # ------------------------------------------------------------------ inspection
 
