@@ -13,10 +13,16 @@ sizes and hangs or returns garbage). :func:`make_dtensor` therefore returns:
   row ranges, and uses them for ``full_tensor()``, ``redistribute(..., [Replicate()]*n)`` and the
   DCP hooks (``__create_write_items__``, ``__create_chunk_list__``, ``__get_tensor_shard__``);
 * for a 0-D tensor under sharding (DTensor cannot shard a scalar), a replicated copy.
+
+For state dicts it also offers :func:`row_range` (which rows of the full tensor a DTensor's local
+piece holds, for both kinds) and :func:`broadcast_` / :func:`broadcast_object` (one rank's tensor
+or object to every rank, bit for bit), so that a full tensor held by rank 0 can be loaded into
+row-sharded parameters and optimizer state.
 """
 
 from __future__ import annotations
 
+import pickle
 from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
@@ -24,12 +30,12 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from dbuffer import collectives
-from dbuffer.placements import sharded_axes
+from dbuffer.placements import shard_index, sharded_axes
 
 if TYPE_CHECKING:
     from dbuffer.buffer import DBuffer
 
-__all__ = ["RowShardedDTensor", "chunk_rows", "make_dtensor"]
+__all__ = ["RowShardedDTensor", "broadcast_", "broadcast_object", "chunk_rows", "make_dtensor", "row_range"]
 
 
 def chunk_rows(num_rows: int, axis_sizes: Sequence[int]) -> tuple[int, ...]:
@@ -104,10 +110,32 @@ class RowShardedDTensor(DTensor):
     def detach(self) -> "RowShardedDTensor":  # type: ignore[override]
         """Keep the subclass (and its row ranges): ``nn.Parameter(x)`` requires ``detach()`` to
         return the same type, and FSDP-style sharded parameters are Parameters of these views."""
-        out = RowShardedDTensor(self._local_tensor.detach(), self._spec, requires_grad=False)
+        return self._same_rows(self._local_tensor.detach(), self._spec)
+
+    def _same_rows(self, local: torch.Tensor, spec: DTensorSpec) -> "RowShardedDTensor":
+        out = RowShardedDTensor(local, spec, requires_grad=False)
         out._rows_per_shard = self._rows_per_shard
         out._row_start = self._row_start
         return out
+
+    def like(self, t: DTensor) -> "RowShardedDTensor":
+        """``t`` (a DTensor made from this one, e.g. ``torch.zeros_like(self)``: same global shape,
+        placements and local shape) as a RowShardedDTensor with this one's rows, sharing ``t``'s
+        local tensor. DTensor ops return plain DTensors, which claim ``torch.chunk`` rows; this
+        restores the truth (fsdp applies it to optimizer state after each step)."""
+        if isinstance(t, RowShardedDTensor):
+            return t
+        if (
+            not isinstance(t, DTensor)
+            or t.shape != self.shape
+            or t._local_tensor.shape != self._local_tensor.shape
+            or tuple(t.placements) != tuple(self.placements)
+        ):
+            raise ValueError(
+                f"like: {type(t).__name__} of shape {tuple(t.shape)} is not laid out like this "
+                f"RowShardedDTensor of shape {tuple(self.shape)} (local {tuple(self._local_tensor.shape)})"
+            )
+        return self._same_rows(t._local_tensor, t._spec)
 
     # DCP: describe the true piece instead of the torch.chunk one.
     def _chunk(self):
@@ -159,3 +187,60 @@ def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
         acc *= max(d, 1)
     return tuple(reversed(stride))
 
+
+# ----------------------------------------------------------------------------- state dicts
+
+
+def row_range(t: DTensor) -> tuple[int, int]:
+    """Rows ``[start, end)`` of the full tensor (along dim 0) that ``t``'s local piece holds:
+    its true rows for a RowShardedDTensor, DTensor's ``torch.chunk`` rows for a plain one, all
+    rows when nothing is sharded. Only ``Shard(0)``, ``Replicate()`` and ``Partial`` placements."""
+    if isinstance(t, RowShardedDTensor):
+        return t._row_start, t._row_start + t._local_tensor.shape[0]
+    placements = t.placements
+    if any(isinstance(p, Shard) and p.dim != 0 for p in placements):
+        raise ValueError(f"row_range: placements {list(placements)} shard a dim other than 0")
+    axes = sharded_axes(placements)
+    if t.dim() == 0 or not axes:
+        return 0, (t.shape[0] if t.dim() else 1)
+    mesh = t.device_mesh
+    rows = chunk_rows(t.shape[0], [mesh.shape[a] for a in axes])
+    k = shard_index(mesh.shape, placements, mesh.get_coordinate())
+    start = sum(rows[:k])
+    return start, start + rows[k]
+
+
+def broadcast_(t: torch.Tensor, group=None, src: int = 0) -> torch.Tensor:
+    """Overwrite ``t`` (contiguous, same shape and dtype on every rank) with group rank ``src``'s
+    ``t``, bit for bit, in place. Runs as an all-reduce sum of the raw bytes with every other rank
+    contributing zeros, which is exact for every dtype (``-0.0`` and NaN payloads included)."""
+    if not t.is_contiguous():
+        raise ValueError("broadcast_ needs a contiguous tensor")
+    raw = t.reshape(-1).view(torch.uint8)
+    if raw.numel():
+        if torch.distributed.get_rank(group) != src:
+            raw.zero_()
+        collectives.all_reduce(raw, "sum", group)
+    return t
+
+
+def broadcast_object(obj: Any, group=None, src: int = 0, device: torch.device | str = "cpu") -> Any:
+    """Group rank ``src``'s picklable ``obj`` on every rank (``obj`` is ignored elsewhere). If it
+    cannot be pickled, every rank raises (no rank is left waiting)."""
+    me = torch.distributed.get_rank(group) == src
+    data = b""
+    if me:
+        try:
+            data = pickle.dumps((True, obj))
+        except Exception as exc:  # tell the others instead of leaving them waiting
+            data = pickle.dumps((False, f"broadcast_object: cannot pickle the object: {exc!r}"))
+    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    broadcast_(size, group, src)
+    buf = torch.zeros(int(size.item()), dtype=torch.uint8, device=device)
+    if me:
+        buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    broadcast_(buf, group, src)
+    ok, value = pickle.loads(buf.cpu().numpy().tobytes())
+    if not ok:
+        raise TypeError(value)
+    return obj if me else value

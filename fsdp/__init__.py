@@ -13,6 +13,20 @@ optim_grads_params`` (ZeRO-0..3, default ZeRO-3); ``MixedPrecisionPolicy(main_pa
 torch.float32, main_grads_dtype=...)``; ``param.main_grad``; ``module.zero_grad_buffer()`` and
 ``module.finish_grad_sync()``.
 
+Checkpoints and meta-device init:
+
+* torch's ``torch.distributed.checkpoint.state_dict.get_state_dict`` / ``set_state_dict`` with
+  ``dcp.save`` / ``dcp.load`` work: parameters and optimizer state (given their parameter's rows
+  after each optimizer step) are DTensors describing their exact rows, so checkpoints reshard
+  across world sizes and strategies. :mod:`fsdp.checkpoint` adds ``save`` / ``load`` (atomic
+  publish, CRC32 per file, errors naming the key or file) and a ``set_state_dict`` that also loads
+  full state dicts (``full_state_dict=True``, ``broadcast_from_rank0=True``), which torch's cuts
+  where ``torch.chunk`` would, not where fsdp's row-atomic layout does.
+* Build under ``torch.device("meta")``, ``fully_shard`` (the shards are allocated on the mesh's
+  device), ``module.to_empty(device=...)`` for the buffers, then :func:`init_weights` runs each
+  module's ``reset_parameters()`` (or your function) one unit at a time and keeps each rank's rows.
+  A forward on meta-built weights that were neither initialised nor loaded raises.
+
 Differences worth knowing:
 
 * Every rank must build the module with identical values (same seed), as with FSDP2: each rank
@@ -28,7 +42,7 @@ Differences worth knowing:
   units is an error (put both users in one unit).
 """
 
-from fsdp.api import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
+from fsdp.api import FSDPModule, UnshardHandle, fully_shard, init_weights, register_fsdp_forward_method
 from fsdp.param_group import ParameterGroup
 from fsdp.policy import MixedPrecisionPolicy, Strategy
 
@@ -39,5 +53,6 @@ __all__ = [
     "Strategy",
     "UnshardHandle",
     "fully_shard",
+    "init_weights",
     "register_fsdp_forward_method",
 ]

@@ -13,7 +13,7 @@ same error on every rank.
 from __future__ import annotations
 
 import functools
-from typing import Iterable, Optional, Union
+from typing import Callable, Iterable, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -25,7 +25,14 @@ from fsdp.param_group import ParamInfo, ParameterGroup
 from fsdp.policy import MixedPrecisionPolicy, Strategy, parse_strategy
 from fsdp.state import FSDPState, finish_grad_sync
 
-__all__ = ["FSDPModule", "MixedPrecisionPolicy", "UnshardHandle", "fully_shard", "register_fsdp_forward_method"]
+__all__ = [
+    "FSDPModule",
+    "MixedPrecisionPolicy",
+    "UnshardHandle",
+    "fully_shard",
+    "init_weights",
+    "register_fsdp_forward_method",
+]
 
 # Attribute naming the unit that owns a parameter (set on the original and the sharded one).
 _OWNER = "_fsdp_owner"
@@ -89,6 +96,30 @@ class FSDPModule:
 
     def set_modules_to_backward_prefetch(self, modules: list["FSDPModule"]) -> None:
         self._fsdp_state.backward_prefetch = [_state_of(m) for m in modules]
+
+    def to_empty(self, *, device, recurse: bool = True):
+        """``nn.Module.to_empty`` for the rest of the module (buffers, ignored parameters): the
+        sharded parameters keep their storage, which ``fully_shard`` allocated on the mesh's
+        device (``device`` must be that device). Then call :func:`init_weights`."""
+        device = torch.device(device)
+        hidden = []
+        for state in self._states(True):
+            for group in state.groups:
+                have = group.main.device
+                if have.type != device.type or (device.index is not None and have.index != device.index):
+                    raise ValueError(
+                        f"to_empty(device={device}): fully_shard allocated the shards on {have}, the mesh's "
+                        f"device; pass that device (or build the mesh for {device.type})"
+                    )
+                for info in group.infos:
+                    for module, name in info.registrations:
+                        hidden.append((module, name, module._parameters[name]))
+                        module._parameters[name] = None  # nn.Module._apply skips None
+        try:
+            return super().to_empty(device=device, recurse=recurse)  # type: ignore[misc]
+        finally:
+            for module, name, param in reversed(hidden):
+                module._parameters[name] = param
 
     # ---------------------------------------------------------------- Megatron surface
 
@@ -171,6 +202,61 @@ def fully_shard(
     return module
 
 
+@torch.no_grad()
+def init_weights(module: nn.Module, init_fn: Optional[Callable[[nn.Module], None]] = None) -> None:
+    """Initialise the sharded weights of every unit below ``module`` without ever holding more
+    than the units being initialised (e.g. after building under ``torch.device("meta")``).
+
+    Visits ``module.modules()`` in order and calls ``init_fn(m)`` on each (default:
+    ``m.reset_parameters()`` for modules that define it and hold parameters or buffers of their
+    own). While a unit's modules are visited its parameters are full plain tensors in the main
+    dtype; when its last module is done each rank keeps its own rows and the full copy is freed.
+    Visiting in module order keeps the random stream of an eager build: with the same seed the
+    weights equal those of the module built on a real device. No communication except the
+    ``optim``/``optim_grads`` refresh of the unsharded copy.
+    """
+    order = list(module.modules())
+    owner: dict[int, FSDPState] = {}
+    for m in order:
+        if isinstance(m, FSDPModule):
+            for sub in _own_modules(m._fsdp_state):
+                owner.setdefault(id(sub), m._fsdp_state)
+    last = {id(owner[id(m)]): i for i, m in enumerate(order) if id(m) in owner}
+    active: dict[int, FSDPState] = {}
+    fn = init_fn or _reset_parameters
+    try:
+        for i, m in enumerate(order):
+            state = owner.get(id(m))
+            if state is not None and id(state) not in active:
+                for group in state.groups:
+                    group.begin_init()
+                active[id(state)] = state
+            fn(m)
+            if state is not None and last[id(state)] == i:
+                del active[id(state)]
+                for group in state.groups:
+                    group.end_init()
+    finally:
+        for state in active.values():  # init_fn raised: restore the sharded registration
+            for group in state.groups:
+                group.end_init(commit=False)
+
+
+def _reset_parameters(m: nn.Module) -> None:
+    if callable(getattr(m, "reset_parameters", None)) and (m._parameters or m._buffers):
+        m.reset_parameters()
+
+
+def _own_modules(state: FSDPState) -> list[nn.Module]:
+    """The modules of a unit: its top modules and everything below that no nested unit owns."""
+    out, stack = [], list(reversed(state.modules))
+    while stack:
+        m = stack.pop()
+        out.append(m)
+        stack.extend(c for c in reversed(list(m.children())) if not isinstance(c, FSDPModule))
+    return out
+
+
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     """Run the unit's forward hooks around ``module.<method_name>`` too (e.g. ``generate``),
     as torch FSDP2's function of the same name does."""
@@ -224,8 +310,6 @@ def _check_params(infos: list[ParamInfo], strategy: Strategy, policy: MixedPreci
         p = info.param
         if isinstance(p, DTensor):
             raise ValueError(f"parameter {info.fqn!r} is already a DTensor; shard plain modules only")
-        if p.device.type == "meta":
-            raise ValueError(f"parameter {info.fqn!r} is on the meta device; materialise the module first")
         if not p.is_floating_point() and (policy.param_dtype is not None or policy.main_grads_dtype is not None):
             raise ValueError(
                 f"parameter {info.fqn!r} has non-floating dtype {p.dtype} but the policy casts "
@@ -242,10 +326,11 @@ def _check_params(infos: list[ParamInfo], strategy: Strategy, policy: MixedPreci
 
 
 def _check_mesh(mesh: Optional[DeviceMesh], infos: list[ParamInfo]) -> DeviceMesh:
-    if infos:
+    if infos and infos[0].param.device.type != "meta":
         device_type = infos[0].param.device.type
-    else:  # a unit with no parameters of its own: nothing is placed on the mesh
-        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    else:  # no parameters of its own, or built on meta: the shards go to the mesh's device
+        default = "cuda" if torch.cuda.is_available() else "cpu"
+        device_type = mesh.device_type if isinstance(mesh, DeviceMesh) else default
     if mesh is None:
         if not dist.is_initialized():
             raise RuntimeError("fully_shard needs torch.distributed initialised (or pass mesh=)")

@@ -25,10 +25,10 @@ from typing import Callable, Optional
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from dbuffer import DBuffer, Pending
+from dbuffer import DBuffer, Pending, RowShardedDTensor
 from fsdp.policy import Dtypes, Strategy
 from fsdp.streams import CommStreams
 
@@ -59,11 +59,13 @@ class ParameterGroup:
         self.dtypes = dtypes
         self.requires_grad = requires_grad
         device = infos[0].param.device
+        meta = device.type == "meta"  # built on the meta device: allocate on the mesh's device
         shapes = [tuple(i.param.shape) for i in infos]
         main_pl = SHARD if strategy.shard_optim else REPLICATE
-        self.main = DBuffer(mesh, main_pl, shapes, dtypes.main, device)
+        self.main = DBuffer(mesh, main_pl, shapes, dtypes.main, None if meta else device)
         self.streams = CommStreams.for_device(self.main.device)
-        self._fill_main([i.param for i in infos])
+        if not meta:
+            self._fill_main([i.param for i in infos])
         self.model = self.main if dtypes.model == dtypes.main else self._new(main_pl, dtypes.model)
         if not strategy.shard_optim:
             self.unsharded = self.model  # no_shard: the replicated model weights are the full ones
@@ -87,6 +89,9 @@ class ParameterGroup:
         self.refresh()
         if requires_grad:
             self._init_grads()
+        self._init_buffer: Optional[DBuffer] = None  # full main-dtype weights during init_weights
+        # Meta-built weights are zeros until initialised or loaded: refuse to run on them.
+        self._uninitialised_version = self.weights_version() if meta else None
 
     def _new(self, placements, dtype: torch.dtype) -> DBuffer:
         return DBuffer(self.mesh, placements, self.main.shapes, dtype, self.main.device, layout=self.main.layout)
@@ -133,6 +138,8 @@ class ParameterGroup:
 
     def unshard(self, async_op: bool = False) -> None:
         """Make the unsharded weights current: all-gather (ZeRO-3) into the reused buffer."""
+        if self._uninitialised_version is not None:
+            self._check_initialised()
         if self._gather_pending is not None:  # prefetched: its source was refreshed at launch
             if not async_op:
                 self.wait_unshard()
@@ -169,6 +176,44 @@ class ParameterGroup:
         if not self.unsharded.is_storage_released():
             self.unsharded.release_storage()
         self._gathered = None
+
+    # ------------------------------------------------------------------ initialisation
+
+    def _check_initialised(self) -> None:
+        if self.weights_version() == self._uninitialised_version:
+            names = ", ".join(repr(i.fqn) for i in self.infos[:3]) + (", ..." if len(self.infos) > 3 else "")
+            raise RuntimeError(
+                f"parameters {names} were built on the meta device and never initialised; call "
+                f"fsdp.init_weights(model) (after model.to_empty(device=...)) or load a checkpoint first"
+            )
+        self._uninitialised_version = None
+
+    def begin_init(self) -> None:
+        """Register full plain parameters in the main dtype for an init function to fill: the
+        main weights themselves when they are replicated (``no_shard``), otherwise a temporary
+        replicated buffer of this group only, never of the whole model."""
+        if self.strategy.shard_optim:
+            self._init_buffer = self._new(REPLICATE, self.dtypes.main)
+        target = self._init_buffer if self._init_buffer is not None else self.main
+        params = [
+            nn.Parameter(target.get_local_tensor(k), requires_grad=self.requires_grad) for k in range(len(self.infos))
+        ]
+        for info, p in zip(self.infos, params):
+            for module, name in info.registrations:
+                module._parameters[name] = p
+
+    @torch.no_grad()
+    def end_init(self, commit: bool = True) -> None:
+        """Keep this rank's rows of the initialised weights (a local copy, no communication),
+        drop the temporary buffer, register the sharded parameters again and refresh the model
+        weights. ``commit=False`` (after a failed init function) only restores the registration."""
+        buf, self._init_buffer = self._init_buffer, None
+        if commit and buf is not None:
+            buf.scatter(0, out=self.main)
+        self.use_params(unsharded=False)
+        if commit:
+            self.mark_stale()
+            self.refresh()
 
     def use_params(self, unsharded: bool) -> None:
         """Register the unsharded (plain) or sharded (DTensor) parameters on their modules."""
@@ -319,13 +364,21 @@ class ParameterGroup:
         self._main_grad_has_data = False
 
 def _after_optimizer_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
-    """Mark the groups whose parameters a torch.optim optimizer just updated as stale."""
+    """Mark the groups whose parameters a torch.optim optimizer just updated as stale, and give
+    state it made like a row-sharded parameter (``exp_avg = zeros_like(p)``: a plain DTensor,
+    which claims ``torch.chunk`` rows) the parameter's true rows, so that the state gathers and
+    checkpoints exactly (no copy: the same local tensor)."""
     for param_group in optimizer.param_groups:
         for p in param_group["params"]:
             ref = getattr(p, "_fsdp_group", None)
             group = ref() if ref is not None else None
             if group is not None:
                 group.mark_stale()
+                state = optimizer.state.get(p) if isinstance(p, RowShardedDTensor) else None
+                for key, value in (state or {}).items():
+                    if type(value) is DTensor and value.shape == p.shape:
+                        if value._local_tensor.shape == p._local_tensor.shape:
+                            state[key] = p.like(value)
 
 
 register_optimizer_step_post_hook(_after_optimizer_step)
