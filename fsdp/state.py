@@ -27,6 +27,8 @@ from fsdp.policy import MixedPrecisionPolicy
 
 __all__ = ["FSDPState", "finish_grad_sync"]
 
+MAX_REDUCTIONS_IN_FLIGHT = 2
+
 
 class FSDPState:
     def __init__(
@@ -53,6 +55,7 @@ class FSDPState:
         self._pre_backward_done = False
         self._callback_queued = False
         self._handles: list = []
+        self._in_flight: list[ParameterGroup] = []  # root only: reductions launched, oldest first
 
     def install_hooks(self) -> None:
         """Called once the unit is fully built, so a failed setup leaves no hook behind."""
@@ -164,6 +167,11 @@ class FSDPState:
         root._queue_final_callback()
         if self.requires_grad_sync:
             group.launch_reduce()
+            # Keep at most two reductions in flight: finishing older ones frees their unsharded
+            # gradient buffers during backward, instead of all of them living until its end.
+            root._in_flight.append(group)
+            while len(root._in_flight) > MAX_REDUCTIONS_IN_FLIGHT:
+                root._in_flight.pop(0).finish_reduce()
         if self.reshard_after_backward:
             group.reshard()
 
@@ -174,6 +182,7 @@ class FSDPState:
 
     def _final_callback(self) -> None:
         self._callback_queued = False
+        self._in_flight.clear()  # whatever is still in flight is finished below
         units = self.units or [self]
         for unit in units:
             if unit.requires_grad_sync:
@@ -202,6 +211,7 @@ def finish_grad_sync(units: list[FSDPState], launch: bool) -> None:
     for group in groups:
         group.finish_reduce()
         group.attach_grads()
+
 
 def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
     def cast(x: Any) -> Any:

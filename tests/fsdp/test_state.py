@@ -228,3 +228,38 @@ def test_unused_parameters_and_deferred_reductions() -> None:
     result = run_ranks(_unused_and_deferred, 2, model, batches, ref, backend="gloo")[0]
     bad = {k: v for k, v in result.items() if not v <= 1e-5}
     assert not bad, bad
+
+
+def _grad_buffers_in_backward(model, batches, ref) -> tuple[int, float]:
+    """Most unit gradient buffers (``grad_in``) alive at once during backward, and parity."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    m = shard(copy.deepcopy(model), True)
+    units = [m._fsdp_state] + [b._fsdp_state for b in m.blocks]
+    groups = [g for u in units for g in u.groups if g.requires_grad]
+    most = 0
+    for unit in units:
+        original = unit._on_group_grads_done
+
+        def watched(group, original=original):
+            nonlocal most
+            original(group)
+            most = max(most, sum(not g.grad_in.is_storage_released() for g in groups))
+
+        unit._on_group_grads_done = watched
+    for g in groups:  # the hooks captured the bound method at setup: register them again
+        for p in g.unsharded_params:
+            p._post_accumulate_grad_hooks.clear()
+    for unit in units:
+        for g in unit.groups:
+            if g.requires_grad:
+                g.register_grad_hooks(unit._on_group_grads_done)
+    train(m, batches, rank=rank, world=world)
+    return most, max_diff(full_state(m), ref)
+
+
+def test_backward_keeps_at_most_two_gradient_buffers_alive() -> None:
+    model, batches = make_model(blocks=5), make_batches(3)
+    ref = reference(model, batches)
+    most, diff = run_ranks(_grad_buffers_in_backward, 2, model, batches, ref, backend="threaded")[0]
+    assert diff <= 1e-5
+    assert 1 <= most <= 3, most  # two in flight plus the one being filled, of 6 units
