@@ -1,0 +1,73 @@
+"""tools/bench_fsdp.py: its core trains one tiny Llama three ways on 2 gloo ranks and reports
+every field; the numbers it reports are checked against what they must be (no timing asserts)."""
+
+from __future__ import annotations
+
+from tests.harness import run_ranks
+from tools import bench_fsdp
+from tools.llama import LlamaConfig
+
+# Small enough to run in seconds; the vocabulary is large enough that the root unit's shard
+# (embedding + lm_head, 4 MiB of fp32 per rank) takes dbuffer's point-to-point path on gloo,
+# while the blocks' shards take the one-call collectives.
+TINY = dict(dtypes=("fp32",), vocab=8192, dim=128, layers=2, heads=4, hidden=256, seq=32, batch=2,
+            steps=2, warmup=1)
+METHOD_FIELDS = {"times_ms", "median_ms", "mean_ms", "min_ms", "max_ms", "loss", "loss_by_rank",
+                 "start_bytes_by_rank", "peak_bytes_by_rank", "peak_bytes", "comm", "comm_by_rank"}
+
+
+def test_bench_core_on_a_tiny_model() -> None:
+    reports = run_ranks(bench_fsdp.run_benchmark, 2, TINY, backend="gloo", timeout=90)
+    report = reports[0]
+    assert {"config", "world", "torch", "data", "timing", "memory_method", "comm_method", "modes"} <= set(report)
+    assert report["world"] == 2 and list(report["modes"]) == ["fp32"]
+    res = report["modes"]["fp32"]
+    assert {"policy", "optimizer", "methods", "ratios", "targets", "steps", "warmup"} <= set(res)
+    assert set(res["methods"]) == {"ours", "fsdp2", "floor"}
+    # Every rank reports the same, gathered results.
+    assert reports[1]["modes"]["fp32"]["methods"]["ours"]["loss"] == res["methods"]["ours"]["loss"]
+    total_steps = TINY["warmup"] + 1 + TINY["steps"]
+    for name, m in res["methods"].items():
+        assert METHOD_FIELDS <= set(m), (name, METHOD_FIELDS - set(m))
+        assert len(m["times_ms"]) == TINY["steps"] and all(t > 0 for t in m["times_ms"])
+        assert m["min_ms"] <= m["median_ms"] <= m["max_ms"]
+        assert len(m["loss"]) == total_steps and len(m["peak_bytes_by_rank"]) == 2
+        assert all(p >= s > 0 for p, s in zip(m["peak_bytes_by_rank"], m["start_bytes_by_rank"]))
+
+    ours, fsdp2, floor = (res["methods"][k] for k in ("ours", "fsdp2", "floor"))
+    # Step 0: the same weights on the same batch give the same loss, whatever the method.
+    for rank in range(2):
+        l0 = floor["loss_by_rank"][rank][0]
+        assert abs(ours["loss_by_rank"][rank][0] - l0) <= 1e-6 * abs(l0)
+        assert abs(fsdp2["loss_by_rank"][rank][0] - l0) <= 1e-6 * abs(l0)
+    # Both sharded methods train on the global batch: the same trajectory in fp32.
+    assert all(abs(a - b) <= 1e-4 for a, b in zip(ours["loss"], fsdp2["loss"])), (ours["loss"], fsdp2["loss"])
+    # The floor trains each rank on its own half of the batch only: it leaves that trajectory.
+    assert abs(floor["loss"][-1] - ours["loss"][-1]) > 1e-4
+
+    # Memory: parameters + AdamW's two states are resident before the step (4 bytes each in fp32),
+    # whole on every floor rank and split across the ranks of the sharded methods.
+    numel = LlamaConfig(vocab_size=TINY["vocab"], dim=TINY["dim"], n_layers=TINY["layers"], n_heads=TINY["heads"],
+                        hidden_dim=TINY["hidden"], max_seq_len=TINY["seq"]).num_parameters()
+    assert min(floor["start_bytes_by_rank"]) >= 3 * 4 * numel
+    for m in (ours, fsdp2):
+        assert sum(m["start_bytes_by_rank"]) >= 3 * 4 * numel
+        assert max(m["start_bytes_by_rank"]) < 3 * 4 * numel  # sharded: no rank holds it all
+
+    # Communication: none for the floor; the same ZeRO-3 schedule for both libraries (3 units:
+    # 3 all-gathers in forward, 2 again in backward, 3 reduce-scatters), and about the same bytes.
+    assert floor["comm"]["calls"] == floor["comm"]["ops"] == 0 and floor["comm"]["bytes_sent"] == 0
+    for m in (ours, fsdp2):
+        assert m["comm"]["ops"] > 0 and m["comm"]["calls"] >= m["comm"]["ops"] and m["comm"]["bytes_sent"] > 0
+    assert ours["comm"]["ops"] == fsdp2["comm"]["ops"] == 8
+    assert ours["comm"]["calls"] > ours["comm"]["ops"]  # the root's isend/irecv pairs count as one op each
+    assert abs(ours["comm"]["bytes_sent"] / fsdp2["comm"]["bytes_sent"] - 1) < 0.05
+    # Bandwidth-optimal bytes sent per rank: half of every gathered and every reduced unit.
+    sent = 4 * (numel + (numel - 2 * TINY["vocab"] * TINY["dim"] - TINY["dim"]) + numel) / 2
+    assert abs(fsdp2["comm"]["bytes_sent"] / sent - 1) < 0.05
+
+    ratios = res["ratios"]
+    assert abs(ratios["step_ours_over_fsdp2"] - ours["median_ms"] / fsdp2["median_ms"]) < 1e-9
+    assert {t["name"] for t in res["targets"]} >= {"step_ours_over_fsdp2", "peak_ours_over_fsdp2"}
+    table = bench_fsdp.format_table(report)
+    assert "ours" in table and "fsdp2" in table and "floor" in table and "target" in table

@@ -1,0 +1,224 @@
+"""tools/llama.py, tools/text_data.py and tools/draw_layout.py."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dbuffer.layout import compute_layout
+from tools.draw_layout import main as draw_main
+from tools.draw_layout import parse_shapes, segments, truncate_layers
+from tools.llama import Llama, LlamaConfig, loss_fn
+from tools.padding_report import model_shapes
+from tools.text_data import ByteText
+
+ROOT = Path(__file__).resolve().parents[2]
+SMALL = LlamaConfig(vocab_size=300, dim=64, n_layers=2, n_heads=4, hidden_dim=96, max_seq_len=32)
+
+
+# ---------------------------------------------------------------- llama
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_default_parameter_count_matches_closed_form(tie: bool) -> None:
+    cfg = LlamaConfig(tie_embeddings=tie)
+    with torch.device("meta"):
+        model = Llama(cfg)
+    v, d, layers, f = 8192, 512, 6, 1536  # written out, independent of the config's helper
+    per_block = 4 * d * d + 3 * d * f + 2 * d  # q, k, v, o; gate, up, down; two norms
+    expected = (1 if tie else 2) * v * d + layers * per_block + d
+    assert sum(p.numel() for p in model.parameters()) == expected == cfg.num_parameters()
+    assert expected == (24_648_192 if tie else 28_842_496)
+    assert len(list(model.parameters())) == 1 + 9 * layers + 1 + (0 if tie else 1)
+
+
+def test_meta_init_matches_direct_cpu_construction() -> None:
+    torch.manual_seed(123)
+    direct = Llama(SMALL)
+    with torch.device("meta"):
+        model = Llama(SMALL)
+    model.to_empty(device="cpu")
+    torch.manual_seed(123)
+    for module in model.modules():  # what a meta-device init (e.g. FSDP's) does
+        if hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+    ref, got = direct.state_dict(), model.state_dict()
+    assert ref.keys() == got.keys()
+    for name in ref:
+        assert torch.equal(ref[name], got[name]), name
+    assert torch.equal(model.rope.cos, direct.rope.cos) and torch.equal(model.rope.sin, direct.rope.sin)
+    tokens = torch.randint(0, SMALL.vocab_size, (3, 20), generator=torch.Generator().manual_seed(0))
+    out = model(tokens)
+    assert out.shape == (3, 20, SMALL.vocab_size) and torch.isfinite(out).all()
+    assert torch.equal(out, direct(tokens))
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_causal_future_tokens_do_not_change_earlier_logits(tie: bool) -> None:
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(**{**SMALL.__dict__, "tie_embeddings": tie}))
+    tokens = torch.randint(0, SMALL.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    changed = tokens.clone()
+    changed[:, 9] = (changed[:, 9] + 1) % SMALL.vocab_size
+    with torch.no_grad():
+        a, b = model(tokens), model(changed)
+    torch.testing.assert_close(a[:, :9], b[:, :9], rtol=0, atol=1e-5)
+    assert (a[:, 9:] - b[:, 9:]).abs().amax(dim=-1).min() > 1e-4  # every later position sees it
+
+
+def test_rotary_makes_attention_order_aware() -> None:
+    # Without position information, the last position's output would not change when two
+    # earlier tokens swap places (attention would see the same set of keys and values).
+    torch.manual_seed(0)
+    model = Llama(SMALL)
+    tokens = torch.tensor([[5, 17, 42, 99, 7, 3]])
+    swapped = tokens[:, [1, 0, 2, 3, 4, 5]]
+    with torch.no_grad():
+        a, b = model(tokens), model(swapped)
+    assert (a[0, -1] - b[0, -1]).abs().amax() > 1e-3
+
+
+def test_loss_fn_matches_log_softmax_reference() -> None:
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 11, (3, 6), generator=g)
+    logits = torch.randn(3, 5, 11, generator=g)
+    picked = logits.log_softmax(-1).gather(-1, tokens[:, 1:, None]).squeeze(-1)
+    expected = -picked.mean()
+    torch.testing.assert_close(loss_fn(logits, tokens), expected)
+    # logits for all positions: the last one is ignored
+    torch.testing.assert_close(loss_fn(torch.cat([logits, torch.randn(3, 1, 11)], 1), tokens), expected)
+    with pytest.raises(ValueError, match="positions"):
+        loss_fn(logits[:, :3], tokens)
+
+
+def test_small_llama_learns_byte_text(text: ByteText) -> None:
+    torch.manual_seed(0)
+    model = Llama(SMALL)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for step in range(30):
+        tokens = text.batch(step, batch_size=8, seq_len=32)
+        loss = loss_fn(model(tokens[:, :-1]), tokens)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[0] > 0.9 * math.log(SMALL.vocab_size)
+    assert sum(losses[-5:]) / 5 < 0.7 * losses[0], losses
+
+
+# ---------------------------------------------------------------- text data
+
+
+@pytest.fixture(scope="module")
+def text() -> ByteText:
+    return ByteText(max_bytes=1 << 20)
+
+
+def test_byte_text_global_batch_is_independent_of_world_size(text: ByteText) -> None:
+    full = text.batch(5, batch_size=8, seq_len=24)
+    assert full.shape == (8, 25) and full.dtype == torch.long
+    for world in (2, 4, 8):
+        parts = [text.batch(5, 8, 24, rank=r, world_size=world) for r in range(world)]
+        assert all(p.shape == (8 // world, 25) for p in parts)
+        assert torch.equal(torch.cat(parts), full)
+    assert torch.equal(ByteText(max_bytes=1 << 20).batch(5, 8, 24), full)  # reproducible
+    assert not torch.equal(text.batch(6, 8, 24), full)  # steps differ
+    assert not torch.equal(ByteText(max_bytes=1 << 20, seed=1).batch(5, 8, 24), full)  # seeds differ
+
+
+def test_byte_text_rows_are_windows_of_stdlib_source(text: ByteText) -> None:
+    raw = bytes(text.data.tolist())
+    assert len(raw) == 1 << 20 and b"def " in raw and b"import " in raw
+    rows = text.batch(0, batch_size=16, seq_len=40)
+    assert 0 <= int(rows.min()) and int(rows.max()) < 256
+    for row in rows:
+        assert bytes(row.tolist()) in raw
+    with pytest.raises(ValueError, match="multiple of world_size"):
+        text.batch(0, batch_size=6, seq_len=8, rank=0, world_size=4)
+    with pytest.raises(ValueError, match="rank"):
+        text.batch(0, batch_size=8, seq_len=8, rank=4, world_size=4)
+
+
+# ---------------------------------------------------------------- draw_layout
+
+shape_lists = st.lists(st.lists(st.integers(0, 6), max_size=3).map(tuple), max_size=8)
+
+
+@settings(max_examples=60)
+@given(shapes=shape_lists, num_shards=st.integers(1, 8), data=st.data())
+def test_segments_tile_every_rank_and_match_item_offsets(shapes, num_shards, data) -> None:
+    layout = compute_layout(shapes, num_shards)
+    n = data.draw(st.sampled_from([d for d in range(1, num_shards + 1) if num_shards % d == 0]))
+    rows = segments(layout, n)
+    assert len(rows) == n
+    pieces: dict[int, list[tuple[int, int, int]]] = {}
+    padding = 0
+    for k, row in enumerate(rows):
+        lo, hi = layout.shard_range(k, n)
+        pos = lo
+        for j, (start, end, item) in enumerate(row):
+            assert start == pos and end > start  # contiguous, non-empty, in order
+            pos = end
+            if item is None:
+                padding += end - start
+                assert j == 0 or row[j - 1][2] is not None  # padding pieces are merged
+            else:
+                pieces.setdefault(item, []).append((k, start, end))
+        assert pos == hi  # covers exactly the rank's range
+    assert padding == layout.padding_numel
+    for i, it in enumerate(layout.items):
+        mine = pieces.get(i, [])
+        if it.numel == 0:
+            assert mine == []
+            continue
+        assert [k for k, _, _ in mine] == list(layout.owners(i, n))
+        assert mine[0][1] == it.offset and mine[-1][2] == it.offset + it.numel
+        assert all(a[2] == b[1] for a, b in zip(mine, mine[1:]))  # one contiguous slice
+        size = layout.shard_numel_for(n)
+        for k, start, end in mine:
+            r0, r1 = layout.item_rows(i, k, n)
+            local = layout.item_local_range(i, k, n)
+            assert (start - k * size, end - k * size) == local
+            assert end - start == (r1 - r0) * it.row_numel
+
+
+def test_truncate_layers_and_parse_shapes() -> None:
+    full = model_shapes("Llama-3-8B")
+    two = truncate_layers(full, 2)
+    assert two == full[:1 + 2 * 9] + full[-2:]
+    assert len(truncate_layers(model_shapes("Mixtral-8x7B"), 1)) == 1 + (4 + 1 + 24 + 2) + 2
+    with pytest.raises(ValueError, match="between 1 and 32"):
+        truncate_layers(full, 33)
+    assert parse_shapes("[(4, 3), (5,), 7, ()]") == [(4, 3), (5,), (7,), ()]
+    with pytest.raises(ValueError, match="non-negative"):
+        parse_shapes("[(4, -1)]")
+
+
+def test_draw_layout_writes_png(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "layout.png"
+    assert draw_main(["--shapes", "[(4, 3), (5,), (7, 2), (3, 5), (6,)]", "--world", "4", "--out", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 5000
+    out2 = tmp_path / "llama.png"
+    assert draw_main(["--model", "Llama-3-8B", "--layers", "1", "--world", "8", "--out", str(out2)]) == 0
+    assert out2.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_draw_layout_without_matplotlib_says_how_to_install(tmp_path: Path) -> None:
+    code = (
+        "import runpy, sys; sys.modules['matplotlib'] = None; "
+        f"sys.argv = ['draw_layout.py', '--world', '2', '--out', {str(tmp_path / 'x.png')!r}]; "
+        "runpy.run_path('tools/draw_layout.py', run_name='__main__')"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert run.returncode != 0
+    assert "pip install -e .[pictures]" in run.stderr
+    assert not (tmp_path / "x.png").exists()
