@@ -91,7 +91,9 @@ def parse_shapes(text: str) -> list[Shape]:
     try:
         value = ast.literal_eval(text)
     except (ValueError, SyntaxError):
-        raise ValueError(f"--shapes must be a Python list of tuples of ints, e.g. \"[(4, 3), (5,)]\"; got {text!r}") from None
+        raise ValueError(
+            f"--shapes must be a Python list of tuples of ints, e.g. \"[(4, 3), (5,)]\"; got {text!r}"
+        ) from None
     if not isinstance(value, (list, tuple)):
         raise ValueError(f"--shapes must be a list of shapes, got {value!r}")
     shapes: list[Shape] = []
@@ -133,7 +135,7 @@ def draw(layout: Layout, out: str, *, title: str = "", num_shards: Optional[int]
             if item is None:
                 ax.barh(k, w, left=x, height=0.7, color="0.82", hatch="////", edgecolor="0.45", linewidth=0)
                 if end - start < tiny:
-                    ax.plot([x + w / 2], [k - 0.46], marker="v", color="red", markersize=5)
+                    ax.plot([x + w / 2], [k - 0.46], marker="v", color="red", markersize=5, clip_on=False)
                 continue
             ax.barh(k, w, left=x, height=0.7, color=colors[layout.items[item].shape], edgecolor="white", linewidth=0.6)
             if end - start >= 0.035 * size:
@@ -188,7 +190,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             shapes, title = model_shapes(name), name
             if args.layers is not None:
                 shapes = truncate_layers(shapes, args.layers)
-                title += f", first {args.layers} layer{'s' if args.layers > 1 else ''}"
+                title += f", first {args.layers} layers" if args.layers > 1 else ", first layer only"
     except ValueError as e:
         parser.error(str(e))
     try:

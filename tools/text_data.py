@@ -82,7 +82,9 @@ class ByteText:
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
         if world_size < 1 or not 0 <= rank < world_size:
-            raise ValueError(f"need world_size >= 1 and 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
+            raise ValueError(
+                f"need world_size >= 1 and 0 <= rank < world_size, got rank={rank}, world_size={world_size}"
+            )
         if batch_size < 1 or batch_size % world_size:
             raise ValueError(
                 f"batch_size={batch_size} must be a positive multiple of world_size={world_size} "

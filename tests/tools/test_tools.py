@@ -74,15 +74,66 @@ def test_causal_future_tokens_do_not_change_earlier_logits(tie: bool) -> None:
 
 
 def test_rotary_makes_attention_order_aware() -> None:
-    # Without position information, the last position's output would not change when two
-    # earlier tokens swap places (attention would see the same set of keys and values).
+    # One layer: without position information the last position's output would not change
+    # when two earlier tokens swap places (its attention sees the same keys and values).
     torch.manual_seed(0)
-    model = Llama(SMALL)
+    model = Llama(LlamaConfig(**{**SMALL.__dict__, "n_layers": 1}))
     tokens = torch.tensor([[5, 17, 42, 99, 7, 3]])
     swapped = tokens[:, [1, 0, 2, 3, 4, 5]]
     with torch.no_grad():
         a, b = model(tokens), model(swapped)
     assert (a[0, -1] - b[0, -1]).abs().amax() > 1e-3
+
+
+def reference_forward(model: Llama, tokens: torch.Tensor) -> torch.Tensor:
+    """The same network written out from its definition: explicit masked softmax attention,
+    rotary embeddings as complex rotations of (x[j], x[j + half]) pairs, float64 throughout."""
+    cfg = model.cfg
+    w = {k: v.double() for k, v in model.state_dict().items()}
+    batch, seq = tokens.shape
+    hd, half = cfg.head_dim, cfg.head_dim // 2
+    angle = torch.arange(seq, dtype=torch.float64)[:, None] * cfg.rope_theta ** (-torch.arange(half) / half)
+    rotation = torch.polar(torch.ones_like(angle), angle)  # [seq, half]
+
+    def norm(x, weight):
+        return x / (x.pow(2).mean(-1, keepdim=True) + cfg.norm_eps).sqrt() * weight
+
+    def rope(x):  # [batch, seq, heads, hd]
+        z = torch.complex(x[..., :half], x[..., half:]) * rotation[None, :, None, :]
+        return torch.cat([z.real, z.imag], dim=-1)
+
+    mask = torch.ones(seq, seq, dtype=torch.bool).tril()
+    x = w["tok_embeddings.weight"][tokens]
+    for i in range(cfg.n_layers):
+        p = f"layers.{i}."
+        h = norm(x, w[p + "attention_norm.weight"])
+        q, k, v = (
+            (h @ w[p + f"attention.{n}.weight"].T).view(batch, seq, cfg.n_heads, hd) for n in ("wq", "wk", "wv")
+        )
+        q, k = rope(q), rope(k)
+        scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(hd)
+        attn = scores.masked_fill(~mask, float("-inf")).softmax(-1)
+        out = torch.einsum("bhqk,bkhd->bqhd", attn, v).reshape(batch, seq, cfg.dim)
+        x = x + out @ w[p + "attention.wo.weight"].T
+        h = norm(x, w[p + "mlp_norm.weight"])
+        gate, up = h @ w[p + "mlp.w_gate.weight"].T, h @ w[p + "mlp.w_up.weight"].T
+        x = x + (gate * torch.sigmoid(gate) * up) @ w[p + "mlp.w_down.weight"].T
+    x = norm(x, w["norm.weight"])
+    if cfg.tie_embeddings:
+        return x * cfg.dim**-0.5 @ w["tok_embeddings.weight"].T
+    return x @ w["lm_head.weight"].T
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_forward_matches_written_out_reference(tie: bool) -> None:
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(**{**SMALL.__dict__, "tie_embeddings": tie}))
+    tokens = torch.randint(0, SMALL.vocab_size, (2, 24), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        got = model(tokens)
+    expected = reference_forward(model, tokens)
+    assert expected.abs().amax() > 0.1
+    torch.testing.assert_close(got.double(), expected, rtol=1e-4, atol=1e-4)
 
 
 def test_loss_fn_matches_log_softmax_reference() -> None:
@@ -103,13 +154,18 @@ def test_small_llama_learns_byte_text(text: ByteText) -> None:
     model = Llama(SMALL)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     losses = []
-    for step in range(30):
-        tokens = text.batch(step, batch_size=8, seq_len=32)
-        loss = loss_fn(model(tokens[:, :-1]), tokens)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny ops: extra threads only contend on a busy machine
+    try:
+        for step in range(30):
+            tokens = text.batch(step, batch_size=8, seq_len=32)
+            loss = loss_fn(model(tokens[:, :-1]), tokens)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+    finally:
+        torch.set_num_threads(threads)
     assert losses[0] > 0.9 * math.log(SMALL.vocab_size)
     assert sum(losses[-5:]) / 5 < 0.7 * losses[0], losses
 
