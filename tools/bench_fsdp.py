@@ -685,8 +685,8 @@ def run_benchmark(cfg: BenchConfig | dict, progress: bool = False) -> dict:
         "timing": "median over timed steps; last rank in (after a barrier) to last rank out; "
                   "methods round-robin, order rotated every step; cpu = process_time of a rank",
         "memory_method": "own StorageTracker (TorchDispatchMode + UntypedStorage.resize_ hook): live "
-                         "untyped storages held by params/grads/buffers/optimizer state or touched by "
-                         "any op of the measured step; peak after any op or resize",
+                         "untyped storages the method created since it was built (found through gc) or "
+                         "that any op of the measured step touches; peak after any op or resize",
         "comm_method": "wrappers around torch.distributed collective and p2p functions during the "
                        "measured step; ops = collectives with one p2p all-gather/reduce-scatter "
                        "(W-1 isend + W-1 irecv) as one op; sent = bandwidth-optimal bytes per rank",
