@@ -54,7 +54,6 @@ class FSDPState:
         self._unsharded = False  # the unsharded parameters are registered
         self._pre_backward_done = False
         self._callback_queued = False
-        self._handles: list = []
         self._in_flight: list[ParameterGroup] = []  # root only: reductions launched, oldest first
 
     def install_hooks(self) -> None:
