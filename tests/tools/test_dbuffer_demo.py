@@ -1,4 +1,4 @@
-"""The README's demo command runs, trains, and matches single-process training."""
+"""tools/dbuffer_demo.py (DBuffer primitives by hand) runs, trains, and matches single-process training."""
 
 from __future__ import annotations
 
@@ -7,12 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_demo_trains_and_matches_reference() -> None:
+def test_dbuffer_demo_trains_and_matches_reference() -> None:
     run = subprocess.run(
-        [sys.executable, str(ROOT / "tools" / "demo.py"), "--steps", "40"],
+        [sys.executable, str(ROOT / "tools" / "dbuffer_demo.py"), "--steps", "40"],
         capture_output=True, text=True, timeout=300, cwd=ROOT,
     )
     assert run.returncode == 0, run.stderr

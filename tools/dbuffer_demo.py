@@ -1,7 +1,10 @@
-"""Demo: ZeRO-3 style data-parallel training written directly on DBuffer, on 2 CPU ranks.
+"""DBuffer demo: ZeRO-3 style data-parallel training written directly on DBuffer, on 2 CPU ranks.
 
-    python3 tools/dev.py demo            # launches its own 2 gloo ranks
-    torchrun --nproc-per-node 2 tools/demo.py
+    python3 tools/dbuffer_demo.py        # launches its own 2 gloo ranks
+    torchrun --nproc-per-node 2 tools/dbuffer_demo.py
+
+The README's demo (``tools/demo.py``) trains a Llama with ``fsdp.fully_shard``; this one shows
+what such a library is built from, using the DBuffer primitives by hand on a small MLP.
 
 Every rank keeps only its shard of the weights (``Shard(0)``). Each step all-gathers them into a
 reused full buffer, runs forward/backward on its own slice of the batch, writes the gradients into
