@@ -7,6 +7,18 @@ The layout math (:mod:`dbuffer.layout`, :mod:`dbuffer.placements`) is pure; the 
 from dbuffer.buffer import DBuffer, distribute_tensors
 from dbuffer.collectives import Pending
 from dbuffer.dtensor import RowShardedDTensor
-from dbuffer.layout import Layout, compute_layout
+from dbuffer.layout import Layout, OwnedLayout, assign_owners, compute_layout, compute_owned_layout
+from dbuffer.placements import Owned
 
-__all__ = ["DBuffer", "Layout", "Pending", "RowShardedDTensor", "compute_layout", "distribute_tensors"]
+__all__ = [
+    "DBuffer",
+    "Layout",
+    "Owned",
+    "OwnedLayout",
+    "Pending",
+    "RowShardedDTensor",
+    "assign_owners",
+    "compute_layout",
+    "compute_owned_layout",
+    "distribute_tensors",
+]

@@ -5,6 +5,10 @@ sharding the mesh allows (every rank its own shard), so the same layout serves e
 on that mesh and no redistribution ever moves a tensor inside the buffer. Each rank stores only
 its ``local_buffer``: the contiguous range of the global buffer that its placements give it.
 
+A buffer built with :class:`~dbuffer.placements.Owned` in its placements is laid out by
+:func:`dbuffer.layout.compute_owned_layout` instead (each tensor whole on one rank); buffers that
+exchange data with it (its gather target, its gradient buffer) pass ``layout=`` that layout.
+
 Guarantees:
 
 * Every primitive validates its arguments (``out`` included) before any collective, so a bad call
@@ -23,12 +27,22 @@ from typing import Sequence
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Partial, Placement, Replicate, Shard
+from torch.distributed.tensor import Partial, Replicate, Shard
 
 from dbuffer import collectives
 from dbuffer.collectives import Pending
-from dbuffer.layout import Layout, compute_layout
-from dbuffer.placements import Step, check_placements, num_shards, plan_redistribute, shard_index
+from dbuffer.layout import Layout, OwnedLayout, compute_layout, compute_owned_layout
+from dbuffer.placements import (
+    AnyPlacement,
+    Owned,
+    Step,
+    check_layout_kind,
+    check_placements,
+    is_shard,
+    num_shards,
+    plan_redistribute,
+    shard_index,
+)
 
 __all__ = ["DBuffer", "distribute_tensors"]
 
@@ -39,13 +53,16 @@ class DBuffer:
     """A flat buffer holding ``len(tensor_shapes)`` tensors, placed on ``mesh`` by ``placements``.
 
     Allocates a zero-filled local buffer (zeros, so padding never carries NaN or garbage into a
-    reduction or a norm).
+    reduction or a norm). Without ``layout``, the layout is packed (:func:`compute_layout`), or
+    owned (:func:`compute_owned_layout`) when a placement is ``Owned()``; a buffer that is to
+    exchange data with an Owned one (e.g. ``[Replicate()]`` or ``[Partial("avg")]``) takes
+    ``layout=owned_buffer.layout``.
     """
 
     def __init__(
         self,
         mesh: DeviceMesh,
-        placements: Sequence[Placement],
+        placements: Sequence[AnyPlacement],
         tensor_shapes: Shapes,
         dtype: torch.dtype,
         device: torch.device | str | None = None,
@@ -63,7 +80,13 @@ class DBuffer:
         if coordinate is None:
             raise ValueError(f"this rank is not part of the mesh {mesh}; build the DBuffer only on its ranks")
         self._coordinate = tuple(coordinate)
-        self.layout = layout if layout is not None else compute_layout(_shapes(tensor_shapes), mesh.size())
+        if layout is None:
+            owned = any(isinstance(p, Owned) for p in self.placements)
+            layout = (compute_owned_layout if owned else compute_layout)(_shapes(tensor_shapes), mesh.size())
+        elif not isinstance(layout, Layout):
+            raise TypeError(f"layout must be a dbuffer Layout (or None), got {type(layout).__name__}")
+        check_layout_kind(self.placements, isinstance(layout, OwnedLayout))
+        self.layout = layout
         self.dtype = dtype
         self.device = torch.device(device) if device is not None else _mesh_device(mesh)
         self.num_shards = num_shards(mesh.shape, self.placements)
@@ -84,18 +107,26 @@ class DBuffer:
         cls,
         local_buffer: torch.Tensor,
         mesh: DeviceMesh,
-        placements: Sequence[Placement],
+        placements: Sequence[AnyPlacement],
         tensor_shapes: Shapes,
+        *,
+        layout: Layout | None = None,
     ) -> "DBuffer":
         """Wrap an existing local buffer (no copy). It must be 1-D, contiguous and exactly the
         size this rank's shard has under ``placements``."""
         if not isinstance(local_buffer, torch.Tensor):
             raise TypeError(f"local_buffer must be a torch.Tensor, got {type(local_buffer).__name__}")
         return cls(
-            mesh, placements, tensor_shapes, local_buffer.dtype, local_buffer.device, local_buffer=local_buffer
+            mesh,
+            placements,
+            tensor_shapes,
+            local_buffer.dtype,
+            local_buffer.device,
+            layout=layout,
+            local_buffer=local_buffer,
         )
 
-    def _like(self, placements: Sequence[Placement], dtype: torch.dtype | None = None, local_buffer=None) -> "DBuffer":
+    def _like(self, placements: Sequence[AnyPlacement], dtype: torch.dtype | None = None, local_buffer=None) -> "DBuffer":
         """A sibling on the same mesh and layout. ``placements`` come from the planner (already
         valid), so this skips the constructor's checks: it runs once per collective."""
         out = object.__new__(DBuffer)
@@ -131,11 +162,29 @@ class DBuffer:
         """Rows ``[start, end)`` of tensor ``i`` held by this rank."""
         return self.layout.item_rows(self._item(i), self.shard_index, self.num_shards)
 
+    @property
+    def is_owned(self) -> bool:
+        """Whether the layout is owned (each tensor whole on one rank), whatever the placements."""
+        return isinstance(self.layout, OwnedLayout)
+
+    def owner(self, i: int) -> int:
+        """The rank (coordinate on the mesh's one axis) that holds all of tensor ``i`` under
+        ``Owned()``; the same on every rank and for every placement of this buffer. Only for
+        buffers with an owned layout: under ``Shard(0)`` a tensor may span several ranks."""
+        if not isinstance(self.layout, OwnedLayout):
+            raise ValueError(
+                "owner(): this buffer has a packed layout, where a tensor may span several ranks; "
+                "build it with Owned() (or layout=<an Owned buffer>.layout) to have owners"
+            )
+        return self.layout.owner(self._item(i))
+
     def get_local_tensor(self, i: int) -> torch.Tensor:
         """A view of this rank's rows of tensor ``i``.
 
         Unsharded placements give the whole tensor in its own shape; sharded ones give
-        ``(k, *shape[1:])`` with ``k`` possibly 0 (a 0-D tensor is one row: ``(k,)``).
+        ``(k, *shape[1:])`` with ``k`` possibly 0 (a 0-D tensor is one row: ``(k,)``). Under
+        ``Owned()`` that is all rows on the owner and 0 rows elsewhere, so a loop over tensors
+        needs no special case for the tensors a rank does not own.
         """
         item = self.layout.items[self._item(i)]
         start, end = self.layout.item_local_range(self._item(i), self.shard_index, self.num_shards)
@@ -159,7 +208,7 @@ class DBuffer:
     # ------------------------------------------------------------------ redistribution
 
     def redistribute(
-        self, placements: Sequence[Placement], *, out: "DBuffer | None" = None, async_op: bool = False
+        self, placements: Sequence[AnyPlacement], *, out: "DBuffer | None" = None, async_op: bool = False
     ):
         """Move to ``placements``, changing any number of mesh axes in one call.
 
@@ -168,6 +217,7 @@ class DBuffer:
         ``wait()`` gives the result; earlier steps of a multi-step plan run synchronously.
         """
         target = check_placements(placements, self.mesh.ndim)
+        check_layout_kind(target, self.is_owned)
         steps = plan_redistribute(self.placements, target)
         if out is not None:
             self._check_out(out, target, self.dtype, "redistribute")
@@ -185,29 +235,53 @@ class DBuffer:
         return pending if async_op else pending.wait()
 
     def allgather(self, axis: int, *, out: "DBuffer | None" = None, async_op: bool = False):
-        """All-gather over mesh ``axis``: ``Shard(0) -> Replicate()``. The axis must be the
-        innermost sharded one (otherwise the gathered shards would not be contiguous)."""
+        """All-gather over mesh ``axis``: ``Shard(0) -> Replicate()`` (or ``Owned() ->
+        Replicate()``). The axis must be the innermost sharded one (otherwise the gathered shards
+        would not be contiguous)."""
         return self._primitive("allgather", axis, Replicate(), out, async_op)
 
     def reduce_scatter(
-        self, axis: int, placement: Placement = Shard(0), *, out: "DBuffer | None" = None, async_op: bool = False
+        self,
+        axis: int,
+        placement: AnyPlacement | None = None,
+        *,
+        out: "DBuffer | None" = None,
+        async_op: bool = False,
     ):
-        """Reduce-scatter over mesh ``axis``: ``Partial(op) -> placement`` (``Shard(0)``). The
-        axis becomes the innermost sharded one."""
-        if placement != Shard(0):
-            raise ValueError(f"reduce_scatter produces Shard(0); got placement={placement}")
+        """Reduce-scatter over mesh ``axis``: ``Partial(op) -> placement``, which is ``Shard(0)``
+        for a packed layout and ``Owned()`` for an owned one (each tensor's reduction lands on
+        its owner); ``None`` picks it. The axis becomes the innermost sharded one."""
+        placement = self._shard_placement("reduce_scatter", placement)
         return self._primitive("reduce_scatter", axis, placement, out, async_op)
 
     def allreduce(self, axis: int, *, out: "DBuffer | None" = None, async_op: bool = False):
         """All-reduce over mesh ``axis``: ``Partial(op) -> Replicate()``. ``out=self`` reduces in place."""
         return self._primitive("allreduce", axis, Replicate(), out, async_op)
 
-    def scatter(self, axis: int, placement: Placement = Shard(0), *, out: "DBuffer | None" = None, async_op: bool = False):
-        """Local scatter over mesh ``axis``: ``Replicate() -> Shard(0)``, no communication.
-        Without ``out`` the result is a view of this buffer."""
-        if placement != Shard(0):
-            raise ValueError(f"scatter produces Shard(0); got placement={placement}")
+    def scatter(
+        self,
+        axis: int,
+        placement: AnyPlacement | None = None,
+        *,
+        out: "DBuffer | None" = None,
+        async_op: bool = False,
+    ):
+        """Local scatter over mesh ``axis``: ``Replicate() -> Shard(0)`` (``Owned()`` for an owned
+        layout; ``None`` picks it), no communication. Without ``out`` the result is a view of
+        this buffer."""
+        placement = self._shard_placement("scatter", placement)
         return self._primitive("scatter", axis, placement, out, async_op)
+
+    def _shard_placement(self, op: str, placement: AnyPlacement | None) -> AnyPlacement:
+        expected: AnyPlacement = Owned() if self.is_owned else Shard(0)
+        if placement is None:
+            return expected
+        if placement != expected:
+            kind = "an owned" if self.is_owned else "a packed"
+            raise ValueError(
+                f"{op} on a buffer with {kind} layout produces {expected}; got placement={placement}"
+            )
+        return placement
 
     def cast(self, dtype: torch.dtype, *, out: "DBuffer | None" = None) -> "DBuffer":
         """The same placements in ``dtype`` (a rounding copy; exact when ``dtype`` can hold every
@@ -219,22 +293,23 @@ class DBuffer:
         out.local_buffer.copy_(self.local_buffer)
         return out
 
-    _SOURCES = {"allgather": Shard, "reduce_scatter": Partial, "allreduce": Partial, "scatter": Replicate}
+    _SOURCES = {"allgather": (Shard, Owned), "reduce_scatter": (Partial,), "allreduce": (Partial,), "scatter": (Replicate,)}
 
-    def _primitive(self, kind: str, axis: int, new: Placement, out, async_op: bool):
+    def _primitive(self, kind: str, axis: int, new: AnyPlacement, out, async_op: bool):
         if not 0 <= axis < self.mesh.ndim:
             raise ValueError(f"axis must be in [0, {self.mesh.ndim}) for this mesh, got {axis}")
         have = self.placements[axis]
         if not isinstance(have, self._SOURCES[kind]):
+            needs = " or ".join(t.__name__ for t in self._SOURCES[kind])
             raise ValueError(
-                f"{kind} on axis {axis} needs a {self._SOURCES[kind].__name__} placement there, "
+                f"{kind} on axis {axis} needs a {needs} placement there, "
                 f"but the buffer is {have}; use redistribute() to get there"
             )
         after = list(self.placements)
         after[axis] = new
         step = Step(kind, axis, tuple(after))  # type: ignore[arg-type]
         if kind in ("allgather", "reduce_scatter", "scatter"):
-            inner = [a for a in range(axis + 1, self.mesh.ndim) if isinstance(self.placements[a], Shard)]
+            inner = [a for a in range(axis + 1, self.mesh.ndim) if is_shard(self.placements[a])]
             if inner:
                 raise ValueError(
                     f"{kind} on axis {axis} while inner axes {inner} are sharded would make "
@@ -277,7 +352,7 @@ class DBuffer:
             work = _done(dst)
         return work
 
-    def _check_out(self, out: "DBuffer", placements: Sequence[Placement], dtype: torch.dtype, op: str) -> None:
+    def _check_out(self, out: "DBuffer", placements: Sequence[AnyPlacement], dtype: torch.dtype, op: str) -> None:
         problem = None
         if not isinstance(out, DBuffer):
             problem = f"is a {type(out).__name__}, not a DBuffer"
@@ -286,7 +361,14 @@ class DBuffer:
         elif tuple(out.placements) != tuple(placements):
             problem = f"has placements {list(out.placements)}; the result has {list(placements)}"
         elif out.layout is not self.layout and out.layout != self.layout:
-            problem = "holds different tensor shapes (a different layout)"
+            if isinstance(out.layout, OwnedLayout) != self.is_owned:
+                mine, theirs = ("an owned", "a packed") if self.is_owned else ("a packed", "an owned")
+                problem = (
+                    f"has {theirs} layout but this buffer has {mine} one; build out with "
+                    f"layout=<this buffer>.layout"
+                )
+            else:
+                problem = "holds different tensor shapes (a different layout)"
         elif out.dtype != dtype:
             problem = f"has dtype {out.dtype}; the result has {dtype}"
         elif out.device != self.device:
@@ -336,11 +418,16 @@ class DBuffer:
 
 
 def distribute_tensors(
-    tensors: Sequence[torch.Tensor], mesh: DeviceMesh, placements: Sequence[Placement]
+    tensors: Sequence[torch.Tensor],
+    mesh: DeviceMesh,
+    placements: Sequence[AnyPlacement],
+    *,
+    layout: Layout | None = None,
 ) -> DBuffer:
     """A DBuffer holding ``tensors`` (every rank passes the same full tensors), copying only the
     ranges this rank owns. ``Partial("sum")`` puts the values on the first rank of each partial
-    axis and zeros elsewhere; ``Partial("avg")`` puts them everywhere."""
+    axis and zeros elsewhere; ``Partial("avg")`` puts them everywhere. ``layout`` as for
+    :class:`DBuffer` (default: owned if a placement is ``Owned()``, else packed)."""
     tensors = list(tensors)
     dtypes = {t.dtype for t in tensors}
     if len(dtypes) > 1:
@@ -352,6 +439,7 @@ def distribute_tensors(
         [t.shape for t in tensors],
         dtypes.pop() if dtypes else torch.float32,
         devices.pop() if len(devices) == 1 else None,
+        layout=layout,
     )
     holds = all(
         buf._coordinate[a] == 0 for a, p in enumerate(buf.placements) if isinstance(p, Partial) and p.reduce_op == "sum"
@@ -377,7 +465,7 @@ def _mesh_device(mesh: DeviceMesh) -> torch.device:
     return torch.device(mesh.device_type)
 
 
-def _empty_for(buf: DBuffer, placements: Sequence[Placement]) -> torch.Tensor:
+def _empty_for(buf: DBuffer, placements: Sequence[AnyPlacement]) -> torch.Tensor:
     numel = buf.layout.shard_numel_for(num_shards(buf.mesh.shape, placements))
     return torch.empty(numel, dtype=buf.dtype, device=buf.device)
 

@@ -14,6 +14,11 @@ sizes and hangs or returns garbage). :func:`make_dtensor` therefore returns:
   DCP hooks (``__create_write_items__``, ``__create_chunk_list__``, ``__get_tensor_shard__``);
 * for a 0-D tensor under sharding (DTensor cannot shard a scalar), a replicated copy.
 
+DTensor does not know dbuffer's ``Owned()`` placement, so views of an Owned buffer say
+``Shard(0)``: the owner's piece is every row, the others' pieces are empty (a RowShardedDTensor
+unless that happens to be ``torch.chunk``'s split, e.g. a one-row tensor owned by rank 0).
+``full_tensor()`` of such a view broadcasts from the owner instead of gathering padded pieces.
+
 For state dicts it also offers :func:`row_range` (which rows of the full tensor a DTensor's local
 piece holds, for both kinds) and :func:`broadcast_` / :func:`broadcast_object` (one rank's tensor
 or object to every rank, bit for bit), so that a full tensor held by rank 0 can be loaded into
@@ -30,7 +35,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from dbuffer import collectives
-from dbuffer.placements import shard_index, sharded_axes
+from dbuffer.placements import Owned, is_shard, shard_index, sharded_axes
 
 if TYPE_CHECKING:
     from dbuffer.buffer import DBuffer
@@ -51,19 +56,25 @@ def chunk_rows(num_rows: int, axis_sizes: Sequence[int]) -> tuple[int, ...]:
     return tuple(pieces)
 
 
+def dtensor_placements(placements: Sequence[Any]) -> tuple:
+    """A DBuffer's placements as DTensor placements: ``Owned()`` becomes ``Shard(0)``."""
+    return tuple(Shard(0) if isinstance(p, Owned) else p for p in placements)
+
+
 def make_dtensor(buf: "DBuffer", i: int) -> DTensor:
     item = buf.layout.items[i]
     local = buf.get_local_tensor(i)
     shape, stride = torch.Size(item.shape), _contiguous_stride(item.shape)
+    placements = dtensor_placements(buf.placements)
     if buf.num_shards == 1:
-        return DTensor.from_local(local, buf.mesh, buf.placements, run_check=False, shape=shape, stride=stride)
+        return DTensor.from_local(local, buf.mesh, placements, run_check=False, shape=shape, stride=stride)
     if len(item.shape) == 0:
         return _replicated_scalar(buf, local)
     axes = sharded_axes(buf.placements)
     rows = buf.layout.rows_per_shard(i, buf.num_shards)
     if rows == chunk_rows(item.num_rows, [buf.mesh.shape[a] for a in axes]):
-        return DTensor.from_local(local, buf.mesh, buf.placements, run_check=False, shape=shape, stride=stride)
-    spec = DTensorSpec(buf.mesh, tuple(buf.placements), TensorMeta(shape, stride, buf.dtype))
+        return DTensor.from_local(local, buf.mesh, placements, run_check=False, shape=shape, stride=stride)
+    spec = DTensorSpec(buf.mesh, placements, TensorMeta(shape, stride, buf.dtype))
     out = RowShardedDTensor(local, spec, requires_grad=False)
     out._rows_per_shard = rows
     out._row_start = sum(rows[: buf.shard_index])
@@ -87,6 +98,13 @@ class RowShardedDTensor(DTensor):
                 local = local.clone() if local is self._local_tensor else local
                 collectives.all_reduce(local, p.reduce_op, mesh.get_group(axis))
         row_shape = tuple(self.shape[1:])
+        holders = [k for k, rows in enumerate(self._rows_per_shard) if rows]
+        axes = sharded_axes(placements)
+        if len(holders) == 1 and len(axes) == 1:  # one rank holds every row (Owned): broadcast
+            full = local.new_zeros(tuple(self.shape))
+            if local.shape[0]:
+                full.copy_(local)
+            return broadcast_(full, mesh.get_group(axes[0]), src=holders[0])
         most = max(self._rows_per_shard)
         padded = local.new_zeros((most, *row_shape))
         padded[: local.shape[0]] = local
@@ -176,7 +194,7 @@ def _replicated_scalar(buf: "DBuffer", local: torch.Tensor) -> DTensor:
     value = local.sum() if local.numel() else local.new_zeros(())
     for axis in sharded_axes(buf.placements):
         collectives.all_reduce(value, "sum", buf.mesh.get_group(axis))
-    placements = [Replicate() if isinstance(p, Shard) else p for p in buf.placements]
+    placements = [Replicate() if is_shard(p) else p for p in buf.placements]
     return DTensor.from_local(value, buf.mesh, placements, run_check=False)
 
 

@@ -13,16 +13,23 @@ elements cut into equal contiguous shards. Two rules shape the layout:
 A tensor spanning two or more boundaries forces ``row_numel | shard_numel``;
 :func:`compute_layout` keeps padding small by searching ``shard_numel`` rather
 than taking an LCM of all row sizes. No torch here: cheap to import and test.
+
+:func:`compute_owned_layout` builds the other kind, an :class:`OwnedLayout`, for
+the ``Owned()`` placement: every tensor lies whole inside the shard of one
+owner, owners chosen by :func:`assign_owners` to balance the shards' sizes.
+The shards are still equal (padded to the largest owner's load), so the same
+all-gather and reduce-scatter serve both kinds.
 """
 
 from __future__ import annotations
 
+import heapq
 import math
 import operator
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
-__all__ = ["ItemLayout", "Layout", "compute_layout"]
+__all__ = ["ItemLayout", "Layout", "OwnedLayout", "assign_owners", "compute_layout", "compute_owned_layout"]
 
 
 @dataclass(frozen=True)
@@ -171,6 +178,47 @@ class Layout:
         return range(it.offset // size, (it.offset + it.numel - 1) // size + 1)
 
 
+@dataclass(frozen=True)
+class OwnedLayout(Layout):
+    """A layout in which every tensor lies whole inside one shard: its owner's.
+
+    Built by :func:`compute_owned_layout` for the ``Owned()`` placement. For the fine sharding
+    into ``num_shards`` (N) shards it guarantees:
+
+    * each tensor lies entirely inside the shard of its :meth:`owner` (a tensor without elements
+      too: its offset is inside that shard, so it is that shard's 0-element view);
+    * the tensors a shard owns follow registration order, packed from the shard's start;
+    * every shard has ``shard_numel`` elements, the largest owner load rounded up to ``align``;
+      the rest of a lighter shard is padding.
+
+    Offsets therefore do not grow with the item index. The queries inherited from
+    :class:`Layout` never assumed they did: they derive an item's rows on a shard from its own
+    offset, so they stay exact here (one owner per tensor, all rows on it). A coarser sharding
+    into n | N shards keeps every tensor whole, in coarse shard ``owner // (N / n)``.
+
+    A different class from :class:`Layout`, so the two never compare equal: a buffer with this
+    layout and one with a packed layout of the same shapes are not interchangeable.
+    """
+
+    def owner(self, item: ItemRef, num_shards: Optional[int] = None) -> int:
+        """The shard holding all of ``item`` (defined for every item, even one without rows)."""
+        n, size = self._resolve(num_shards)
+        return self._home(self._item(item), n, size)
+
+    def owned_items(self, index: int, num_shards: Optional[int] = None) -> tuple[int, ...]:
+        """Indices of the items shard ``index`` owns, in registration (= offset) order."""
+        n, size = self._resolve(num_shards, index)
+        return tuple(i for i, it in enumerate(self.items) if self._home(it, n, size) == index)
+
+    def loads(self, num_shards: Optional[int] = None) -> tuple[int, ...]:
+        """Tensor elements held by each shard; ``shard_numel_for(n)`` minus these is padding."""
+        n, size = self._resolve(num_shards)
+        loads = [0] * n
+        for it in self.items:
+            loads[self._home(it, n, size)] += it.numel
+        return tuple(loads)
+
+
 def compute_layout(shapes: Sequence[Sequence[int]], num_shards: int, *, align: int = 1) -> Layout:
     """Place ``shapes`` in order into ``num_shards`` equal, row-atomic shards.
 
@@ -182,13 +230,8 @@ def compute_layout(shapes: Sequence[Sequence[int]], num_shards: int, *, align: i
     n = _as_int(num_shards, "num_shards")
     if n < 1:
         raise ValueError(f"num_shards must be >= 1, got {n}; pass the number of shards (world size)")
-    align = _as_int(align, "align")
-    if align < 1:
-        raise ValueError(f"align must be >= 1, got {align}; use 1 for no alignment")
-    dims_list = [tuple(_as_int(d, f"shapes[{i}]") for d in shape) for i, shape in enumerate(shapes)]
-    for i, dims in enumerate(dims_list):
-        if any(d < 0 for d in dims):
-            raise ValueError(f"shapes[{i}]={dims} has a negative dimension; dimensions must be >= 0")
+    align = _check_align(align)
+    dims_list = _check_shapes(shapes)
     # (numel, row_numel) per tensor; a 0-D tensor is one row of one element.
     sizes = [(math.prod(d), math.prod(d[1:])) for d in dims_list]
     size = _choose_shard_numel(sizes, n, align)
@@ -199,6 +242,65 @@ def compute_layout(shapes: Sequence[Sequence[int]], num_shards: int, *, align: i
         for d, off, (numel, row) in zip(dims_list, offsets, sizes)
     )
     return Layout(items, n, size)
+
+
+def assign_owners(sizes: Sequence[int], num_shards: int) -> tuple[int, ...]:
+    """The owner shard of each item: largest first onto the least-loaded shard (LPT).
+
+    Items are taken by decreasing size, equal sizes in index order; each goes to the shard with
+    the smallest load so far, equal loads to the lowest shard. Integer arithmetic only, so every
+    rank computes the same owners. Guarantees (``n = num_shards``, ``p = max(sizes)``):
+
+    * ``max(load) <= min(load) + p`` (each item lands on a least-loaded shard);
+    * ``max(load) <= sum(sizes) / n + (1 - 1/n) * p`` (list scheduling);
+    * ``max(load) <= (4/3 - 1/(3n))`` times the best possible maximum (Graham's LPT bound).
+    """
+    n = _as_int(num_shards, "num_shards")
+    if n < 1:
+        raise ValueError(f"num_shards must be >= 1, got {n}; pass the number of shards (world size)")
+    sizes = [_as_int(s, f"sizes[{i}]") for i, s in enumerate(sizes)]
+    for i, s in enumerate(sizes):
+        if s < 0:
+            raise ValueError(f"sizes[{i}]={s} is negative; sizes must be >= 0")
+    heap = [(0, k) for k in range(n)]  # (load, shard): the minimum is the lightest, lowest shard
+    owners = [0] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        load, k = heapq.heappop(heap)
+        owners[i] = k
+        heapq.heappush(heap, (load + sizes[i], k))
+    return tuple(owners)
+
+
+def compute_owned_layout(shapes: Sequence[Sequence[int]], num_shards: int, *, align: int = 1) -> OwnedLayout:
+    """Place every tensor whole inside one of ``num_shards`` equal shards (see :class:`OwnedLayout`).
+
+    Owners come from :func:`assign_owners` on the tensors' element counts. Each shard holds its
+    tensors in registration order from its start; the shard size is the largest load rounded up
+    to a multiple of ``align``. Padding is ``num_shards * shard_numel - total``: small when many
+    tensors share the shards, large when one tensor outweighs a fair share (``total / n``), since
+    every shard is then padded to that tensor's size.
+    """
+    n = _as_int(num_shards, "num_shards")
+    if n < 1:
+        raise ValueError(f"num_shards must be >= 1, got {n}; pass the number of shards (world size)")
+    align = _check_align(align)
+    dims_list = _check_shapes(shapes)
+    sizes = [(math.prod(d), math.prod(d[1:])) for d in dims_list]
+    owners = assign_owners([numel for numel, _ in sizes], n)
+    loads = [0] * n
+    for (numel, _), k in zip(sizes, owners):
+        loads[k] += numel
+    size = -(-max(loads) // align) * align
+    fill = [0] * n  # next free element of each shard
+    items = []
+    for d, (numel, row), k in zip(dims_list, sizes, owners):
+        if numel:
+            offset = k * size + fill[k]
+            fill[k] += numel
+        else:  # no elements: an offset inside shard k (a full shard's end is the next shard's start)
+            offset = k * size + min(fill[k], size - 1) if size else 0
+        items.append(ItemLayout(d, offset, numel, row, d[0] if d else 1))
+    return OwnedLayout(tuple(items), n, size)
 
 
 def _place(pos: int, numel: int, row: int, size: int) -> Optional[int]:
@@ -269,6 +371,21 @@ def _choose_shard_numel(sizes: Sequence[tuple[int, int]], n: int, align: int) ->
         else:
             lo = mid + 1
     return best
+
+
+def _check_align(align: object) -> int:
+    align = _as_int(align, "align")
+    if align < 1:
+        raise ValueError(f"align must be >= 1, got {align}; use 1 for no alignment")
+    return align
+
+
+def _check_shapes(shapes: Sequence[Sequence[int]]) -> list[tuple[int, ...]]:
+    dims_list = [tuple(_as_int(d, f"shapes[{i}]") for d in shape) for i, shape in enumerate(shapes)]
+    for i, dims in enumerate(dims_list):
+        if any(d < 0 for d in dims):
+            raise ValueError(f"shapes[{i}]={dims} has a negative dimension; dimensions must be >= 0")
+    return dims_list
 
 
 def _as_int(value: object, name: str) -> int:

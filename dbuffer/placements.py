@@ -6,6 +6,11 @@ A DBuffer uses torch's own placement values, one per mesh axis:
 * ``Replicate()``: every rank along the axis holds the same values;
 * ``Partial("sum")`` / ``Partial("avg")``: the true value is the sum / mean over the axis.
 
+On a 1-D mesh a DBuffer may also use :class:`Owned` (dbuffer's own placement, not torch's): each
+tensor lies whole on one rank, its owner. It cuts the flat buffer into equal shards like
+``Shard(0)``, over an :class:`~dbuffer.layout.OwnedLayout` instead of the packed layout, so every
+rule below treats it as a shard placement; ``Shard(0)`` and ``Owned()`` never mix in one buffer.
+
 Any combination is allowed. When several axes are sharded, the shard a rank holds is numbered
 row-major over the sharded axes (axis 0 outermost), exactly like DTensor's nesting of
 ``[Shard(0), Shard(0)]``. Consequently a collective on one axis moves contiguous data only when
@@ -17,12 +22,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal, Sequence
+from typing import Literal, Sequence, Union
 
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
 __all__ = [
+    "AnyPlacement",
+    "Owned",
     "Step",
+    "check_layout_kind",
     "check_placements",
     "is_shard",
     "num_shards",
@@ -34,11 +42,35 @@ __all__ = [
 REDUCE_OPS = ("sum", "avg")
 
 
-def is_shard(p: Placement) -> bool:
-    return isinstance(p, Shard)
+@dataclass(frozen=True)
+class Owned:
+    """Each tensor lies whole on one rank of the mesh axis, its owner; the others hold 0 rows.
+
+    Owners are balanced by size (:func:`dbuffer.layout.assign_owners`) and each rank's tensors
+    sit in its shard of an :class:`~dbuffer.layout.OwnedLayout`. All shards have one size, so
+    ``Owned() -> Replicate()`` is an all-gather, ``Partial -> Owned()`` a reduce-scatter (each
+    tensor's reduction lands on its owner) and ``Replicate() -> Owned()`` a local slice, exactly
+    as for ``Shard(0)``. An optimizer that needs whole matrices (Muon) steps each one on its owner.
+
+    Not a subclass of torch's ``Placement``: DTensor's sharding propagation does not know it.
+    DTensor views of an Owned buffer (:meth:`dbuffer.DBuffer.get_dtensor`) therefore say
+    ``Shard(0)`` and carry their true rows (all on the owner), and ``Owned`` only ever appears
+    in a DBuffer's placements. Supported on 1-D meshes.
+    """
+
+    def __repr__(self) -> str:
+        return "Owned()"
 
 
-def check_placements(placements: Sequence[Placement], mesh_ndim: int, name: str = "placements") -> tuple[Placement, ...]:
+AnyPlacement = Union[Placement, Owned]
+
+
+def is_shard(p: AnyPlacement) -> bool:
+    """Whether ``p`` cuts the flat buffer into equal contiguous shards (``Shard(0)``, ``Owned()``)."""
+    return isinstance(p, (Shard, Owned))
+
+
+def check_placements(placements: Sequence[AnyPlacement], mesh_ndim: int, name: str = "placements") -> tuple[AnyPlacement, ...]:
     """Validate ``placements`` for a mesh of ``mesh_ndim`` axes and return them as a tuple."""
     placements = tuple(placements)
     if len(placements) != mesh_ndim:
@@ -47,7 +79,13 @@ def check_placements(placements: Sequence[Placement], mesh_ndim: int, name: str 
             f"give exactly one placement per mesh axis"
         )
     for axis, p in enumerate(placements):
-        if type(p) is Shard:
+        if type(p) is Owned:
+            if mesh_ndim != 1:
+                raise ValueError(
+                    f"{name}[{axis}] is Owned() on a {mesh_ndim}-D mesh; Owned() is supported on 1-D "
+                    f"meshes only: use a 1-D mesh (e.g. mesh[axis_name]) or Shard(0)"
+                )
+        elif type(p) is Shard:
             if p.dim != 0:
                 raise ValueError(
                     f"{name}[{axis}] is {p}; a DBuffer is flat, so only Shard(0) is supported"
@@ -59,21 +97,39 @@ def check_placements(placements: Sequence[Placement], mesh_ndim: int, name: str 
                 )
         elif type(p) is not Replicate:
             raise ValueError(
-                f"{name}[{axis}] is {p!r}; use Shard(0), Replicate(), Partial('sum') or Partial('avg')"
+                f"{name}[{axis}] is {p!r}; use Shard(0), Replicate(), Partial('sum') or Partial('avg') "
+                f"(or dbuffer.Owned() on a 1-D mesh)"
             )
     return placements
 
 
-def sharded_axes(placements: Sequence[Placement]) -> tuple[int, ...]:
+def check_layout_kind(placements: Sequence[AnyPlacement], owned_layout: bool, name: str = "placements") -> None:
+    """``Owned()`` needs an owned layout and ``Shard(0)`` a packed one (``owned_layout`` says which
+    the buffer has); raise naming the axis and the fix otherwise. Unsharded placements fit both."""
+    for axis, p in enumerate(placements):
+        if isinstance(p, Owned) and not owned_layout:
+            raise ValueError(
+                f"{name}[{axis}] is Owned() but the layout is packed (tensors split across ranks); "
+                f"build the buffer with layout=compute_owned_layout(shapes, mesh.size()), or leave "
+                f"layout=None with Owned() in its placements, which computes it"
+            )
+        if isinstance(p, Shard) and owned_layout:
+            raise ValueError(
+                f"{name}[{axis}] is Shard(0) but the layout is owned (each tensor whole on one rank); "
+                f"use Owned() on this buffer, or a buffer with a packed layout for Shard(0)"
+            )
+
+
+def sharded_axes(placements: Sequence[AnyPlacement]) -> tuple[int, ...]:
     return tuple(a for a, p in enumerate(placements) if is_shard(p))
 
 
-def num_shards(mesh_shape: Sequence[int], placements: Sequence[Placement]) -> int:
+def num_shards(mesh_shape: Sequence[int], placements: Sequence[AnyPlacement]) -> int:
     """How many equal shards the flat buffer is cut into under ``placements``."""
     return math.prod(mesh_shape[a] for a in sharded_axes(placements))
 
 
-def shard_index(mesh_shape: Sequence[int], placements: Sequence[Placement], coordinate: Sequence[int]) -> int:
+def shard_index(mesh_shape: Sequence[int], placements: Sequence[AnyPlacement], coordinate: Sequence[int]) -> int:
     """The shard held by the rank at ``coordinate``: row-major over the sharded axes."""
     index = 0
     for a in sharded_axes(placements):
@@ -90,10 +146,10 @@ class Step:
 
     kind: StepKind
     axis: int
-    after: tuple[Placement, ...]
+    after: tuple[AnyPlacement, ...]
 
 
-def plan_redistribute(src: Sequence[Placement], dst: Sequence[Placement]) -> list[Step]:
+def plan_redistribute(src: Sequence[AnyPlacement], dst: Sequence[AnyPlacement]) -> list[Step]:
     """Order the primitives that turn placements ``src`` into ``dst``.
 
     1. Let ``k`` be the outermost axis whose sharded-ness changes. Every axis from ``k`` inward
@@ -110,6 +166,12 @@ def plan_redistribute(src: Sequence[Placement], dst: Sequence[Placement]) -> lis
     if len(src) != len(dst):
         raise ValueError(f"placements must have {len(src)} entries (one per mesh axis), got {len(dst)}")
     for axis, (s, d) in enumerate(zip(src, dst)):
+        if is_shard(s) and is_shard(d) and type(s) is not type(d):
+            raise ValueError(
+                f"cannot redistribute axis {axis} from {s} to {d}: Shard(0) uses a packed layout "
+                f"and Owned() an owned one, so no buffer holds both; rebuild from full tensors "
+                f"(distribute_tensors) with the placement you need"
+            )
         if isinstance(d, Partial) and s != d:
             raise ValueError(
                 f"cannot redistribute axis {axis} from {s} to {d}: nothing turns data into "
