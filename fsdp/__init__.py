@@ -13,6 +13,10 @@ optim_grads_params`` (ZeRO-0..3, default ZeRO-3); ``MixedPrecisionPolicy(main_pa
 torch.float32, main_grads_dtype=...)``; ``param.main_grad``; ``module.zero_grad_buffer()`` and
 ``module.finish_grad_sync()``.
 
+Beyond both: ``fully_shard(..., buckets=[Bucket("*.experts.*", ...)], bucket_size=...)`` groups
+parameters into communication buckets by name, each with its own mesh, placement (``Shard(0)``,
+or ``dbuffer.Owned()``: whole tensors on balanced owners, for Muon), strategy and precision.
+
 Checkpoints and meta-device init:
 
 * torch's ``torch.distributed.checkpoint.state_dict.get_state_dict`` / ``set_state_dict`` with
@@ -38,15 +42,17 @@ Differences worth knowing:
 * The model weights are refreshed after any ``torch.optim`` optimizer step (a global step hook)
   or any in-place change autograd's version counter sees (``load_state_dict``); after another
   kind of update call ``group.mark_stale()`` on the unit's groups.
-* 1-D meshes only (no HSDP); 0-D parameters only with ``no_shard``; a parameter tied across two
-  units is an error (put both users in one unit).
+* Meshes are 1-D, or 2-D ``(replicate, shard)`` for HSDP; 0-D parameters only with ``no_shard``;
+  a parameter tied across two units is an error (put both users in one unit).
 """
 
 from fsdp.api import FSDPModule, UnshardHandle, fully_shard, init_weights, register_fsdp_forward_method
+from fsdp.bucket import Bucket
 from fsdp.param_group import ParameterGroup
 from fsdp.policy import MixedPrecisionPolicy, Strategy
 
 __all__ = [
+    "Bucket",
     "FSDPModule",
     "MixedPrecisionPolicy",
     "ParameterGroup",

@@ -13,7 +13,7 @@ same error on every rank.
 from __future__ import annotations
 
 import functools
-from typing import Callable, Iterable, Optional, Union
+from typing import Callable, Iterable, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -21,11 +21,13 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
+from fsdp.bucket import Bucket, GroupSpec, plan_buckets
 from fsdp.param_group import ParamInfo, ParameterGroup
 from fsdp.policy import MixedPrecisionPolicy, Strategy, parse_strategy
 from fsdp.state import FSDPState, finish_grad_sync
 
 __all__ = [
+    "Bucket",
     "FSDPModule",
     "MixedPrecisionPolicy",
     "UnshardHandle",
@@ -158,10 +160,18 @@ def fully_shard(
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
     sharding_strategy: Union[str, Strategy] = "optim_grads_params",
     ignored_params: Optional[Iterable[nn.Parameter]] = None,
+    buckets: Sequence[Bucket] = (),
+    bucket_size: Optional[int] = None,
 ):
-    """Shard ``module`` (or a list of modules forming one unit) over the 1-D data-parallel ``mesh``.
+    """Shard ``module`` (or a list of modules forming one unit) over ``mesh``.
 
-    Returns the module, its class swapped to ``FSDP<Orig>``. Nested units must be sharded first.
+    ``mesh``: 1-D (the data-parallel ranks) or 2-D ``(replicate, shard)`` for HSDP: parameters
+    are sharded and gathered within the inner axis, gradients are reduce-scattered within it and
+    all-reduced across the outer one, in one ``redistribute``. ``buckets``: explicit groups of
+    parameters by name, each with its own mesh, placement, strategy and policy (see
+    :class:`fsdp.Bucket`); ``bucket_size``: split the remaining default groups at this many bytes
+    of main weights. Returns the module, its class swapped to ``FSDP<Orig>``. Nested units must be
+    sharded first.
     """
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
     strategy = parse_strategy(sharding_strategy)
@@ -176,14 +186,23 @@ def fully_shard(
             raise ValueError(f"{type(m).__name__} is already sharded; fully_shard each module once")
     ignored = set(map(id, ignored_params or ()))
     infos = _collect_params(modules, ignored)
-    _check_params(infos, strategy, mp_policy)
+    _check_devices(infos)
     mesh = _check_mesh(mesh, infos)
+    if isinstance(buckets, Bucket):
+        buckets = [buckets]
+    specs = plan_buckets(
+        [i.fqn for i in infos], [i.param for i in infos], list(buckets), mesh, strategy, mp_policy, bucket_size
+    )
+    for spec in specs:
+        if spec.mesh is not mesh:
+            _check_mesh(spec.mesh, infos, what="a bucket's mesh")
+        _check_params([infos[k] for k in spec.members], spec.strategy, spec.policy)
 
     classes = [type(m) for m in modules]
     try:
         for m in modules:
             m.__class__ = _fsdp_class(type(m))
-        groups = _build_groups(infos, mesh, strategy, mp_policy)
+        groups = _build_groups(infos, specs)
         state = FSDPState(modules, groups, mp_policy, reshard_after_forward)
         for group in groups:
             group.use_params(unsharded=False)
@@ -305,6 +324,12 @@ def _collect_params(modules: list[nn.Module], ignored: set[int]) -> list[ParamIn
     return list(infos.values())
 
 
+def _check_devices(infos: list[ParamInfo]) -> None:
+    devices = {info.param.device for info in infos}
+    if len(devices) > 1:
+        raise ValueError(f"the unit's parameters are on several devices {sorted(map(str, devices))}; move them to one")
+
+
 def _check_params(infos: list[ParamInfo], strategy: Strategy, policy: MixedPrecisionPolicy) -> None:
     for info in infos:
         p = info.param
@@ -320,12 +345,9 @@ def _check_params(infos: list[ParamInfo], strategy: Strategy, policy: MixedPreci
                 f"parameter {info.fqn!r} is 0-D, which cannot be sharded as a row range; "
                 f"reshape it to (1,) or use sharding_strategy='no_shard'"
             )
-    devices = {info.param.device for info in infos}
-    if len(devices) > 1:
-        raise ValueError(f"the unit's parameters are on several devices {sorted(map(str, devices))}; move them to one")
 
 
-def _check_mesh(mesh: Optional[DeviceMesh], infos: list[ParamInfo]) -> DeviceMesh:
+def _check_mesh(mesh: Optional[DeviceMesh], infos: list[ParamInfo], what: str = "mesh") -> DeviceMesh:
     if infos and infos[0].param.device.type != "meta":
         device_type = infos[0].param.device.type
     else:  # no parameters of its own, or built on meta: the shards go to the mesh's device
@@ -336,26 +358,36 @@ def _check_mesh(mesh: Optional[DeviceMesh], infos: list[ParamInfo]) -> DeviceMes
             raise RuntimeError("fully_shard needs torch.distributed initialised (or pass mesh=)")
         return init_device_mesh(device_type, (dist.get_world_size(),))
     if not isinstance(mesh, DeviceMesh):
-        raise TypeError(f"mesh must be a torch DeviceMesh, got {type(mesh).__name__}")
-    if mesh.ndim != 1:
-        raise ValueError(f"mesh must be 1-D (the data-parallel ranks), got a {mesh.ndim}-D mesh {mesh}")
+        raise TypeError(f"{what} must be a torch DeviceMesh, got {type(mesh).__name__}")
+    if mesh.ndim not in (1, 2):
+        raise ValueError(
+            f"{what} must be 1-D (the data-parallel ranks) or 2-D (replicate, shard) for HSDP, "
+            f"got a {mesh.ndim}-D mesh {mesh}; slice it, e.g. mesh['dp_replicate', 'dp_shard']"
+        )
     if infos and mesh.device_type != device_type:
-        raise ValueError(f"mesh is for device type {mesh.device_type!r} but the parameters are on {device_type!r}")
+        raise ValueError(f"{what} is for device type {mesh.device_type!r} but the parameters are on {device_type!r}")
     if mesh.get_coordinate() is None:
-        raise ValueError(f"this rank is not part of mesh {mesh}; call fully_shard only on its ranks")
+        raise ValueError(f"this rank is not part of {what} {mesh}; call fully_shard only on its ranks")
     return mesh
 
 
-def _build_groups(
-    infos: list[ParamInfo], mesh: DeviceMesh, strategy: Strategy, policy: MixedPrecisionPolicy
-) -> list[ParameterGroup]:
-    buckets: dict[tuple[torch.dtype, bool], list[ParamInfo]] = {}
-    for info in infos:
-        buckets.setdefault((info.param.dtype, info.param.requires_grad), []).append(info)
-    return [
-        ParameterGroup(group, mesh, strategy, policy.dtypes_for(dtype), requires_grad)
-        for (dtype, requires_grad), group in buckets.items()
-    ]
+def _build_groups(infos: list[ParamInfo], specs: list[GroupSpec]) -> list[ParameterGroup]:
+    groups = []
+    for spec in specs:
+        members = [infos[k] for k in spec.members]
+        first = members[0].param
+        groups.append(
+            ParameterGroup(
+                members,
+                spec.mesh,
+                spec.strategy,
+                spec.policy.dtypes_for(first.dtype),
+                first.requires_grad,
+                shard=spec.placement,
+                gradient_divide_factor=spec.gradient_divide_factor,
+            )
+        )
+    return groups
 
 
 def _sharded_of(groups: list[ParameterGroup]):

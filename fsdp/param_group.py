@@ -1,4 +1,9 @@
-"""ParameterGroup: the parameters of one unit sharing (dtype, requires_grad), as a set of DBuffers.
+"""ParameterGroup: one communication bucket of a unit's parameters, as a set of DBuffers.
+
+A group's parameters share a dtype, ``requires_grad``, a mesh, a sharding strategy and a shard
+placement (see :mod:`fsdp.bucket`). On a 1-D mesh the shard axis is the mesh; on a 2-D mesh
+(HSDP) the outer axis replicates and the inner one shards, so gathers stay inside a shard group
+and one ``redistribute`` reduce-scatters inside it and all-reduces across replicas.
 
 Buffers, all on one layout (parameter registration order, so every rank packs the same bytes):
 
@@ -13,7 +18,9 @@ Buffers, all on one layout (parameter registration order, so every rank packs th
 * ``grad_in``: where the unsharded gradients of this rank land, ``Partial("avg")`` in the reduce
   dtype; storage exists only while gradients are being accumulated.
 * ``main_grad``: the reduced gradients, sharded for ``optim_grads*``; ``param.grad`` and
-  ``param.main_grad`` are DTensor views of it.
+  ``param.main_grad`` are DTensor views of it. Its storage exists only from the first reduction
+  after the optimizer dropped the gradients (``zero_grad()``, set_to_none) until the next such
+  drop, which the next forward notices: between steps it costs nothing, as in FSDP2.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from dbuffer import DBuffer, Pending, RowShardedDTensor
@@ -34,7 +42,25 @@ from fsdp.streams import CommStreams
 
 __all__ = ["ParamInfo", "ParameterGroup"]
 
-SHARD, REPLICATE, AVG = [Shard(0)], [Replicate()], [Partial("avg")]
+
+
+@dataclass(frozen=True)
+class GroupPlacements:
+    """Where each buffer of a group lives on its mesh: the last mesh axis shards, any outer axis
+    replicates (HSDP); gradients arrive ``Partial`` on every axis."""
+
+    sharded: tuple[Placement, ...]
+    replicated: tuple[Placement, ...]
+    partial: tuple[Placement, ...]
+
+    @classmethod
+    def for_mesh(cls, ndim: int, shard: Placement, reduce_op: str) -> "GroupPlacements":
+        lead = (Replicate(),) * (ndim - 1)
+        return cls(lead + (shard,), lead + (Replicate(),), (Partial(reduce_op),) * ndim)
+
+    @property
+    def shard_axis(self) -> int:
+        return len(self.sharded) - 1
 
 
 @dataclass
@@ -51,17 +77,31 @@ class ParameterGroup:
     """The DBuffers of one (dtype, requires_grad) group and the moves between them."""
 
     def __init__(
-        self, infos: list[ParamInfo], mesh: DeviceMesh, strategy: Strategy, dtypes: Dtypes, requires_grad: bool
+        self,
+        infos: list[ParamInfo],
+        mesh: DeviceMesh,
+        strategy: Strategy,
+        dtypes: Dtypes,
+        requires_grad: bool,
+        shard: Placement = Shard(0),
+        gradient_divide_factor: Optional[float] = None,
     ) -> None:
+        """``shard``: ``Shard(0)`` (row-atomic packing) or ``dbuffer.Owned()`` (whole tensors on
+        balanced owners). ``gradient_divide_factor``: divide the summed gradients by this instead
+        of averaging over the mesh (e.g. expert weights, whose gradients already hold the
+        contributions of a whole expert-parallel group)."""
         self.infos = infos
         self.mesh = mesh
         self.strategy = strategy
         self.dtypes = dtypes
         self.requires_grad = requires_grad
+        self.divide_factor = gradient_divide_factor
+        self.placements = GroupPlacements.for_mesh(mesh.ndim, shard, "avg" if gradient_divide_factor is None else "sum")
         device = infos[0].param.device
         meta = device.type == "meta"  # built on the meta device: allocate on the mesh's device
         shapes = [tuple(i.param.shape) for i in infos]
-        main_pl = SHARD if strategy.shard_optim else REPLICATE
+        pl = self.placements
+        main_pl = pl.sharded if strategy.shard_optim else pl.replicated
         self.main = DBuffer(mesh, main_pl, shapes, dtypes.main, None if meta else device)
         self.streams = CommStreams.for_device(self.main.device)
         if not meta:
@@ -70,7 +110,7 @@ class ParameterGroup:
         if not strategy.shard_optim:
             self.unsharded = self.model  # no_shard: the replicated model weights are the full ones
         else:
-            self.unsharded = self._new(REPLICATE, dtypes.model)
+            self.unsharded = self._new(pl.replicated, dtypes.model)
         self.sharded_params = [
             nn.Parameter(self.main.get_dtensor(k), requires_grad=requires_grad) for k in range(len(infos))
         ]
@@ -131,7 +171,7 @@ class ParameterGroup:
         if self.model is not self.main:
             self.main.cast(self.dtypes.model, out=self.model)
         if self.strategy.shard_optim and not self.strategy.shard_params:
-            self.model.allgather(0, out=self.unsharded)
+            self.model.redistribute(self.placements.replicated, out=self.unsharded)
         self._weights_version = version
         self._stale = False
         self._refreshes += 1
@@ -152,7 +192,7 @@ class ParameterGroup:
         self._version_before_gather = self.unsharded.local_buffer._version
         self.unsharded.reallocate_storage()
         with self.streams.launch(self.streams.all_gather):
-            self._gather_pending = self.model.allgather(0, out=self.unsharded, async_op=True)
+            self._gather_pending = self.model.redistribute(self.placements.replicated, out=self.unsharded, async_op=True)
         if not async_op:
             self.wait_unshard()
 
@@ -193,7 +233,7 @@ class ParameterGroup:
         main weights themselves when they are replicated (``no_shard``), otherwise a temporary
         replicated buffer of this group only, never of the whole model."""
         if self.strategy.shard_optim:
-            self._init_buffer = self._new(REPLICATE, self.dtypes.main)
+            self._init_buffer = self._new(self.placements.replicated, self.dtypes.main)
         target = self._init_buffer if self._init_buffer is not None else self.main
         params = [
             nn.Parameter(target.get_local_tensor(k), requires_grad=self.requires_grad) for k in range(len(self.infos))
@@ -209,7 +249,7 @@ class ParameterGroup:
         weights. ``commit=False`` (after a failed init function) only restores the registration."""
         buf, self._init_buffer = self._init_buffer, None
         if commit and buf is not None:
-            buf.scatter(0, out=self.main)
+            buf.redistribute(self.main.placements, out=self.main)
         self.use_params(unsharded=False)
         if commit:
             self.mark_stale()
@@ -225,12 +265,12 @@ class ParameterGroup:
     # ------------------------------------------------------------------ gradients
 
     def _init_grads(self) -> None:
-        s, d = self.strategy, self.dtypes
-        self.grad_in = self._new(AVG, d.reduce)
+        s, d, pl = self.strategy, self.dtypes, self.placements
+        self.grad_in = self._new(pl.partial, d.reduce)
         self.grad_in.release_storage()
-        self.main_grad = self._new(SHARD if s.shard_grads else REPLICATE, d.main_grad)
+        self.main_grad = self._new(pl.sharded if s.shard_grads else pl.replicated, d.main_grad)
         # ``optim``: the grads are whole on every rank but the parameters are shards of them.
-        view = self.main_grad.scatter(0) if s.shard_optim and not s.shard_grads else self.main_grad
+        view = self.main_grad.redistribute(pl.sharded) if s.shard_optim and not s.shard_grads else self.main_grad
         self.main_grad_views = [view.get_dtensor(k) for k in range(len(self.infos))]
         self._seen: set[int] = set()  # params whose gradient arrived in this backward
         self._local: set[int] = set()  # params with gradients in grad_in, not yet reduced
@@ -238,6 +278,7 @@ class ParameterGroup:
         self._reduce: Optional[tuple[Pending, bool]] = None
         self._main_grad_has_data = False  # False: the next reduction overwrites main_grad
         self._grads_attached = False
+        self.main_grad.release_storage()  # allocated by the first reduction
 
     def register_grad_hooks(self, on_group_done: Callable[["ParameterGroup"], None]) -> None:
         """Copy each unsharded gradient into ``grad_in`` as soon as autograd has accumulated it
@@ -282,16 +323,26 @@ class ParameterGroup:
         overwrite = self._overwrite_main_grad()
         self._in_main = set(self._local) if overwrite else self._in_main | self._local
         direct = overwrite and self.dtypes.reduce == self.dtypes.main_grad
+        if overwrite:
+            self.main_grad.reallocate_storage()
+        target_pl = self.main_grad.placements
         with self.streams.launch(self.streams.reduce_scatter):
-            if self.strategy.shard_grads:
-                target = self.main_grad if direct else self._new(SHARD, self.dtypes.reduce)
-                pending = self.grad_in.reduce_scatter(0, out=target, async_op=True)
-            elif direct:
-                pending = self.grad_in.allreduce(0, out=self.main_grad, async_op=True)
+            if direct:
+                pending = self.grad_in.redistribute(target_pl, out=self.main_grad, async_op=True)
+            elif self.strategy.shard_grads:
+                target = self._new(target_pl, self.dtypes.reduce)
+                pending = self.grad_in.redistribute(target_pl, out=target, async_op=True)
             else:
-                pending = self.grad_in.allreduce(0, out=self.grad_in, async_op=True)
+                pending = self._allreduce_in_place()
         self._local = set()
         self._reduce = (pending, overwrite)
+
+    def _allreduce_in_place(self) -> Pending:
+        """All-reduce ``grad_in`` over every mesh axis in its own storage (the last one async)."""
+        current = self.grad_in
+        for axis in range(self.mesh.ndim - 1):
+            current = current.allreduce(axis, out=current)
+        return current.allreduce(self.mesh.ndim - 1, out=current, async_op=True)
 
     def _overwrite_main_grad(self) -> bool:
         """Whether the next reduction replaces ``main_grad`` (it was zeroed: the optimizer set
@@ -302,9 +353,18 @@ class ParameterGroup:
         return overwrite
 
     def _detect_zeroed(self) -> None:
+        """The optimizer dropped every ``.grad`` we attached: main_grad's values are dead, so its
+        storage goes until the next reduction rewrites it."""
         if self._grads_attached and all(p.grad is None for p in self.sharded_params):
             self._main_grad_has_data = False
             self._grads_attached = False
+            if self._reduce is None and not self.main_grad.is_storage_released():
+                self.main_grad.release_storage()
+
+    def release_dropped_grads(self) -> None:
+        """Called before forward: free main_grad if ``zero_grad()`` dropped the gradients."""
+        if self.requires_grad:
+            self._detect_zeroed()
 
     @torch.no_grad()
     def finish_reduce(self) -> bool:
@@ -315,6 +375,8 @@ class ParameterGroup:
         self._reduce = None
         result = pending.wait()
         self.streams.wait(self.streams.reduce_scatter)
+        if self.divide_factor is not None:
+            result.local_buffer.div_(self.divide_factor)
         if result is not self.main_grad:
             if overwrite:
                 self.main_grad.local_buffer.copy_(result.local_buffer)
@@ -356,6 +418,7 @@ class ParameterGroup:
         self._local = set()
         if not self.grad_in.is_storage_released():
             self.grad_in.release_storage()
+        self.main_grad.reallocate_storage()
         self.main_grad.local_buffer.zero_()
         for p in self.sharded_params:
             if p.grad is not None and p.grad.dtype != self.dtypes.main_grad:

@@ -119,6 +119,8 @@ class FSDPState:
             self._order_recorded = bool(self.forward_order)
         if not root._order_recorded and self not in root.forward_order:
             root.forward_order.append(self)
+        for group in self.groups:
+            group.release_dropped_grads()
         self.unshard()
         self._use_unsharded()
         for nxt in self._next_units(self.forward_prefetch, +1):

@@ -96,14 +96,14 @@ def _expect(fn, exc, text) -> str:
 
 def _misuse() -> dict:
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    mesh2d = init_device_mesh("cpu", (dist.get_world_size(), 1))
+    mesh3d = init_device_mesh("cpu", (dist.get_world_size(), 1, 1))
     other = DeviceMesh("cpu", [1])  # excludes rank 0
     out = {}
     if dist.get_rank() != 0:
         return out
     bf16 = fsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16)
     out["non_float"] = _expect(lambda: fsdp.fully_shard(WithInt(), mesh=mesh, mp_policy=bf16), ValueError, "non-floating")
-    out["mesh_2d"] = _expect(lambda: fsdp.fully_shard(Block(), mesh=mesh2d), ValueError, "1-D")
+    out["mesh_3d"] = _expect(lambda: fsdp.fully_shard(Block(), mesh=mesh3d), ValueError, "1-D")
     out["mesh_rank"] = _expect(lambda: fsdp.fully_shard(Block(), mesh=other), ValueError, "not part of mesh")
     out["mesh_type"] = _expect(lambda: fsdp.fully_shard(Block(), mesh="cpu"), TypeError, "DeviceMesh")
     out["strategy"] = _expect(lambda: fsdp.fully_shard(Block(), sharding_strategy="zero4"), ValueError, "unknown sharding_strategy")

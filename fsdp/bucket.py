@@ -1,0 +1,184 @@
+"""Buckets: which parameters of a unit communicate together, where, and how.
+
+By default a unit's parameters are grouped by (dtype, requires_grad), in registration order, and
+each group is one all-gather and one reduce-scatter. :class:`Bucket` overrides that for the
+parameters whose names match its patterns, independently of module boundaries: its own mesh,
+shard placement, sharding strategy and precision policy. ``bucket_size`` splits the default
+groups so that communication of one part overlaps computation of the next.
+
+Guarantees, all checked in :func:`plan_buckets` before any buffer or collective exists:
+
+* every parameter lands in exactly one bucket (a name matching two buckets, or a bucket matching
+  nothing, is an error naming them);
+* inside a bucket the payload keeps parameter registration order, so every rank packs the same
+  bytes in the same order whatever order the gradients arrive in (bitwise reproducibility).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass
+from typing import Optional, Sequence, Union
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Shard
+from torch.distributed.tensor.placement_types import Placement
+
+from fsdp.policy import MixedPrecisionPolicy, Strategy, parse_strategy
+
+__all__ = ["Bucket", "GroupSpec", "plan_buckets"]
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """Parameters whose name (relative to the module given to ``fully_shard``) matches one of
+    ``names`` (``fnmatch`` patterns, e.g. ``"*.experts.*"``).
+
+    * ``placement``: ``Shard(0)`` packs the tensors row-atomically across the shard ranks;
+      ``dbuffer.Owned()`` keeps each tensor whole on one rank (owners balanced by size), which is
+      what an optimizer needing whole matrices (Muon) wants.
+    * ``mesh``: 1-D (shard) or 2-D (replicate, shard: HSDP); default the unit's mesh.
+    * ``per_tensor``: one collective per tensor, each split evenly along dim 0, which must divide
+      by the shard count: stacked MoE expert weights ``[E, ...]`` sharded by whole experts,
+      without the padding a shared buffer would need, as plain ``Shard(0)`` DTensors.
+    * ``gradient_divide_factor``: sum the gradients over the mesh and divide by this instead of
+      averaging over it (expert parallelism: an expert's gradient already sums the tokens of its
+      whole expert-parallel group, so divide by the data-parallel world, not the mesh size).
+    """
+
+    names: Union[str, Sequence[str]]
+    placement: Placement = Shard(0)
+    mesh: Optional[DeviceMesh] = None
+    sharding_strategy: Optional[Union[str, Strategy]] = None
+    mp_policy: Optional[MixedPrecisionPolicy] = None
+    per_tensor: bool = False
+    gradient_divide_factor: Optional[float] = None
+
+    @property
+    def patterns(self) -> tuple[str, ...]:
+        return (self.names,) if isinstance(self.names, str) else tuple(self.names)
+
+    def matches(self, fqn: str) -> bool:
+        return any(fnmatch.fnmatchcase(fqn, pattern) for pattern in self.patterns)
+
+
+@dataclass
+class GroupSpec:
+    """One ParameterGroup to build: indices into the unit's parameters and how to place them."""
+
+    members: list[int]
+    mesh: DeviceMesh
+    placement: Placement
+    strategy: Strategy
+    policy: MixedPrecisionPolicy
+    gradient_divide_factor: Optional[float] = None
+
+
+def plan_buckets(
+    names: list[str],
+    params: list[torch.Tensor],
+    buckets: Sequence[Bucket],
+    mesh: DeviceMesh,
+    strategy: Strategy,
+    policy: MixedPrecisionPolicy,
+    bucket_size: Optional[int],
+) -> list[GroupSpec]:
+    """Assign the unit's parameters (registration order) to groups. Explicit buckets come first,
+    in the order given; the rest is grouped by (dtype, requires_grad), split at ``bucket_size``
+    bytes of main weights (a larger parameter gets a group of its own)."""
+    if bucket_size is not None and (not isinstance(bucket_size, int) or bucket_size <= 0):
+        raise ValueError(f"bucket_size must be a positive number of bytes or None, got {bucket_size!r}")
+    owner: dict[int, int] = {}
+    for b, bucket in enumerate(buckets):
+        if not isinstance(bucket, Bucket):
+            raise TypeError(f"buckets[{b}] must be an fsdp.Bucket, got {type(bucket).__name__}")
+        hits = [k for k, name in enumerate(names) if bucket.matches(name)]
+        if not hits:
+            shown = ", ".join(repr(n) for n in names[:4]) + (", ..." if len(names) > 4 else "")
+            raise ValueError(
+                f"buckets[{b}] (names={bucket.patterns}) matches no parameter of this unit; "
+                f"its parameters are {shown}"
+            )
+        for k in hits:
+            if k in owner:
+                raise ValueError(
+                    f"parameter {names[k]!r} matches buckets[{owner[k]}] (names={buckets[owner[k]].patterns}) "
+                    f"and buckets[{b}] (names={bucket.patterns}); every parameter must be in exactly one bucket"
+                )
+            owner[k] = b
+    specs: list[GroupSpec] = []
+    for b, bucket in enumerate(buckets):
+        members = [k for k in range(len(names)) if owner.get(k) == b]
+        specs.extend(_explicit(b, bucket, members, names, params, mesh, strategy, policy))
+    rest = [k for k in range(len(names)) if k not in owner]
+    specs.extend(_default(rest, params, mesh, strategy, policy, bucket_size))
+    return specs
+
+
+def _explicit(b, bucket, members, names, params, mesh, strategy, policy) -> list[GroupSpec]:
+    mesh = bucket.mesh if bucket.mesh is not None else mesh
+    strategy = parse_strategy(bucket.sharding_strategy) if bucket.sharding_strategy is not None else strategy
+    policy = bucket.mp_policy if bucket.mp_policy is not None else policy
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"buckets[{b}].mesh must be a torch DeviceMesh, got {type(mesh).__name__}")
+    if not isinstance(policy, MixedPrecisionPolicy):
+        raise TypeError(f"buckets[{b}].mp_policy must be an fsdp.MixedPrecisionPolicy, got {type(policy).__name__}")
+    factor = bucket.gradient_divide_factor
+    if factor is not None and (not isinstance(factor, (int, float)) or factor <= 0):
+        raise ValueError(f"buckets[{b}].gradient_divide_factor must be a positive number, got {factor!r}")
+    _check_placement(b, bucket.placement)
+    if bucket.per_tensor:
+        shards = mesh.shape[-1] if strategy.shard_optim else 1
+        for k in members:
+            rows = params[k].shape[0] if params[k].dim() else 0
+            if params[k].dim() == 0 or rows % shards:
+                raise ValueError(
+                    f"buckets[{b}] is per_tensor, so {names[k]!r} (shape {tuple(params[k].shape)}) is split "
+                    f"along dim 0 over {shards} ranks, which needs dim 0 divisible by {shards}: choose a "
+                    f"number of experts (or mesh) that divides, or leave per_tensor off"
+                )
+        groups = [[k] for k in members]
+    else:
+        groups = _by_dtype(members, params)
+    return [GroupSpec(g, mesh, bucket.placement, strategy, policy, factor) for g in groups]
+
+
+def _default(members, params, mesh, strategy, policy, bucket_size) -> list[GroupSpec]:
+    specs = []
+    for group in _by_dtype(members, params):
+        main_bytes = [_main_bytes(params[k], policy) for k in group]
+        current: list[int] = []
+        size = 0
+        for k, nbytes in zip(group, main_bytes):
+            if current and bucket_size is not None and size + nbytes > bucket_size:
+                specs.append(GroupSpec(current, mesh, Shard(0), strategy, policy))
+                current, size = [], 0
+            current.append(k)
+            size += nbytes
+        specs.append(GroupSpec(current, mesh, Shard(0), strategy, policy))
+    return specs
+
+
+def _by_dtype(members: list[int], params: list[torch.Tensor]) -> list[list[int]]:
+    groups: dict[tuple[torch.dtype, bool], list[int]] = {}
+    for k in members:
+        groups.setdefault((params[k].dtype, params[k].requires_grad), []).append(k)
+    return list(groups.values())
+
+
+def _main_bytes(p: torch.Tensor, policy: MixedPrecisionPolicy) -> int:
+    return p.numel() * torch.empty((), dtype=policy.dtypes_for(p.dtype).main).element_size()
+
+
+def _check_placement(b: int, placement: Placement) -> None:
+    try:
+        from dbuffer import Owned  # type: ignore[attr-defined]
+    except ImportError:  # pragma: no cover - older dbuffer
+        Owned = None
+    if placement == Shard(0) or (Owned is not None and isinstance(placement, Owned)):
+        return
+    raise ValueError(
+        f"buckets[{b}].placement must be Shard(0) or dbuffer.Owned(), got {placement!r} "
+        f"(replicated parameters: use sharding_strategy='no_shard')"
+    )
