@@ -1,0 +1,274 @@
+"""Muon for 2-D weights, AdamW for the rest, on whole tensors or on dbuffer ``Owned()`` pieces.
+
+Muon (Jordan et al., 2024) keeps a momentum buffer per weight matrix and steps along the
+momentum's approximate orthogonalisation: a few Newton–Schulz iterations push every singular
+value of the (normalised) matrix towards 1. That needs the *whole* matrix, which a row-sharded
+(ZeRO / FSDP ``Shard(0)``) parameter does not have on any rank. Under dbuffer's ``Owned()``
+placement each matrix lives whole on one rank, its owner: the owner steps it alone, with no
+communication, and the other ranks hold 0 rows of it and skip it. Gradients reach the owner by
+the usual reduce-scatter (``Partial -> Owned``) and weights return to every rank by the usual
+all-gather (``Owned -> Replicate``), exactly the traffic of ZeRO-3.
+
+:class:`Muon` works on
+
+* plain tensors (one device, or replicated data parallelism);
+* DTensor parameters whose local piece is the whole tensor or nothing (views from
+  :meth:`dbuffer.DBuffer.get_dtensor` of an ``Owned()`` buffer, or replicated DTensors), with
+  DTensor gradients laid out the same way. It reads and writes ``_local_tensor`` only, so it
+  never communicates; the AdamW part is elementwise and also accepts any row-sharded piece.
+
+State holds local tensors (a non-owner has none for a matrix it does not own). Step math is
+per tensor and the same on both kinds, so an Owned run equals a single-device run bit for bit
+whenever the gradients do (tests/fsdp/test_muon.py).
+
+Update rules, for a weight ``W`` of shape ``(rows, cols)`` with gradient ``G``:
+
+* Muon: ``B <- lerp(B, G, 1 - momentum)`` (an exponential average; Newton–Schulz normalises
+  away its scale), ``U = lerp(G, B, momentum)`` with ``nesterov`` else ``B``,
+  ``O = NS(U)`` (:func:`newton_schulz`: ``ns_steps`` quintic iterations in ``ns_dtype``, fp32 by
+  default), ``W <- W * (1 - lr * weight_decay) - lr * scale * O`` with ``scale =
+  sqrt(max(1, rows / cols))`` (``adjust_lr="original"``, Keller Jordan's scaling and torch's
+  default) or ``0.2 * sqrt(max(rows, cols))`` (``"match_rms_adamw"``, Moonshot's: the update's
+  RMS matches AdamW's, so AdamW's lr and weight decay carry over).
+* AdamW (Loshchilov & Hutter), for every parameter that is not 2-D (or a group with
+  ``use_muon=False``): ``W <- W * (1 - adamw_lr * adamw_weight_decay)``, ``m <- lerp(m, G,
+  1 - beta1)``, ``v <- beta2 v + (1 - beta2) G^2``, ``W <- W - adamw_lr / (1 - beta1^t) * m /
+  (sqrt(v) / sqrt(1 - beta2^t) + adamw_eps)``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable
+
+import torch
+from torch.distributed.tensor import DTensor, Partial
+
+__all__ = ["NS_COEFFICIENTS", "Muon", "newton_schulz"]
+
+# (a, b, c) of the quintic X <- a X + b (X X^T) X + c (X X^T)^2 X used by public Muon
+# implementations: the slope at 0 is large (fast growth of small singular values) at the price of
+# singular values ending near, not at, 1 (roughly 0.7 to 1.2 after 5 steps).
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+
+_ADJUST_LR = ("original", "match_rms_adamw")
+_NS_DTYPES = (torch.float32, torch.bfloat16, torch.float64)
+
+
+def newton_schulz(
+    m: torch.Tensor,
+    steps: int = 5,
+    coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
+    eps: float = 1e-7,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """The approximate orthogonalisation of the matrix ``m``, as a new ``dtype`` tensor.
+
+    ``m`` is divided by its Frobenius norm (at least ``eps``), so every singular value lies in
+    [0, 1], then ``steps`` quintic iterations map each singular value ``s`` to ``a s + b s^3 +
+    c s^5`` while keeping the singular vectors. A wide orientation is used (rows <= cols, tall
+    matrices are transposed and back), so the Gram matrix ``X X^T`` is the smaller one.
+    """
+    if m.dim() != 2:
+        raise ValueError(f"newton_schulz needs a 2-D matrix, got shape {tuple(m.shape)}")
+    a, b, c = coefficients
+    tall = m.shape[0] > m.shape[1]
+    x = m.to(dtype, copy=True)
+    if tall:
+        x = x.mT
+    x = x / x.norm().clamp(min=eps)
+    for _ in range(steps):
+        gram = x @ x.mT
+        poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)  # b * gram + c * gram @ gram
+        x = torch.addmm(x, poly, x, beta=a)  # a * x + poly @ x
+    return x.mT if tall else x
+
+
+class Muon(torch.optim.Optimizer):
+    """Muon for 2-D parameters, AdamW for the others (see the module docstring for the math).
+
+    Args:
+        params: tensors or param groups. A group may set any option below, and ``use_muon``:
+            ``None`` (default) picks Muon for 2-D parameters and AdamW for the rest; ``True``
+            forces Muon (every parameter of the group must be 2-D); ``False`` forces AdamW
+            (e.g. for embeddings and output heads).
+        lr, momentum, nesterov, ns_steps, weight_decay: Muon's step size, momentum coefficient
+            in [0, 1), Nesterov look-ahead, Newton–Schulz iterations and decoupled weight decay.
+        adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: the AdamW part's hyperparameters.
+        ns_coefficients, ns_eps: the quintic's (a, b, c) and the norm's floor.
+        ns_dtype: dtype of the Newton–Schulz iteration (fp32 default; bf16 as in the public
+            GPU implementations, faster on GPUs and less exact).
+        adjust_lr: ``"original"`` or ``"match_rms_adamw"`` (the update's scale, module docstring).
+
+    Parameters may be DTensors whose local piece is all of the tensor or none of it (dbuffer
+    ``Owned()`` views): Muon steps a matrix on its owner only. A matrix split across ranks
+    (``Shard(0)`` of a packed layout) raises: Newton–Schulz of a piece is not a piece of
+    Newton–Schulz.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 0.02,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_steps: int = 5,
+        weight_decay: float = 0.0,
+        adamw_lr: float = 3e-4,
+        adamw_betas: tuple[float, float] = (0.9, 0.999),
+        adamw_eps: float = 1e-8,
+        adamw_weight_decay: float = 0.0,
+        *,
+        ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
+        ns_eps: float = 1e-7,
+        ns_dtype: torch.dtype = torch.float32,
+        adjust_lr: str = "original",
+    ) -> None:
+        defaults = dict(
+            lr=lr,
+            momentum=momentum,
+            nesterov=nesterov,
+            ns_steps=ns_steps,
+            weight_decay=weight_decay,
+            adamw_lr=adamw_lr,
+            adamw_betas=adamw_betas,
+            adamw_eps=adamw_eps,
+            adamw_weight_decay=adamw_weight_decay,
+            ns_coefficients=ns_coefficients,
+            ns_eps=ns_eps,
+            ns_dtype=ns_dtype,
+            adjust_lr=adjust_lr,
+            use_muon=None,
+        )
+        _check_options(defaults, "Muon")
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        where = f"param group {len(self.param_groups) - 1}"
+        _check_options(group, where)
+        for j, p in enumerate(group["params"]):
+            if group["use_muon"] and p.dim() != 2:
+                raise ValueError(
+                    f"{where} has use_muon=True but params[{j}] has shape {tuple(p.shape)}; Muon "
+                    f"steps 2-D matrices only: put it in a group with use_muon=False (AdamW)"
+                )
+
+    @torch.no_grad()
+    def step(self, closure=None):  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for gi, group in enumerate(self.param_groups):
+            for j, p in enumerate(group["params"]):
+                if p.grad is None:
+                    continue
+                local, grad = _local_pieces(p, f"param group {gi}, params[{j}]")
+                use_muon = group["use_muon"] if group["use_muon"] is not None else p.dim() == 2
+                if use_muon:
+                    self._muon(p, local, grad, group, f"param group {gi}, params[{j}]")
+                else:
+                    self._adamw(p, local, grad, group)
+        return loss
+
+    def _muon(self, p: torch.Tensor, local: torch.Tensor, grad: torch.Tensor, group: dict, where: str) -> None:
+        rows, cols = p.shape
+        if tuple(local.shape) != (rows, cols):
+            if local.shape[0] == 0:
+                return  # another rank owns this matrix
+            raise ValueError(
+                f"{where}: this rank holds {local.shape[0]} of the {rows} rows of a matrix; Muon "
+                f"needs whole matrices on one rank: place the parameters with dbuffer's Owned() "
+                f"(or replicate them), not Shard(0)"
+            )
+        if local.numel() == 0:
+            return
+        state = self.state[p]
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(grad, memory_format=torch.contiguous_format)
+        buf = state["momentum_buffer"]
+        momentum = group["momentum"]
+        buf.lerp_(grad, 1 - momentum)
+        update = torch.lerp(grad, buf, momentum) if group["nesterov"] else buf
+        ortho = newton_schulz(update, group["ns_steps"], group["ns_coefficients"], group["ns_eps"], group["ns_dtype"])
+        if group["adjust_lr"] == "original":
+            scale = math.sqrt(max(1.0, rows / cols))
+        else:
+            scale = 0.2 * math.sqrt(max(rows, cols))
+        lr = group["lr"]
+        if group["weight_decay"]:
+            local.mul_(1 - lr * group["weight_decay"])
+        local.add_(ortho, alpha=-lr * scale)
+
+    def _adamw(self, p: torch.Tensor, local: torch.Tensor, grad: torch.Tensor, group: dict) -> None:
+        if local.numel() == 0:
+            return  # another rank holds this tensor (or it is empty)
+        state = self.state[p]
+        if "step" not in state:
+            state["step"] = 0
+            state["exp_avg"] = torch.zeros_like(local, memory_format=torch.contiguous_format)
+            state["exp_avg_sq"] = torch.zeros_like(local, memory_format=torch.contiguous_format)
+        state["step"] += 1
+        t = state["step"]
+        lr, (beta1, beta2) = group["adamw_lr"], group["adamw_betas"]
+        exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+        if group["adamw_weight_decay"]:
+            local.mul_(1 - lr * group["adamw_weight_decay"])
+        exp_avg.lerp_(grad, 1 - beta1)
+        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        denom = (exp_avg_sq.sqrt() / math.sqrt(1 - beta2**t)).add_(group["adamw_eps"])
+        local.addcdiv_(exp_avg, denom, value=-lr / (1 - beta1**t))
+
+
+def _local_pieces(p: torch.Tensor, where: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(this rank's piece of ``p``, of its gradient): the tensors themselves for plain tensors,
+    the local tensors for DTensors (which must then agree in kind, shape and placements)."""
+    grad = p.grad
+    if not isinstance(p, DTensor):
+        if isinstance(grad, DTensor):
+            raise TypeError(f"{where}: the parameter is a plain tensor but its grad is a DTensor")
+        return p, grad
+    if not isinstance(grad, DTensor):
+        raise TypeError(
+            f"{where}: the parameter is a DTensor but its grad is a {type(grad).__name__}; set "
+            f"p.grad to a DTensor laid out like p (e.g. grads.get_dtensor(i) of an Owned buffer)"
+        )
+    for name, t in (("parameter", p), ("grad", grad)):
+        if any(isinstance(pl, Partial) for pl in t.placements):
+            raise ValueError(
+                f"{where}: the {name} has placements {list(t.placements)}; reduce it first "
+                f"(e.g. reduce-scatter gradients to Owned()) before stepping"
+            )
+    local, glocal = p._local_tensor, grad._local_tensor
+    if local.shape != glocal.shape:
+        raise ValueError(
+            f"{where}: the parameter's local piece has shape {tuple(local.shape)} but its grad's "
+            f"has {tuple(glocal.shape)}; lay both out with the same placements and layout"
+        )
+    return local, glocal
+
+
+def _check_options(group: dict[str, Any], where: str) -> None:
+    def bad(name: str, rule: str) -> ValueError:
+        return ValueError(f"{where}: {name}={group[name]!r} is invalid; {rule}")
+
+    for name in ("lr", "weight_decay", "adamw_lr", "adamw_weight_decay", "adamw_eps", "ns_eps"):
+        if not isinstance(group[name], (int, float)) or not group[name] >= 0:
+            raise bad(name, "use a number >= 0")
+    if not isinstance(group["momentum"], (int, float)) or not 0 <= group["momentum"] < 1:
+        raise bad("momentum", "use a number in [0, 1)")
+    betas = group["adamw_betas"]
+    if len(tuple(betas)) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in betas):
+        raise bad("adamw_betas", "use two numbers in [0, 1)")
+    if not isinstance(group["ns_steps"], int) or group["ns_steps"] < 1:
+        raise bad("ns_steps", "use an int >= 1 (5 is the usual choice)")
+    if len(tuple(group["ns_coefficients"])) != 3:
+        raise bad("ns_coefficients", "give the quintic's three coefficients (a, b, c)")
+    if group["ns_dtype"] not in _NS_DTYPES:
+        raise bad("ns_dtype", "use torch.float32, torch.bfloat16 or torch.float64")
+    if group["adjust_lr"] not in _ADJUST_LR:
+        raise bad("adjust_lr", f"use one of {_ADJUST_LR}")
+    if group["use_muon"] not in (None, True, False):
+        raise bad("use_muon", "use None (2-D params get Muon), True or False")
