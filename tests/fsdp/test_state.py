@@ -262,4 +262,4 @@ def test_backward_keeps_at_most_two_gradient_buffers_alive() -> None:
     ref = reference(model, batches)
     most, diff = run_ranks(_grad_buffers_in_backward, 2, model, batches, ref, backend="threaded")[0]
     assert diff <= 1e-5
-    assert 1 <= most <= 3, most  # two in flight plus the one being filled, of 6 units
+    assert 1 <= most <= 2, most  # one in flight plus the one being filled, of 6 units
