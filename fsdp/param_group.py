@@ -280,13 +280,16 @@ class ParameterGroup:
         self._grads_attached = False
         self.main_grad.release_storage()  # allocated by the first reduction
 
-    def register_grad_hooks(self, on_group_done: Callable[["ParameterGroup"], None]) -> None:
+    def register_grad_hooks(
+        self, on_group_done: Callable[["ParameterGroup"], None], on_group_start: Callable[["ParameterGroup"], None]
+    ) -> None:
         """Copy each unsharded gradient into ``grad_in`` as soon as autograd has accumulated it
-        (Megatron's main_grad style), and report when the whole group has its gradients."""
+        (Megatron's main_grad style); report when ``grad_in`` is about to be allocated and when
+        the whole group has its gradients."""
         for k, p in enumerate(self.unsharded_params):
-            p.register_post_accumulate_grad_hook(self._make_hook(k, on_group_done))
+            p.register_post_accumulate_grad_hook(self._make_hook(k, on_group_done, on_group_start))
 
-    def _make_hook(self, k: int, on_group_done):
+    def _make_hook(self, k: int, on_group_done, on_group_start):
         def hook(p: torch.Tensor) -> None:
             grad, p.grad = p.grad, None
             if grad is None:
@@ -294,6 +297,7 @@ class ParameterGroup:
             if self._reduce is not None:  # left in flight by set_is_last_backward(False)
                 self.finish_reduce()
             if not self._local:
+                on_group_start(self)
                 self.grad_in.reallocate_storage()
                 self.grad_in.local_buffer.zero_()  # padding and unused parameters reduce as 0
             with torch.no_grad():

@@ -64,7 +64,7 @@ class FSDPState:
         """Called once the unit is fully built, so a failed setup leaves no hook behind."""
         for group in self.groups:
             if group.requires_grad:
-                group.register_grad_hooks(self._on_group_grads_done)
+                group.register_grad_hooks(self._on_group_grads_done, self._on_group_grads_start)
         for module in self.modules:
             module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
             module.register_forward_hook(self._post_forward)
@@ -166,6 +166,14 @@ class FSDPState:
         self.unshard()
         for prev in self._next_units(self.backward_prefetch, -1):
             prev.unshard(async_op=True)
+
+    def _on_group_grads_start(self, group: ParameterGroup) -> None:
+        """A group is about to allocate its gradient buffer: finish the reductions still in
+        flight first (by now they have had a whole unit's backward to run), so that their
+        buffers are freed before this one exists."""
+        root = self.root if self.root is not None else self
+        while root._in_flight:
+            root._in_flight.pop(0).finish_reduce()
 
     def _on_group_grads_done(self, group: ParameterGroup) -> None:
         root = self.root if self.root is not None else self

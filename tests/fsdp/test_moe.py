@@ -152,7 +152,9 @@ def _fsdp_x_ep(
 
 
 @pytest.mark.parametrize(
-    "backend,shape", [("threaded", (2, 2)), ("gloo", (1, 2))], ids=["threaded-2x2", "gloo-1x2"]
+    "backend,shape",
+    [("threaded", (2, 2)), ("gloo", (2, 2)), ("gloo", (1, 2))],
+    ids=["threaded-2x2", "gloo-2x2", "gloo-1x2"],
 )
 def test_fsdp_x_ep_parity(backend: str, shape: tuple[int, int]) -> None:
     """Experts sharded over fsdp inside each EP rank, the rest over the world: training matches

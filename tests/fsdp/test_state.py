@@ -252,7 +252,7 @@ def _grad_buffers_in_backward(model, batches, ref) -> tuple[int, float]:
     for unit in units:
         for g in unit.groups:
             if g.requires_grad:
-                g.register_grad_hooks(unit._on_group_grads_done)
+                g.register_grad_hooks(unit._on_group_grads_done, unit._on_group_grads_start)
     train(m, batches, rank=rank, world=world)
     return most, max_diff(full_state(m), ref)
 
