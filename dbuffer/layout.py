@@ -244,12 +244,16 @@ def compute_layout(shapes: Sequence[Sequence[int]], num_shards: int, *, align: i
     return Layout(items, n, size)
 
 
-def assign_owners(sizes: Sequence[int], num_shards: int) -> tuple[int, ...]:
+def assign_owners(
+    sizes: Sequence[int], num_shards: int, *, initial_loads: Optional[Sequence[int]] = None
+) -> tuple[int, ...]:
     """The owner shard of each item: largest first onto the least-loaded shard (LPT).
 
     Items are taken by decreasing size, equal sizes in index order; each goes to the shard with
-    the smallest load so far, equal loads to the lowest shard. Integer arithmetic only, so every
-    rank computes the same owners. Guarantees (``n = num_shards``, ``p = max(sizes)``):
+    the smallest load so far, equal loads to the lowest shard. ``initial_loads`` (default zeros)
+    are loads already on the shards, e.g. from other buffers on the same ranks, so that many
+    small buffers balance as one. Integer arithmetic only, so every rank computes the same
+    owners. Guarantees with zero initial loads (``n = num_shards``, ``p = max(sizes)``):
 
     * ``max(load) <= min(load) + p`` (each item lands on a least-loaded shard);
     * ``max(load) <= sum(sizes) / n + (1 - 1/n) * p`` (list scheduling);
@@ -262,7 +266,11 @@ def assign_owners(sizes: Sequence[int], num_shards: int) -> tuple[int, ...]:
     for i, s in enumerate(sizes):
         if s < 0:
             raise ValueError(f"sizes[{i}]={s} is negative; sizes must be >= 0")
-    heap = [(0, k) for k in range(n)]  # (load, shard): the minimum is the lightest, lowest shard
+    start = [0] * n if initial_loads is None else [_as_int(x, "initial_loads") for x in initial_loads]
+    if len(start) != n:
+        raise ValueError(f"initial_loads has {len(start)} entries; pass one per shard ({n})")
+    heap = [(start[k], k) for k in range(n)]  # (load, shard): the minimum is the lightest, lowest shard
+    heapq.heapify(heap)
     owners = [0] * len(sizes)
     for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
         load, k = heapq.heappop(heap)
@@ -271,10 +279,17 @@ def assign_owners(sizes: Sequence[int], num_shards: int) -> tuple[int, ...]:
     return tuple(owners)
 
 
-def compute_owned_layout(shapes: Sequence[Sequence[int]], num_shards: int, *, align: int = 1) -> OwnedLayout:
+def compute_owned_layout(
+    shapes: Sequence[Sequence[int]],
+    num_shards: int,
+    *,
+    align: int = 1,
+    initial_loads: Optional[Sequence[int]] = None,
+) -> OwnedLayout:
     """Place every tensor whole inside one of ``num_shards`` equal shards (see :class:`OwnedLayout`).
 
-    Owners come from :func:`assign_owners` on the tensors' element counts. Each shard holds its
+    Owners come from :func:`assign_owners` on the tensors' element counts (starting from
+    ``initial_loads``, which affect who owns what, not the shard size). Each shard holds its
     tensors in registration order from its start; the shard size is the largest load rounded up
     to a multiple of ``align``. Padding is ``num_shards * shard_numel - total``: small when many
     tensors share the shards, large when one tensor outweighs a fair share (``total / n``), since
@@ -286,7 +301,7 @@ def compute_owned_layout(shapes: Sequence[Sequence[int]], num_shards: int, *, al
     align = _check_align(align)
     dims_list = _check_shapes(shapes)
     sizes = [(math.prod(d), math.prod(d[1:])) for d in dims_list]
-    owners = assign_owners([numel for numel, _ in sizes], n)
+    owners = assign_owners([numel for numel, _ in sizes], n, initial_loads=initial_loads)
     loads = [0] * n
     for (numel, _), k in zip(sizes, owners):
         loads[k] += numel

@@ -15,7 +15,8 @@ torch.float32, main_grads_dtype=...)``; ``param.main_grad``; ``module.zero_grad_
 
 Beyond both: ``fully_shard(..., buckets=[Bucket("*.experts.*", ...)], bucket_size=...)`` groups
 parameters into communication buckets by name, each with its own mesh, placement (``Shard(0)``,
-or ``dbuffer.Owned()``: whole tensors on balanced owners, for Muon), strategy and precision.
+or ``dbuffer.Owned()``: whole tensors on owners balanced over the model, for :class:`Muon`),
+strategy and precision.
 
 Checkpoints and meta-device init:
 
@@ -48,6 +49,7 @@ Differences worth knowing:
 
 from fsdp.api import FSDPModule, UnshardHandle, fully_shard, init_weights, register_fsdp_forward_method
 from fsdp.bucket import Bucket
+from fsdp.muon import Muon
 from fsdp.param_group import ParameterGroup
 from fsdp.policy import MixedPrecisionPolicy, Strategy
 
@@ -55,6 +57,7 @@ __all__ = [
     "Bucket",
     "FSDPModule",
     "MixedPrecisionPolicy",
+    "Muon",
     "ParameterGroup",
     "Strategy",
     "UnshardHandle",

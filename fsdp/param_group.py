@@ -30,13 +30,15 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
+import torch.distributed
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from dbuffer import DBuffer, Pending, RowShardedDTensor
+from dbuffer import DBuffer, Owned, Pending, RowShardedDTensor
+from dbuffer.layout import OwnedLayout, compute_owned_layout
 from fsdp.policy import Dtypes, Strategy
 from fsdp.streams import CommStreams
 
@@ -102,7 +104,8 @@ class ParameterGroup:
         shapes = [tuple(i.param.shape) for i in infos]
         pl = self.placements
         main_pl = pl.sharded if strategy.shard_optim else pl.replicated
-        self.main = DBuffer(mesh, main_pl, shapes, dtypes.main, None if meta else device)
+        layout = _owned_layout(shapes, mesh) if strategy.shard_optim and isinstance(shard, Owned) else None
+        self.main = DBuffer(mesh, main_pl, shapes, dtypes.main, None if meta else device, layout=layout)
         self.streams = CommStreams.for_device(self.main.device)
         if not meta:
             self._fill_main([i.param for i in infos])
@@ -429,6 +432,24 @@ class ParameterGroup:
                 p.grad.zero_()
         self._seen.clear()
         self._main_grad_has_data = False
+
+# Elements each rank already owns through the Owned groups this process built before on the same
+# ranks, so that owners balance over the whole model rather than restarting at rank 0 in every
+# unit (three equal matrices per block on four ranks would otherwise leave rank 3 none). Keyed
+# by this rank too: threaded test worlds share one process. Every rank builds the same units in
+# the same order (as collectives require anyway), so every rank computes the same owners.
+_OWNED_LOADS: dict[tuple, list[int]] = {}
+
+
+def _owned_layout(shapes: list[tuple[int, ...]], mesh: DeviceMesh) -> OwnedLayout:
+    n = mesh.size()
+    key = (mesh.device_type, tuple(mesh.mesh.flatten().tolist()), torch.distributed.get_rank())
+    loads = _OWNED_LOADS.setdefault(key, [0] * n)
+    layout = compute_owned_layout(shapes, n, initial_loads=loads)
+    for k, added in enumerate(layout.loads(n)):
+        loads[k] += added
+    return layout
+
 
 def _after_optimizer_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     """Mark the groups whose parameters a torch.optim optimizer just updated as stale, and give

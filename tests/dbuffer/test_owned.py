@@ -367,3 +367,21 @@ def _owned_bad_inputs() -> bool:
 @pytest.mark.parametrize("backend,world", [("gloo", 2), ("threaded", 4)])
 def test_owned_bad_input_raises_before_any_collective(backend, world) -> None:
     assert all(run_ranks(_owned_bad_inputs, world, backend=backend, timeout=60))
+
+
+@given(
+    st.lists(st.integers(0, 50), max_size=12),
+    st.lists(st.integers(0, 200), min_size=1, max_size=6),
+)
+def test_assign_owners_continues_from_initial_loads(sizes, initial) -> None:
+    """Loads already on the shards steer new items to the lightest ones: each item still lands on
+    a least-loaded shard, so the final spread is bounded by the old maximum or one item."""
+    n = len(initial)
+    owners = assign_owners(sizes, n, initial_loads=initial)
+    final = list(initial)
+    for size, k in zip(sizes, owners):
+        final[k] += size
+    biggest = max(sizes, default=0)
+    assert max(final) <= max(max(initial), min(final) + biggest)
+    assert assign_owners(sizes, n, initial_loads=[0] * n) == assign_owners(sizes, n)
+    assert assign_owners([5, 5, 5], 4, initial_loads=[5, 5, 5, 0]) == (3, 0, 1)
