@@ -1,0 +1,277 @@
+"""tools/plan_memory.py: measured per-rank bytes against the closed form, the ZeRO ordering of the
+categories, independent checks against real training steps (the bytes torch holds after an AdamW
+step on a threaded world; the peak working set of forward/backward on a fake world), the
+Llama-3-70B preset at world 1024 and the command line.
+
+The planner joins (and leaves) a fake process group itself, so these tests need no harness for it;
+``test_plan_inside_an_existing_fake_world`` checks that it also works inside ``run_ranks``.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+from dbuffer import DBuffer
+from fsdp import MixedPrecisionPolicy, fully_shard
+from tests.harness import run_ranks
+from tools.plan_memory import plan
+
+ROOT = Path(__file__).resolve().parents[2]
+STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+POLICIES = {
+    "fp32": MixedPrecisionPolicy(),
+    "bf16": MixedPrecisionPolicy(param_dtype=torch.bfloat16, main_grads_dtype=torch.bfloat16),
+}
+VOCAB, DIM, HIDDEN, BLOCKS = 1000, 256, 512, 4
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(DIM)
+        self.up = nn.Linear(DIM, HIDDEN)
+        self.down = nn.Linear(HIDDEN, DIM, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(F.gelu(self.up(self.norm(x))))
+
+
+class Net(nn.Module):
+    """Small shapes that do not divide evenly, a frozen parameter, and a forward for the real run."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList(Block() for _ in range(BLOCKS))
+        self.scale = nn.Parameter(torch.ones(DIM), requires_grad=False)
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x * self.scale)
+
+
+def _numel(trainable_only: bool = False) -> int:
+    """Parameter elements of the real module (an eager build: independent of the planner)."""
+    return sum(p.numel() for p in Net().parameters() if p.requires_grad or not trainable_only)
+
+
+@pytest.fixture(scope="module")
+def plans() -> dict:
+    """(world, policy, strategy, rank) -> Plan; the last rank holds most of the padding."""
+    return {
+        (world, pol, s, rank): plan(Net, world, rank, strategy=s, mp_policy=POLICIES[pol])
+        for world in (8, 64)
+        for rank in (0, world - 1)
+        for pol in POLICIES
+        for s in STRATEGIES
+    }
+
+
+def test_every_category_matches_the_closed_form_within_padding(plans) -> None:
+    n = _numel()
+    for case, p in plans.items():
+        assert p.params == n and p.units == BLOCKS + 1 and p.ok, (case, p.format())
+        for key, b in p.categories().items():
+            assert abs(b.measured - b.closed) <= b.allowance, (case, key, b)
+            # The allowance is layout padding, never more (AdamW's two states count it twice).
+            assert b.allowance <= 2 * 4 * p.layout_padding, (case, key, b)
+        world, s = case[0], case[2]
+        # The row-atomic layout identity: the ranks' shards hold the model plus the padding.
+        if s != "no_shard":
+            assert p.main_weights.measured * world == 4 * (n + p.layout_padding)
+            assert p.main_weights.closed == math.ceil(4 * n / world)
+        else:
+            assert p.main_weights.measured == 4 * (n + p.layout_padding)
+
+
+@pytest.mark.parametrize("pol", POLICIES)
+@pytest.mark.parametrize("world", [8, 64])
+def test_zero_stages_shard_what_they_claim(plans, world: int, pol: str) -> None:
+    zero = [plans[(world, pol, s, 0)] for s in STRATEGIES]
+    n, trained = _numel(), _numel(trainable_only=True)
+    model_bytes = 2 if pol == "bf16" else 4
+
+    def near(b, expected: int) -> bool:  # within the padding the layouts add
+        return expected <= b.measured <= expected + b.allowance
+
+    # Main weights and optimizer state: whole on ZeRO-0, 1/world from ZeRO-1 on.
+    assert near(zero[0].main_weights, 4 * n) and zero[0].optimizer_state.measured == 2 * 4 * trained
+    for p in zero[1:]:
+        assert p.main_weights.measured == zero[1].main_weights.measured <= 1.25 * 4 * n / world
+    # Main grads: whole until ZeRO-2 shards them.
+    grad_bytes = 2 if pol == "bf16" else 4
+    for p in zero[:2]:
+        assert near(p.main_grads, grad_bytes * trained)
+    for p in zero[2:]:
+        assert p.main_grads.measured <= 1.25 * grad_bytes * trained / world
+    # Compute weights: a persistent full copy only for ZeRO-1/2 (ZeRO-0 computes on its model
+    # weights); ZeRO-3 gathers them per use and frees them in between.
+    assert zero[0].unsharded_weights.measured == zero[3].unsharded_weights.measured == 0
+    for p in zero[1:3]:
+        assert near(p.unsharded_weights, model_bytes * n)
+    assert [p.unsharded_working_set.measured > 0 for p in zero] == [False, False, False, True]
+    assert all(p.released_between_uses for p in zero)
+    # A separate model copy exists only when its dtype differs; .grad copies only for bf16 grads.
+    assert all((p.model_weights.measured > 0) == (pol == "bf16") for p in zero)
+    assert all((p.grad_copies.measured > 0) == (pol == "bf16") for p in zero)
+    # Every stage keeps less than the one before.
+    persistent = [p.persistent.measured for p in zero]
+    assert persistent == sorted(persistent, reverse=True) and len(set(persistent)) == 4, persistent
+
+
+def test_no_shard_does_not_scale_with_world_but_shards_do(plans) -> None:
+    for pol in POLICIES:
+        full = [plans[(w, pol, "no_shard", 0)].main_weights for w in (8, 64)]
+        assert abs(full[0].measured - full[1].measured) <= max(b.allowance for b in full)
+        for s in STRATEGIES[1:]:
+            small, big = plans[(8, pol, s, 0)], plans[(64, pol, s, 0)]
+            assert big.main_weights.measured < small.main_weights.measured / 4
+
+
+def test_meta_and_real_storage_give_the_same_bytes() -> None:
+    for s in ("optim", "optim_grads_params"):
+        meta = plan(Net, 8, 3, strategy=s, mp_policy=POLICIES["bf16"])
+        cpu = plan(Net, 8, 3, strategy=s, mp_policy=POLICIES["bf16"], device="cpu")
+        assert meta.categories() == cpu.categories() and cpu.device == "cpu"
+
+
+# ----------------------------------------------------------------------------- a real step
+
+WORLD = 4
+
+
+def _real_step(model: nn.Module, strategy: str) -> dict:
+    """One AdamW step of ``model`` sharded for real; the bytes torch holds afterwards."""
+    torch.manual_seed(0)
+    model = copy.deepcopy(model)
+    policy = POLICIES["bf16"]
+    for block in model.blocks:
+        fully_shard(block, mp_policy=policy, sharding_strategy=strategy)
+    fully_shard(model, mp_policy=policy, sharding_strategy=strategy)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+    tokens = torch.randint(0, VOCAB, (2, 8))
+    F.cross_entropy(model(tokens).float().flatten(0, 1), tokens.flatten()).backward()
+    opt.step()
+    local = lambda t: t._local_tensor if isinstance(t, DTensor) else t  # noqa: E731
+    state = [local(t) for s in opt.state.values() for k, t in s.items() if k != "step"]
+    grads = [local(p.grad) for p in model.parameters() if p.grad is not None]
+    storages = {local(p).untyped_storage().data_ptr(): local(p).untyped_storage().nbytes() for p in model.parameters()}
+    return {
+        "optimizer_state": sum(t.numel() * t.element_size() for t in state),
+        "grad_copies": sum(t.numel() * t.element_size() for t in grads),
+        "main_weights": sum(storages.values()),
+    }
+
+
+@pytest.mark.parametrize("strategy", ["optim", "optim_grads_params"])
+def test_plan_matches_a_real_training_step(strategy: str) -> None:
+    torch.manual_seed(0)
+    real = run_ranks(_real_step, WORLD, Net(), strategy, backend="threaded")
+    # Independent of any layout: the state of every parameter element exists exactly once.
+    assert sum(r["optimizer_state"] for r in real) == 2 * 4 * _numel(trainable_only=True)
+    for rank, got in enumerate(real):
+        p = plan(Net, WORLD, rank, strategy=strategy, mp_policy=POLICIES["bf16"])
+        for key, nbytes in got.items():
+            assert getattr(p, key).measured == nbytes, (rank, key)
+
+
+def _working_set_peaks(model: nn.Module, strategy: str) -> dict:
+    """Peak bytes held at once by the gather targets and by the ``grad_in`` buffers over three
+    training steps (prefetching starts in the second), sampled whenever one gets storage back."""
+    policy = POLICIES["bf16"]
+    for block in model.blocks:
+        fully_shard(block, mp_policy=policy, sharding_strategy=strategy)
+    fully_shard(model, mp_policy=policy, sharding_strategy=strategy)
+    groups = [g for m in [*model.blocks, model] for g in m._fsdp_state.groups]
+    watched = {"unsharded_working_set": [g.unsharded for g in groups] if strategy == "optim_grads_params" else [],
+               "reduce_working_set": [g.grad_in for g in groups if g.requires_grad]}
+    peaks = dict.fromkeys(watched, 0)
+    reallocate = DBuffer.reallocate_storage
+
+    def sampled(buf: DBuffer) -> None:
+        reallocate(buf)
+        for key, bufs in watched.items():
+            peaks[key] = max(peaks[key], sum(b.local_buffer.untyped_storage().nbytes() for b in bufs))
+
+    DBuffer.reallocate_storage = sampled
+    try:
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+        for _ in range(3):
+            tokens = torch.randint(0, VOCAB, (2, 8))
+            F.cross_entropy(model(tokens).float().flatten(0, 1), tokens.flatten()).backward()
+            opt.step()
+            opt.zero_grad()
+    finally:
+        DBuffer.reallocate_storage = reallocate
+    return peaks
+
+
+@pytest.mark.parametrize("strategy", ["optim_grads", "optim_grads_params"])
+def test_working_set_assumption_matches_a_real_step(strategy: str) -> None:
+    """The planner's working sets (fsdp's schedule measured on its own probe model, priced with
+    this model's units) are what real forward/backward passes on a fake world of 4 hold at worst."""
+    torch.manual_seed(0)
+    peaks = run_ranks(_working_set_peaks, WORLD, Net(), strategy, backend="fake")[0]
+    p = plan(Net, WORLD, 0, strategy=strategy, mp_policy=POLICIES["bf16"])
+    assert peaks["reduce_working_set"] == p.reduce_working_set.measured > 0
+    assert peaks["unsharded_working_set"] == p.unsharded_working_set.measured
+
+
+# ----------------------------------------------------------------------------- presets, CLI
+
+
+def test_llama3_70b_at_world_1024_is_within_padding_of_the_closed_form() -> None:
+    bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    p = plan("llama3-70b", 1024, strategy="optim_grads_params", mp_policy=bf16)
+    print(p.format())
+    d, v, f, kv, layers = 8192, 128256, 28672, 1024, 80  # the published config
+    block = 2 * d * d + 2 * kv * d + 3 * d * f + 2 * d  # q, o; k, v; gate, up, down; two norms
+    n = 2 * v * d + layers * block + d
+    assert p.params == n == 70_553_706_496 and p.units == layers + 1
+    assert p.ok and abs(p.total.measured - p.total.closed) <= p.total.allowance
+    assert p.main_weights.closed == math.ceil(4 * n / 1024)
+    # ZeRO-3 working set: the root (embedding + lm_head) and k decoder layers gathered in bf16.
+    root, k = p.peak_moments["unsharded_working_set"]
+    assert root and k >= 1 and p.unsharded_working_set.closed == 2 * ((2 * v * d + d) + k * block)
+
+
+def test_plan_inside_an_existing_fake_world() -> None:
+    p = run_ranks(plan, 16, Net, 16, 5, backend="fake", fake_rank=5)[0]
+    assert p.ok and (p.world, p.rank) == (16, 5)
+    with pytest.raises(ValueError, match="already exists"):
+        run_ranks(plan, 16, Net, 16, 0, backend="fake", fake_rank=5)
+
+
+def test_bad_arguments_are_named() -> None:
+    with pytest.raises(ValueError, match="unknown model preset"):
+        plan("gpt-5", 8)
+    with pytest.raises(ValueError, match="unknown optimizer"):
+        plan(Net, 8, optimizer="lion")
+    with pytest.raises(ValueError, match="rank < world"):
+        plan(Net, 8, rank=8)
+
+
+def test_command_line_mixtral_json() -> None:
+    out = subprocess.run(
+        [sys.executable, "tools/plan_memory.py", "--model", "mixtral-8x7b", "--world", "256", "--json"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120, check=True,
+    )
+    report = json.loads(out.stdout)
+    assert report["ok"] and report["params"] == 46_702_792_704 and report["units"] == 33
+    assert report["dtypes"] == "main fp32, model bf16, main grads fp32, reduce bf16"
+    total = report["total"]
+    assert abs(total["measured"] - total["closed"]) <= total["allowance"]

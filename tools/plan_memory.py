@@ -1,0 +1,716 @@
+"""Memory planner: per-rank bytes of a ``fully_shard`` run, measured on a fake world and checked
+against the closed form.
+
+Run from the repository root::
+
+    python3 tools/plan_memory.py --model llama3-70b --world 1024 --strategy optim_grads_params \\
+        --param-dtype bf16 --main-grads-dtype fp32 --optimizer adamw [--rank R] [--json]
+
+or from Python, with a preset name or any callable that builds a module (it is called under
+``torch.device("meta")``, so a plain constructor will do)::
+
+    from tools.plan_memory import plan
+    print(plan("mixtral-8x7b", world=256, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16)).format())
+
+Why measure rather than only compute: the bytes a rank holds depend on the row-atomic layout
+(padding), on which buffers alias each other (the model weights *are* the main weights when the
+dtypes match; ``no_shard``'s unsharded weights are its model weights) and on which buffers the
+strategy keeps. So the planner runs the real thing: it joins torch's fake process group as rank
+``rank`` of ``world`` (real shapes, no communication), builds the model on meta,
+calls ``fully_shard`` on each block and then the root exactly as a training script would, and
+reads the bytes of the DBuffers every ``ParameterGroup`` holds. The closed form is computed
+independently from the parameter shapes alone; the only legitimate difference between the two is
+layout padding, so every category is checked as ``|measured - closed| <= allowance`` where the
+allowance is the padding the layout puts into those buffers.
+
+Categories (bytes on this rank):
+
+* main weights: the weights the optimizer updates (sharded unless ``no_shard``).
+* model weights: the compute-dtype copy of the main shard; 0 when it aliases the main weights.
+* unsharded weights: the full compute weights ``optim``/``optim_grads`` keep between steps
+  (``no_shard`` uses its model weights, ZeRO-3 gathers them per use: both 0 here).
+* main grads: the reduced-gradient buffer (sharded for ``optim_grads*``), counted in full: it
+  holds its storage at least from a step's first reduction to the optimizer step.
+* grad copies: when the main-grads dtype differs from the main dtype, ``param.grad`` is a cast
+  copy of this rank's rows of ``param.main_grad`` in the main dtype (what the optimizer reads).
+* optimizer state: closed form, because torch optimizers allocate lazily: AdamW/Adam keep two
+  tensors per parameter, SGD with momentum one, each like the parameter's local piece (this rank's
+  rows, no padding), in the main dtype. The per-parameter ``step`` scalars are not counted.
+* unsharded working set (ZeRO-3 only; the other strategies keep them, see above): full compute
+  weights gathered per use.
+* reduce working set (every strategy): the full ``grad_in`` buffers (reduce dtype) gradients
+  accumulate in before their reduction.
+
+Working sets are peaks over a training step, so they depend on fsdp's schedule (prefetching, how
+many reductions stay in flight), which the planner measures rather than assumes: it runs three
+forward/backward passes of a tiny probe model sharded with the same strategy on the same world and
+records, whenever a buffer gets its storage back, which units hold gathered weights and
+``grad_in`` at once. The probe is
+shaped like a decoder LM (the root's own weights used first and last, blocks in registration
+order); each moment "root + k units" is then priced with the root's and the k largest other units'
+buffers of the real model, and the largest is the peak. With fsdp as of this writing: gathered
+root + 2 units (the root stays gathered from its forward to the end of backward, plus the unit
+computing and the one prefetched); reducing root + 1 or 2 units (the root's ``grad_in`` lives
+through the whole backward: its first gradient, ``lm_head``'s, comes first and the embedding's
+last). Not counted: the small sharded temporaries of a reduction whose reduce dtype differs from
+the main-grads dtype (1/world of a unit each).
+
+The total adds every category: a conservative estimate of the peak of the buffers fsdp manages
+(the working sets peak in backward, the optimizer state and grad copies matter at the step; both
+are added). Not counted:
+activations, autograd and kernel temporaries, allocator fragmentation, communication workspaces.
+Padding is reported separately ("of which"): bytes of the persistent buffers that hold no tensor
+element, on this rank and on average over the ranks (the last ranks hold the most).
+
+Where the buffers live: by default on a ``meta`` mesh. ``fully_shard`` builds the very same
+DBuffers (layouts, dtypes, placements, aliases, released storage), but nothing is allocated or
+written, so any model plans in seconds on a laptop. Real storage is available (``device="cpu"``)
+and gives the same figures for models that fit, but it cannot plan big ones: the ZeRO-0..2
+strategies keep full replicated buffers (70B ``no_shard``: 282 GB of main weights per rank),
+the fake group's all-gather writes its whole output, ``ParameterGroup`` zero-fills the full
+gather and ``grad_in`` buffers before releasing them, and a sharded module is never freed (its
+gradient hooks hold it in a cycle through autograd), so memory piles up across plans.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Iterator, Optional, Union
+
+if __package__ in (None, ""):  # run as a script: make the repository root importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn as nn  # noqa: E402
+from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
+
+from fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E402
+from fsdp.policy import STRATEGIES, Strategy, parse_strategy  # noqa: E402
+from dbuffer import DBuffer  # noqa: E402
+
+__all__ = ["Bytes", "Plan", "PRESETS", "OPTIMIZER_STATES", "plan", "main"]
+
+GiB = 2**30
+MiB = 2**20
+
+# Tensors of optimizer state per parameter, each like the parameter (torch's defaults).
+OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 1, "none": 0}  # sgd: with momentum
+
+# A moment of the schedule: (whether the root holds its buffer, how many other units hold theirs).
+Moment = tuple[bool, int]
+WORKING_SETS = {"unsharded_working_set": "unsharded", "reduce_working_set": "grad_in"}  # category: buffer
+
+
+# ----------------------------------------------------------------------------- presets
+
+
+@dataclass(frozen=True)
+class Config:
+    """A decoder-only transformer's shapes (Hugging Face Llama / Mixtral names and order)."""
+
+    name: str
+    vocab: int
+    dim: int
+    layers: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    experts: int = 0  # 0: dense SwiGLU MLP; else per-expert SwiGLU weights and a router
+
+
+class Weight(nn.Module):
+    """A module holding one uninitialised ``weight`` (a Linear, Embedding or norm, shapes only):
+    the planner never runs forward or init, and ``nn.Embedding``'s init on meta alone would
+    import torch._dynamo (2 s)."""
+
+    def __init__(self, *shape: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(shape))
+
+
+def _linear(fan_in: int, fan_out: int) -> Weight:
+    return Weight(fan_out, fan_in)  # nn.Linear's [out, in], no bias
+
+
+class Attention(nn.Module):
+    """Grouped-query attention projections: ``kv_heads`` key/value heads shared by the queries."""
+
+    def __init__(self, c: Config) -> None:
+        super().__init__()
+        head_dim = c.dim // c.heads
+        self.q_proj = _linear(c.dim, c.heads * head_dim)
+        self.k_proj = _linear(c.dim, c.kv_heads * head_dim)
+        self.v_proj = _linear(c.dim, c.kv_heads * head_dim)
+        self.o_proj = _linear(c.heads * head_dim, c.dim)
+
+
+class MLP(nn.Module):
+    def __init__(self, c: Config) -> None:
+        super().__init__()
+        self.gate_proj, self.up_proj = _linear(c.dim, c.ffn), _linear(c.dim, c.ffn)
+        self.down_proj = _linear(c.ffn, c.dim)
+
+
+class Expert(nn.Module):
+    def __init__(self, c: Config) -> None:
+        super().__init__()
+        self.w1, self.w2, self.w3 = _linear(c.dim, c.ffn), _linear(c.ffn, c.dim), _linear(c.dim, c.ffn)
+
+
+class SparseMoE(nn.Module):
+    """A router and separate per-expert weights (stacking experts would make a row an expert)."""
+
+    def __init__(self, c: Config) -> None:
+        super().__init__()
+        self.gate = _linear(c.dim, c.experts)
+        self.experts = nn.ModuleList(Expert(c) for _ in range(c.experts))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, c: Config) -> None:
+        super().__init__()
+        self.self_attn = Attention(c)
+        if c.experts:
+            self.block_sparse_moe = SparseMoE(c)
+        else:
+            self.mlp = MLP(c)
+        self.input_layernorm = Weight(c.dim)
+        self.post_attention_layernorm = Weight(c.dim)
+
+
+class CausalLM(nn.Module):
+    """Shapes only: the planner never runs forward, so none is defined."""
+
+    def __init__(self, c: Config) -> None:
+        super().__init__()
+        self.embed_tokens = Weight(c.vocab, c.dim)
+        self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.layers))
+        self.norm = Weight(c.dim)
+        self.lm_head = _linear(c.dim, c.vocab)  # untied
+
+
+CONFIGS = {
+    "llama3-8b": Config("Llama-3-8B", 128256, 4096, 32, 32, 8, 14336),
+    "llama3-70b": Config("Llama-3-70B", 128256, 8192, 80, 64, 8, 28672),
+    "mixtral-8x7b": Config("Mixtral-8x7B", 32000, 4096, 32, 32, 8, 14336, experts=8),
+}
+PRESETS: dict[str, Callable[[], nn.Module]] = {key: (lambda c=c: CausalLM(c)) for key, c in CONFIGS.items()}
+
+
+def _resolve_model(model: Union[str, Callable[[], nn.Module]]) -> tuple[str, Callable[[], nn.Module]]:
+    if isinstance(model, str):
+        key = model.lower().replace("-", "").replace("_", "").replace(".", "")
+        for name, c in CONFIGS.items():
+            if key in (name.replace("-", ""), c.name.lower().replace("-", "")):
+                return c.name, PRESETS[name]
+        raise ValueError(f"unknown model preset {model!r}; use one of {', '.join(CONFIGS)} or pass a callable")
+    if not callable(model):
+        raise TypeError(f"model must be a preset name or a callable building an nn.Module, got {type(model).__name__}")
+    return getattr(model, "__name__", type(model).__name__), model
+
+
+# ----------------------------------------------------------------------------- the plan
+
+
+@dataclass(frozen=True)
+class Bytes:
+    """One category on this rank: measured, closed form, and the padding that may separate them."""
+
+    measured: int
+    closed: int
+    allowance: int
+
+    @property
+    def ok(self) -> bool:
+        return abs(self.measured - self.closed) <= self.allowance
+
+    def __add__(self, other: "Bytes") -> "Bytes":
+        return Bytes(self.measured + other.measured, self.closed + other.closed, self.allowance + other.allowance)
+
+
+CATEGORIES = (
+    ("main_weights", "main weights"),
+    ("model_weights", "model weights"),
+    ("unsharded_weights", "unsharded weights"),
+    ("main_grads", "main grads"),
+    ("grad_copies", "grad copies (.grad)"),
+    ("optimizer_state", "optimizer state"),
+    ("unsharded_working_set", "unsharded working set"),
+    ("reduce_working_set", "reduce working set"),
+)
+PERSISTENT = ("main_weights", "model_weights", "unsharded_weights", "main_grads", "grad_copies", "optimizer_state")
+
+
+@dataclass
+class Plan:
+    """Per-rank bytes of one ``fully_shard`` configuration (see the module docstring)."""
+
+    model: str
+    world: int
+    rank: int
+    strategy: str
+    dtypes: str  # e.g. "main fp32, model bf16, main grads fp32, reduce bf16"
+    optimizer: str
+    params: int  # parameter elements (tied ones once)
+    units: int
+    layout_padding: int  # elements of all units' layouts that hold no tensor
+    main_weights: Bytes
+    model_weights: Bytes
+    unsharded_weights: Bytes
+    main_grads: Bytes
+    grad_copies: Bytes
+    optimizer_state: Bytes
+    unsharded_working_set: Bytes
+    reduce_working_set: Bytes
+    padding: int  # bytes of this rank's persistent buffers holding no tensor element
+    padding_mean: int  # the same, averaged over the ranks
+    device: str  # where the shards were built: "meta" (nothing allocated) or a real device
+    released_between_uses: bool  # every working-set buffer held no storage after fully_shard
+    peak_moments: dict[str, Moment]  # per working set: the moment of its peak (root held, other units)
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def categories(self) -> dict[str, Bytes]:
+        return {key: getattr(self, key) for key, _ in CATEGORIES}
+
+    @property
+    def persistent(self) -> Bytes:
+        return sum((getattr(self, k) for k in PERSISTENT), Bytes(0, 0, 0))
+
+    @property
+    def total(self) -> Bytes:
+        return sum(self.categories().values(), Bytes(0, 0, 0))
+
+    @property
+    def ok(self) -> bool:
+        return all(b.ok for b in self.categories().values()) and self.total.ok
+
+    def to_dict(self) -> dict:
+        out = dataclasses.asdict(self)
+        out["total"] = dataclasses.asdict(self.total)
+        out["ok"] = self.ok
+        return out
+
+    def format(self) -> str:
+        head = (
+            f"{self.model}: {self.params:,} parameters in {self.units} units, world {self.world}, rank {self.rank}, "
+            f"{self.strategy} (ZeRO-{list(STRATEGIES).index(self.strategy)}), {self.dtypes}, {self.optimizer}"
+            + ("" if self.device == "meta" else f", shards on {self.device}")
+        )
+        rows = [head, f"{'category':<24}{'GiB/rank':>11}{'closed GiB':>12}{'diff':>11}{'allowance':>12}  check"]
+        for key, label in CATEGORIES:
+            rows.append(_row(label, getattr(self, key)))
+        rows.append(_row("total", self.total))
+        share = self.layout_padding / max(1, self.params + self.layout_padding)
+        rows.append(
+            f"{'of which padding':<24}{self.padding / GiB:>11.4f}  on this rank; {self.padding_mean / GiB:.4f} GiB "
+            f"on average (the layouts pad {100 * share:.4f}%)"
+        )
+        for key, (root, k) in self.peak_moments.items():
+            held = ("the root" if root else "") + (" + " if root and k else "") + (f"{k} other unit(s)" if k else "")
+            rows.append(f"{key.replace('_', ' ')}: peak while {held or 'nothing'} held it (schedule of the probe)")
+        verdict = "measured = closed form within padding" if self.ok else "MISMATCH beyond padding"
+        times = ", ".join(f"{k} {v:.2f} s" for k, v in self.seconds.items())
+        rows.append(f"{verdict}; {times}")
+        return "\n".join(rows)
+
+
+def _row(label: str, b: Bytes) -> str:
+    diff = b.measured - b.closed
+    rel = f"{100 * diff / b.closed:+.4f}%" if b.closed else ("0" if not diff else "inf")
+    return (
+        f"{label:<24}{b.measured / GiB:>11.4f}{b.closed / GiB:>12.4f}{rel:>11}"
+        f"{b.allowance / MiB:>9.2f} MiB  {'ok' if b.ok else 'FAIL'}"
+    )
+
+
+# ----------------------------------------------------------------------------- planning
+
+
+def plan(
+    model: Union[str, Callable[[], nn.Module]],
+    world: int,
+    rank: int = 0,
+    *,
+    strategy: Union[str, Strategy] = "optim_grads_params",
+    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
+    optimizer: str = "adamw",
+    blocks: Optional[Callable[[nn.Module], Iterable[nn.Module]]] = None,
+    device: str = "meta",
+) -> Plan:
+    """Shard ``model`` (a preset name or a builder) as rank ``rank`` of ``world`` and measure.
+
+    ``blocks(module)`` picks the units sharded before the root (default: the children of the
+    first ``nn.ModuleList``, e.g. ``model.layers``). ``device``: where the shards live, ``"meta"``
+    (nothing allocated) or a real device type such as ``"cpu"`` (see the module docstring).
+
+    Uses the default process group if one exists (it must have this world size and rank, e.g.
+    ``tests.harness.run_ranks(..., backend="fake")``); otherwise joins a fake one for the duration
+    of the call.
+    """
+    name, build = _resolve_model(model)
+    strategy = parse_strategy(strategy)
+    if not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise TypeError(f"mp_policy must be an fsdp.MixedPrecisionPolicy, got {type(mp_policy).__name__}")
+    if optimizer not in OPTIMIZER_STATES:
+        raise ValueError(f"unknown optimizer {optimizer!r}; use one of {', '.join(OPTIMIZER_STATES)}")
+    if not isinstance(world, int) or world < 1 or not isinstance(rank, int) or not 0 <= rank < world:
+        raise ValueError(f"need an int world >= 1 and 0 <= rank < world, got world={world!r}, rank={rank!r}")
+    seconds: dict[str, float] = {}
+    with _timed(seconds, "process group"):
+        created = _join(world, rank)
+    try:
+        with _timed(seconds, "build on meta"), torch.device("meta"):
+            root = build()
+        if not isinstance(root, nn.Module):
+            raise TypeError(f"the model builder returned {type(root).__name__}, not an nn.Module")
+        units = list(blocks(root) if blocks is not None else _default_blocks(root))
+        with _timed(seconds, "schedule probe"):
+            schedule = _schedule(strategy, world)
+        closed = _closed_form(root, units, world, strategy, mp_policy, OPTIMIZER_STATES[optimizer], schedule)
+        with _timed(seconds, "fully_shard"):
+            mesh = init_device_mesh(device, (world,))
+            for unit in units:
+                fully_shard(unit, mesh=mesh, mp_policy=mp_policy, sharding_strategy=strategy)
+            fully_shard(root, mesh=mesh, mp_policy=mp_policy, sharding_strategy=strategy)
+        with _timed(seconds, "measure"):
+            states = [u._fsdp_state for u in units] + [root._fsdp_state]
+            measured = _measure(states, OPTIMIZER_STATES[optimizer], schedule)
+    finally:
+        if created:
+            dist.destroy_process_group()
+    cats = {key: Bytes(measured.bytes[key], closed.bytes[key], measured.allowance[key]) for key, _ in CATEGORIES}
+    return Plan(
+        model=name, world=world, rank=rank, strategy=strategy.name, dtypes=_describe(mp_policy), optimizer=optimizer,
+        params=closed.params, units=closed.units, layout_padding=measured.layout_padding, **cats,
+        padding=measured.padding, padding_mean=measured.padding_mean, device=device,
+        released_between_uses=measured.released, peak_moments=measured.peak_moments, seconds=seconds,
+    )
+
+
+def _default_blocks(root: nn.Module) -> list[nn.Module]:
+    for m in root.modules():
+        if isinstance(m, nn.ModuleList):
+            return list(m)
+    return []
+
+
+def _join(world: int, rank: int) -> bool:
+    """Use the default process group if it matches, else join a fake one; True if created."""
+    if dist.is_initialized():
+        have = (dist.get_world_size(), dist.get_rank())
+        if have != (world, rank):
+            raise ValueError(
+                f"a process group of world {have[0]} (this rank {have[1]}) already exists; plan with "
+                f"world={have[0]}, rank={have[1]} or destroy it first"
+            )
+        return False
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    return True
+
+
+@contextlib.contextmanager
+def _timed(seconds: dict[str, float], what: str) -> Iterator[None]:
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        seconds[what] = time.perf_counter() - start
+
+
+def _describe(p: MixedPrecisionPolicy) -> str:
+    d = _dtypes(p, torch.float32)
+    return f"main {_short(d[0])}, model {_short(d[1])}, main grads {_short(d[2])}, reduce {_short(d[3])}"
+
+
+def _short(dtype: torch.dtype) -> str:
+    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}.get(
+        dtype, str(dtype).removeprefix("torch.")
+    )
+
+
+# ----------------------------------------------------------------------------- closed form
+
+
+@dataclass
+class _Closed:
+    params: int
+    units: int
+    bytes: dict[str, int]
+
+
+def _dtypes(p: MixedPrecisionPolicy, built: torch.dtype) -> tuple[torch.dtype, torch.dtype, torch.dtype, torch.dtype]:
+    """(main, model, main grads, reduce) of a parameter built as ``built``, from the policy's
+    documented defaults (written out here so the closed form does not ask fsdp)."""
+    if not built.is_floating_point:
+        return built, built, built, built
+    main = p.main_params_dtype or built
+    model = p.param_dtype or main
+    return main, model, p.main_grads_dtype or main, p.reduce_dtype or model
+
+
+def _closed_form(
+    root: nn.Module,
+    blocks: list[nn.Module],
+    world: int,
+    s: Strategy,
+    policy: MixedPrecisionPolicy,
+    states: int,
+    schedule: dict[str, frozenset[Moment]],
+) -> _Closed:
+    """Bytes per rank from the parameter shapes alone: sharded totals are ``ceil(bytes / world)``."""
+    groups = [_unique(b.parameters()) for b in blocks]
+    in_blocks = {id(p) for g in groups for p in g}
+    root_params = [p for p in _unique(root.parameters()) if id(p) not in in_blocks]
+
+    def total(params: list[nn.Parameter], which: int, trainable_only: bool = False) -> int:
+        return sum(
+            p.numel() * _dtypes(policy, p.dtype)[which].itemsize
+            for p in params
+            if p.requires_grad or not trainable_only
+        )
+
+    def per_rank(nbytes: int, sharded: bool) -> int:
+        return -(-nbytes // world) if sharded else nbytes
+
+    every = root_params + [p for g in groups for p in g]
+    trainable = [p for p in every if p.requires_grad]
+    cast = [p for p in every if _dtypes(policy, p.dtype)[1] != _dtypes(policy, p.dtype)[0]]
+    regrad = [p for p in trainable if _dtypes(policy, p.dtype)[2] != _dtypes(policy, p.dtype)[0]]
+    main_trainable = per_rank(total(trainable, 0), s.shard_optim)
+    out = {
+        "main_weights": per_rank(total(every, 0), s.shard_optim),
+        "model_weights": per_rank(total(cast, 1), s.shard_optim),
+        "unsharded_weights": total(every, 1) if s.shard_optim and not s.shard_params else 0,
+        "main_grads": per_rank(total(trainable, 2), s.shard_grads),
+        "grad_copies": per_rank(total(regrad, 0), s.shard_optim),
+        "optimizer_state": states * main_trainable,
+    }
+    for key, which, trainable_only in (("unsharded_working_set", 1, False), ("reduce_working_set", 3, True)):
+        sizes = [(total(g, which, trainable_only), 0) for g in groups] + [(total(root_params, which, trainable_only), 0)]
+        out[key] = _peak(sizes, schedule[key])[0][0]
+    return _Closed(sum(p.numel() for p in every), len(groups) + 1, out)
+
+
+def _peak(units: list[tuple[int, int]], moments: frozenset[Moment]) -> tuple[tuple[int, int], Moment]:
+    """((bytes, padding), moment) of the costliest moment: ``units`` are (bytes, padding) per
+    unit, the root last; a moment holds the root's buffer (or not) and the k largest others'."""
+    others = sorted(units[:-1], reverse=True)
+    priced = []
+    for root, k in moments:
+        held = [units[-1]] * root + others[:k]
+        priced.append(((sum(b for b, _ in held), sum(p for _, p in held)), (root, k)))
+    return max(priced, default=((0, 0), (False, 0)))
+
+
+def _unique(params: Iterable[nn.Parameter]) -> list[nn.Parameter]:
+    seen: dict[int, nn.Parameter] = {}
+    for p in params:
+        seen.setdefault(id(p), p)
+    return list(seen.values())
+
+
+# ----------------------------------------------------------------------------- measurement
+
+
+@dataclass
+class _Measured:
+    bytes: dict[str, int]
+    allowance: dict[str, int]
+    padding: int = 0
+    padding_mean: int = 0
+    layout_padding: int = 0
+    released: bool = True
+    peak_moments: dict[str, Moment] = field(default_factory=dict)
+
+
+def _measure(units: list, states: int, schedule: dict[str, frozenset[Moment]]) -> _Measured:
+    """Read the DBuffers of every unit's groups (each storage once: aliases are skipped).
+    ``units``: the FSDP states, the root's last."""
+    m = _Measured({k: 0 for k, _ in CATEGORIES}, {k: 0 for k, _ in CATEGORIES})
+    gathered: list[tuple[int, int]] = []  # (bytes, padding bytes) per unit, the root last
+    reducing: list[tuple[int, int]] = []
+    for state in units:
+        unit_gather, unit_reduce = (0, 0), (0, 0)
+        for g in state.groups:
+            m.layout_padding += g.main.layout.padding_numel
+            _persistent(m, "main_weights", g.main)
+            if g.model is not g.main:
+                _persistent(m, "model_weights", g.model)
+            if g.unsharded is not g.model and not g.strategy.shard_params:
+                _persistent(m, "unsharded_weights", g.unsharded)
+            if g.strategy.shard_params:
+                unit_gather = _plus(unit_gather, _transient(m, g.unsharded))
+            if not g.requires_grad:
+                continue
+            _persistent(m, "main_grads", g.main_grad)
+            unit_reduce = _plus(unit_reduce, _transient(m, g.grad_in))
+            # Like the parameter's local piece, in the main dtype: this rank's rows, no padding.
+            data = _data_bytes(g.main)
+            slack = max(_nbytes(g.main) - data, _padding_share(g.main))
+            m.bytes["optimizer_state"] += states * data
+            m.allowance["optimizer_state"] += states * slack
+            if g.main_grad.dtype != g.main.dtype:
+                m.bytes["grad_copies"] += data
+                m.allowance["grad_copies"] += slack
+        gathered.append(unit_gather)
+        reducing.append(unit_reduce)
+    for key, sizes in (("unsharded_working_set", gathered), ("reduce_working_set", reducing)):
+        (m.bytes[key], m.allowance[key]), moment = _peak(sizes, schedule[key])
+        if m.bytes[key]:
+            m.peak_moments[key] = moment
+    return m
+
+
+def _persistent(m: _Measured, key: str, buf) -> None:
+    m.bytes[key] += _nbytes(buf)
+    m.allowance[key] += _padding_share(buf)
+    m.padding += _nbytes(buf) - _data_bytes(buf)
+    m.padding_mean += _padding_share(buf)
+
+
+def _transient(m: _Measured, buf) -> tuple[int, int]:
+    """(bytes, padding bytes) of a full buffer that holds storage only while in use."""
+    m.released &= buf.is_storage_released()
+    return _nbytes(buf), _nbytes(buf) - _data_bytes(buf)
+
+
+def _plus(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int]:
+    return a[0] + b[0], a[1] + b[1]
+
+
+def _nbytes(buf) -> int:
+    """Bytes of this rank's local buffer while it holds storage (its shape stays when the storage
+    is released between uses, so this is not the storage's current size)."""
+    return buf.local_buffer.numel() * buf.local_buffer.element_size()
+
+
+def _data_bytes(buf) -> int:
+    """Bytes of this rank's rows of every tensor in ``buf`` (from the layout: works while the
+    storage is released)."""
+    rows = (buf.local_rows(i) for i in range(len(buf)))
+    return sum((r1 - r0) * item.row_numel for (r0, r1), item in zip(rows, buf.layout.items)) * buf.dtype.itemsize
+
+
+def _padding_share(buf) -> int:
+    """The layout's padding divided evenly over the shards, in bytes (rounded up). A sharded
+    buffer holds at most this much more than ``ceil(data / shards)``."""
+    return math.ceil(buf.layout.padding_numel * buf.dtype.itemsize / buf.num_shards)
+
+
+# ----------------------------------------------------------------------------- schedule probe
+
+PROBE_BLOCKS = 6
+_SCHEDULES: dict[str, dict[str, frozenset[Moment]]] = {}  # per strategy, for this process
+
+
+class _ProbeLinear(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(4, 4))  # no RNG drawn: the caller's stream is kept
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight
+
+
+class _Probe(nn.Module):
+    """Decoder-shaped: the root's own weights are used first and last, the blocks in between."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = _ProbeLinear()
+        self.blocks = nn.ModuleList(_ProbeLinear() for _ in range(PROBE_BLOCKS))
+        self.last = _ProbeLinear()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.first(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.last(x)
+
+
+def _schedule(strategy: Strategy, world: int) -> dict[str, frozenset[Moment]]:
+    """Moments at which each working set grows, measured on the probe (cached per strategy: the
+    schedule does not depend on sizes, dtypes or the world size)."""
+    if strategy.name not in _SCHEDULES:
+        _SCHEDULES[strategy.name] = _run_probe(strategy, world)
+    return _SCHEDULES[strategy.name]
+
+
+def _run_probe(strategy: Strategy, world: int) -> dict[str, frozenset[Moment]]:
+    """Three forward/backward passes of the probe (prefetching starts with the second), noting
+    which units hold each working-set buffer whenever any DBuffer gets its storage back."""
+    probe = _Probe()
+    mesh = init_device_mesh("cpu", (world,))
+    for block in probe.blocks:
+        fully_shard(block, mesh=mesh, sharding_strategy=strategy)
+    fully_shard(probe, mesh=mesh, sharding_strategy=strategy)
+    units = [b._fsdp_state for b in probe.blocks] + [probe._fsdp_state]
+    # Without ZeRO-3 the gathered weights are persistent (counted elsewhere), not a working set.
+    watched = {k: v for k, v in WORKING_SETS.items() if strategy.shard_params or v != "unsharded"}
+    seen: dict[str, set[Moment]] = {key: set() for key in WORKING_SETS}
+
+    def note() -> None:
+        for key, attr in watched.items():
+            held = [any(hasattr(g, attr) and not getattr(g, attr).is_storage_released() for g in u.groups) for u in units]
+            seen[key].add((held[-1], sum(held[:-1])))
+
+    reallocate = DBuffer.reallocate_storage
+
+    def noting(buf: DBuffer) -> None:
+        reallocate(buf)
+        note()
+
+    DBuffer.reallocate_storage = noting  # type: ignore[method-assign]
+    try:
+        for _ in range(3):
+            probe(torch.ones(2, 4)).sum().backward()
+            probe.zero_grad()
+    finally:
+        DBuffer.reallocate_storage = reallocate  # type: ignore[method-assign]
+    return {key: frozenset(moments) for key, moments in seen.items()}
+
+
+# ----------------------------------------------------------------------------- command line
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="llama3-70b", help=f"preset: {', '.join(CONFIGS)}")
+    ap.add_argument("--world", type=int, default=1024, help="data-parallel ranks")
+    ap.add_argument("--rank", type=int, default=0, help="every rank allocates the same; the last ones hold the padding")
+    ap.add_argument("--strategy", default="optim_grads_params", choices=list(STRATEGIES), help="ZeRO-0..3")
+    ap.add_argument("--param-dtype", default="bf16", choices=list(DTYPES), help="model (compute) weights")
+    ap.add_argument("--main-dtype", default="fp32", choices=list(DTYPES), help="main weights")
+    ap.add_argument("--main-grads-dtype", default="fp32", choices=list(DTYPES))
+    ap.add_argument("--reduce-dtype", default=None, choices=list(DTYPES), help="default: the param dtype")
+    ap.add_argument("--optimizer", default="adamw", choices=list(OPTIMIZER_STATES))
+    ap.add_argument("--json", action="store_true", help="print the plan as JSON")
+    args = ap.parse_args(argv)
+    policy = MixedPrecisionPolicy(
+        param_dtype=DTYPES[args.param_dtype],
+        main_params_dtype=DTYPES[args.main_dtype],
+        main_grads_dtype=DTYPES[args.main_grads_dtype],
+        reduce_dtype=DTYPES[args.reduce_dtype] if args.reduce_dtype else None,
+    )
+    start = time.perf_counter()
+    result = plan(args.model, args.world, args.rank, strategy=args.strategy, mp_policy=policy, optimizer=args.optimizer)
+    result.seconds["plan total"] = time.perf_counter() - start
+    print(json.dumps(result.to_dict(), indent=1) if args.json else result.format())
+    return 0 if result.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
