@@ -121,7 +121,8 @@ def train(args: argparse.Namespace) -> None:
         threads = "" if device.type == "cuda" else f", {torch.get_num_threads()} thread per rank"
         print(f"world {world} ({dist.get_backend()}, {device.type}{threads}); fsdp.fully_shard per block + root "
               f"(ZeRO-3); AdamW lr {args.lr:g}")
-        print(f"resumed from {args.checkpoint} at step {start}" if args.resume else "fresh start from random weights")
+        print(f"resumed from {_shown(args.checkpoint)} at step {start}" if args.resume
+              else "fresh start from random weights")
         print(f"training steps {start}..{end - 1}", flush=True)
 
     counter = CommCounter()
@@ -178,7 +179,13 @@ def train(args: argparse.Namespace) -> None:
     model_sd, optim_sd = ckpt.get_state_dict(model, opt)
     ckpt.save({"model": model_sd, "optim": optim_sd, "step": end}, args.checkpoint)
     if rank == 0:
-        print(f"checkpoint of step {end} saved to {args.checkpoint}; continue with --resume", flush=True)
+        print(f"checkpoint of step {end} saved to {_shown(args.checkpoint)} (--resume continues from it)", flush=True)
+
+
+def _shown(path: str) -> str:
+    """``path`` relative to the working directory when it lies below it (shorter to read)."""
+    rel = os.path.relpath(path)
+    return path if rel.startswith("..") else rel
 
 
 def _rank_table(per_rank: list[dict]) -> str:
