@@ -69,7 +69,11 @@ class DBuffer:
         *,
         layout: Layout | None = None,
         local_buffer: torch.Tensor | None = None,
+        zero_fill: bool = True,
     ) -> None:
+        """The local buffer is zero-filled, or left uninitialised with ``zero_fill=False`` (no
+        page is written: cheap for a buffer whose storage is released right after its views are
+        made), or ``local_buffer`` is used as is (no copy)."""
         if not isinstance(mesh, DeviceMesh):
             raise TypeError(f"mesh must be a torch DeviceMesh, got {type(mesh).__name__}")
         if not isinstance(dtype, torch.dtype):
@@ -93,7 +97,8 @@ class DBuffer:
         self.shard_index = shard_index(mesh.shape, self.placements, self._coordinate)
         numel = self.layout.shard_numel_for(self.num_shards)
         if local_buffer is None:
-            local_buffer = torch.zeros(numel, dtype=dtype, device=self.device)
+            make = torch.zeros if zero_fill else torch.empty
+            local_buffer = make(numel, dtype=dtype, device=self.device)
         else:
             _check_local_buffer(local_buffer, numel, dtype, self.device)
         self.local_buffer = local_buffer

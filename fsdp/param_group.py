@@ -38,7 +38,7 @@ from torch.distributed.tensor.placement_types import Placement
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from dbuffer import DBuffer, Owned, Pending, RowShardedDTensor
-from dbuffer.layout import OwnedLayout, compute_owned_layout
+from dbuffer.layout import OwnedLayout, compute_layout, compute_owned_layout
 from fsdp.policy import Dtypes, Strategy
 from fsdp.streams import CommStreams
 
@@ -104,7 +104,12 @@ class ParameterGroup:
         shapes = [tuple(i.param.shape) for i in infos]
         pl = self.placements
         main_pl = pl.sharded if strategy.shard_optim else pl.replicated
-        layout = _owned_layout(shapes, mesh) if strategy.shard_optim and isinstance(shard, Owned) else None
+        if not strategy.shard_optim:  # replicated everywhere: no shard boundaries, no padding
+            layout = compute_layout(shapes, 1)
+        elif isinstance(shard, Owned):
+            layout = _owned_layout(shapes, mesh)
+        else:
+            layout = None
         self.main = DBuffer(mesh, main_pl, shapes, dtypes.main, None if meta else device, layout=layout)
         self.streams = CommStreams.for_device(self.main.device)
         if not meta:
@@ -113,7 +118,7 @@ class ParameterGroup:
         if not strategy.shard_optim:
             self.unsharded = self.model  # no_shard: the replicated model weights are the full ones
         else:
-            self.unsharded = self._new(pl.replicated, dtypes.model)
+            self.unsharded = self._new(pl.replicated, dtypes.model, zero_fill=not strategy.shard_params)
         self.sharded_params = [
             nn.Parameter(self.main.get_dtensor(k), requires_grad=requires_grad) for k in range(len(infos))
         ]
@@ -127,7 +132,7 @@ class ParameterGroup:
         self._refreshes = 0
         self._gathered: Optional[int] = None  # refresh the unsharded storage holds, if any
         self._gather_pending: Optional[Pending] = None
-        if strategy.shard_params:
+        if strategy.shard_params:  # gathered before each use (its views exist now)
             self.unsharded.release_storage()
         self.refresh()
         if requires_grad:
@@ -136,8 +141,10 @@ class ParameterGroup:
         # Meta-built weights are zeros until initialised or loaded: refuse to run on them.
         self._uninitialised_version = self.weights_version() if meta else None
 
-    def _new(self, placements, dtype: torch.dtype) -> DBuffer:
-        return DBuffer(self.mesh, placements, self.main.shapes, dtype, self.main.device, layout=self.main.layout)
+    def _new(self, placements, dtype: torch.dtype, zero_fill: bool = True) -> DBuffer:
+        return DBuffer(
+            self.mesh, placements, self.main.shapes, dtype, self.main.device, layout=self.main.layout, zero_fill=zero_fill
+        )
 
     @torch.no_grad()
     def _fill_main(self, params: list[torch.Tensor]) -> None:
@@ -269,19 +276,19 @@ class ParameterGroup:
 
     def _init_grads(self) -> None:
         s, d, pl = self.strategy, self.dtypes, self.placements
-        self.grad_in = self._new(pl.partial, d.reduce)
+        self.grad_in = self._new(pl.partial, d.reduce, zero_fill=False)
         self.grad_in.release_storage()
-        self.main_grad = self._new(pl.sharded if s.shard_grads else pl.replicated, d.main_grad)
+        self.main_grad = self._new(pl.sharded if s.shard_grads else pl.replicated, d.main_grad, zero_fill=False)
         # ``optim``: the grads are whole on every rank but the parameters are shards of them.
         view = self.main_grad.redistribute(pl.sharded) if s.shard_optim and not s.shard_grads else self.main_grad
         self.main_grad_views = [view.get_dtensor(k) for k in range(len(self.infos))]
+        self.main_grad.release_storage()  # allocated again by the first reduction
         self._seen: set[int] = set()  # params whose gradient arrived in this backward
         self._local: set[int] = set()  # params with gradients in grad_in, not yet reduced
         self._in_main: set[int] = set()  # params with gradients in main_grad
         self._reduce: Optional[tuple[Pending, bool]] = None
         self._main_grad_has_data = False  # False: the next reduction overwrites main_grad
-        self._grads_attached = False
-        self.main_grad.release_storage()  # allocated by the first reduction
+        self._grads_attached = False  # main_grad's storage: allocated by the first reduction
 
     def register_grad_hooks(
         self, on_group_done: Callable[["ParameterGroup"], None], on_group_start: Callable[["ParameterGroup"], None]
@@ -289,28 +296,29 @@ class ParameterGroup:
         """Copy each unsharded gradient into ``grad_in`` as soon as autograd has accumulated it
         (Megatron's main_grad style); report when ``grad_in`` is about to be allocated and when
         the whole group has its gradients."""
+        # The hooks live on our own parameters: holding the group or the state strongly would make
+        # a reference cycle through autograd's C++ hook table, which the garbage collector cannot
+        # see, and a sharded module would never be freed.
+        done, start = _weak_callable(on_group_done), _weak_callable(on_group_start)
         for k, p in enumerate(self.unsharded_params):
-            p.register_post_accumulate_grad_hook(self._make_hook(k, on_group_done, on_group_start))
+            p.register_post_accumulate_grad_hook(_grad_hook(weakref.ref(self), k, done, start))
 
-    def _make_hook(self, k: int, on_group_done, on_group_start):
-        def hook(p: torch.Tensor) -> None:
-            grad, p.grad = p.grad, None
-            if grad is None:
-                return
-            if self._reduce is not None:  # left in flight by set_is_last_backward(False)
-                self.finish_reduce()
-            if not self._local:
-                on_group_start(self)
-                self.grad_in.reallocate_storage()
-                self.grad_in.local_buffer.zero_()  # padding and unused parameters reduce as 0
-            with torch.no_grad():
-                self.grad_in.get_local_tensor(k).add_(grad)
-            self._local.add(k)
-            self._seen.add(k)
-            if len(self._seen) == len(self.infos):
-                on_group_done(self)
-
-        return hook
+    def _on_grad(self, k: int, p: torch.Tensor, on_group_done, on_group_start) -> None:
+        grad, p.grad = p.grad, None
+        if grad is None:
+            return
+        if self._reduce is not None:  # left in flight by set_is_last_backward(False)
+            self.finish_reduce()
+        if not self._local:
+            on_group_start(self)
+            self.grad_in.reallocate_storage()
+            self.grad_in.local_buffer.zero_()  # padding and unused parameters reduce as 0
+        with torch.no_grad():
+            self.grad_in.get_local_tensor(k).add_(grad)
+        self._local.add(k)
+        self._seen.add(k)
+        if len(self._seen) == len(self.infos):
+            on_group_done(self)
 
     def end_backward(self) -> None:
         self._seen.clear()
@@ -432,6 +440,22 @@ class ParameterGroup:
                 p.grad.zero_()
         self._seen.clear()
         self._main_grad_has_data = False
+
+def _weak_callable(fn: Callable) -> Callable[[], Optional[Callable]]:
+    """A weak reference to a bound method; other callables are held strongly."""
+    if hasattr(fn, "__self__") and hasattr(fn, "__func__"):
+        return weakref.WeakMethod(fn)
+    return lambda: fn
+
+
+def _grad_hook(group_ref, k: int, done_ref, start_ref) -> Callable[[torch.Tensor], None]:
+    def hook(p: torch.Tensor) -> None:
+        group, on_done, on_start = group_ref(), done_ref(), start_ref()
+        if group is not None and on_done is not None and on_start is not None:
+            group._on_grad(k, p, on_done, on_start)
+
+    return hook
+
 
 # Elements each rank already owns through the Owned groups this process built before on the same
 # ranks, so that owners balance over the whole model rather than restarting at rank 0 in every

@@ -29,6 +29,10 @@ def _buffers(model) -> dict:
             assert (g.unsharded is g.main) == (strategy == "no_shard" and same)
             assert g.unsharded.is_storage_released() == s.shard_params
             assert g.grad_in.is_storage_released()
+            assert g.main_grad.is_storage_released()  # no gradients yet: no main-grad memory
+            numel = sum(p.numel() for p in model.parameters())
+            if not s.shard_optim:  # replicated everywhere: a one-shard layout, no padding
+                assert g.main.layout.num_shards == 1 and g.main.local_buffer.numel() == numel
             for p in m.parameters():
                 assert isinstance(p, DTensor) and p.placements == g.main.placements
             # registered parameters are exact views of the main weights
