@@ -99,6 +99,8 @@ def _div_by(size: int, t: torch.Tensor) -> Callable[[], torch.Tensor]:
 def all_gather(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False) -> Pending:
     """Concatenate every rank's ``inp`` into ``out`` (``out.numel() == size * inp.numel()``)."""
     size = dist.get_world_size(group)
+    if size == 1:
+        return _alone(out, inp)
     if size > 1 and _backend(group) == "gloo" and _gloo_p2p_ok(out, inp) and _big(inp):
         _check_sizes("all_gather", out, inp, size)
         rank = dist.get_rank(group)
@@ -120,6 +122,8 @@ def reduce_scatter(
 ) -> Pending:
     """``out`` = chunk ``group rank`` of the reduction over ranks of ``inp``."""
     size = dist.get_world_size(group)
+    if size == 1:
+        return _alone(out, inp)
     backend = _backend(group)
     c10d_op, divide = _reduce_op(op, backend)
     if size > 1 and backend == "gloo" and _gloo_p2p_ok(out, inp):
@@ -163,10 +167,19 @@ def reduce_scatter(
 
 def all_reduce(t: torch.Tensor, op: str, group: dist.ProcessGroup, async_op: bool = False) -> Pending:
     """Reduce ``t`` in place over the group."""
+    if dist.get_world_size(group) == 1:
+        return _alone(t, t)
     c10d_op, divide = _reduce_op(op, _backend(group))
     work = dist.all_reduce(t, op=c10d_op, group=group, async_op=async_op)
     size = dist.get_world_size(group)
     return _maybe_wait(Pending([work], _div_by(size, t) if divide else (lambda: t)), async_op)
+
+
+def _alone(out: torch.Tensor, inp: torch.Tensor) -> Pending:
+    """A group of one: gathering, summing or averaging over it is a copy (no c10d call)."""
+    if out.data_ptr() != inp.data_ptr():
+        out.copy_(inp.view(out.shape))
+    return Pending([], lambda: out)
 
 
 def _maybe_wait(pending: Pending, async_op: bool) -> Pending:

@@ -91,8 +91,6 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
@@ -966,6 +964,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         return
     import torch.multiprocessing as tmp
 
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # our own ranks talk over loopback
     tmp.start_processes(_rank_main, args=(args.world, _free_port(), cfg, args), nprocs=args.world,
                         start_method="spawn")
 

@@ -48,8 +48,6 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-
 from dbuffer.layout import compute_layout, compute_owned_layout  # noqa: E402
 
 Shape = tuple[int, ...]
@@ -356,6 +354,7 @@ def _measure_worker(rank: int, world: int, port: int, shapes) -> None:
 
 
 def main(argv: Optional[list[str]] = None) -> None:
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the measured ranks are local processes
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--no-measure", action="store_true", help="print the computed table only")
     parser.add_argument("--bytes", type=int, default=4, help="bytes per element (4: fp32, 2: bf16)")

@@ -348,3 +348,33 @@ def _point_to_point_paths() -> bool:
 
 def test_gloo_point_to_point_paths() -> None:
     assert all(run_ranks(_point_to_point_paths, 2, backend="gloo"))
+
+
+def _world_one_makes_no_c10d_call() -> bool:
+    import dbuffer.collectives as coll
+
+    mesh = init_device_mesh("cpu", (1,))
+    tensors = [torch.arange(6.0).reshape(3, 2), torch.ones(4)]
+    names = ("all_gather_single", "reduce_scatter_single", "all_reduce", "all_to_all_single", "isend", "irecv")
+    real = {n: getattr(coll.dist, n) for n in names}
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a group of one must not call c10d")
+
+    for n in names:
+        setattr(coll.dist, n, refuse)
+    try:
+        sharded = distribute_tensors(tensors, mesh, [Shard(0)])
+        full = sharded.redistribute([Replicate()])
+        grads = DBuffer.from_local(full.local_buffer.clone(), mesh, [Partial("avg")], [t.shape for t in tensors])
+        reduced = grads.redistribute([Shard(0)])
+        summed = grads.allreduce(0)
+    finally:
+        for n, fn in real.items():
+            setattr(coll.dist, n, fn)
+    same = all(torch.equal(full.get_local_tensor(k), t) for k, t in enumerate(tensors))
+    return same and torch.equal(reduced.local_buffer, full.local_buffer) and torch.equal(summed.local_buffer, full.local_buffer)
+
+
+def test_a_group_of_one_copies_without_calling_c10d() -> None:
+    assert run_ranks(_world_one_makes_no_c10d_call, 1) == [True]
