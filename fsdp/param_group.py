@@ -287,6 +287,7 @@ class ParameterGroup:
         self._local: set[int] = set()  # params with gradients in grad_in, not yet reduced
         self._in_main: set[int] = set()  # params with gradients in main_grad
         self._reduce: Optional[tuple[Pending, bool]] = None
+        self._gaps: Optional[list[tuple[int, int]]] = None  # padding of grad_in, found once
         self._main_grad_has_data = False  # False: the next reduction overwrites main_grad
         self._grads_attached = False  # main_grad's storage: allocated by the first reduction
 
@@ -312,9 +313,13 @@ class ParameterGroup:
         if not self._local:
             on_group_start(self)
             self.grad_in.reallocate_storage()
-            self.grad_in.local_buffer.zero_()  # padding and unused parameters reduce as 0
         with torch.no_grad():
-            self.grad_in.get_local_tensor(k).add_(grad)
+            # The first gradient of a parameter is copied, later ones (micro-batches) added;
+            # what no gradient wrote is zeroed just before the reduction (_zero_unwritten).
+            if k in self._local:
+                self.grad_in.get_local_tensor(k).add_(grad)
+            else:
+                self.grad_in.get_local_tensor(k).copy_(grad)
         self._local.add(k)
         self._seen.add(k)
         if len(self._seen) == len(self.infos):
@@ -335,6 +340,7 @@ class ParameterGroup:
             return
         if self._reduce is not None:
             self.finish_reduce()
+        self._zero_unwritten()
         overwrite = self._overwrite_main_grad()
         self._in_main = set(self._local) if overwrite else self._in_main | self._local
         direct = overwrite and self.dtypes.reduce == self.dtypes.main_grad
@@ -351,6 +357,32 @@ class ParameterGroup:
                 pending = self._allreduce_in_place()
         self._local = set()
         self._reduce = (pending, overwrite)
+
+    @torch.no_grad()
+    def _zero_unwritten(self) -> None:
+        """Zero what no gradient wrote since ``grad_in`` was allocated: the layout's padding and
+        the parameters that got no gradient (they reduce as 0, as unused parameters should)."""
+        buf = self.grad_in.local_buffer
+        for start, end in self._padding():
+            buf[start:end].zero_()
+        for k in range(len(self.infos)):
+            if k not in self._local:
+                self.grad_in.get_local_tensor(k).zero_()
+
+    def _padding(self) -> list[tuple[int, int]]:
+        """Ranges of ``grad_in``'s (full) local buffer that belong to no parameter."""
+        if self._gaps is None:
+            spans = sorted((it.offset, it.offset + it.numel) for it in self.grad_in.layout.items)
+            gaps, pos = [], 0
+            for start, end in spans:
+                if start > pos:
+                    gaps.append((pos, start))
+                pos = max(pos, end)
+            total = self.grad_in.local_buffer.numel()
+            if pos < total:
+                gaps.append((pos, total))
+            self._gaps = gaps
+        return self._gaps
 
     def _allreduce_in_place(self) -> Pending:
         """All-reduce ``grad_in`` over every mesh axis in its own storage (the last one async)."""
