@@ -227,13 +227,7 @@ def compute_layout(shapes: Sequence[Sequence[int]], num_shards: int, *, align: i
     ``row_numel`` divides for every tensor larger than S (contiguity forces it
     for tensors crossing two boundaries). A binary search looks for smaller S.
     """
-    n = _as_int(num_shards, "num_shards")
-    if n < 1:
-        raise ValueError(f"num_shards must be >= 1, got {n}; pass the number of shards (world size)")
-    align = _check_align(align)
-    dims_list = _check_shapes(shapes)
-    # (numel, row_numel) per tensor; a 0-D tensor is one row of one element.
-    sizes = [(math.prod(d), math.prod(d[1:])) for d in dims_list]
+    n, align, dims_list, sizes = _check_inputs(shapes, num_shards, align)
     size = _choose_shard_numel(sizes, n, align)
     offsets = _place_all(sizes, size, n) if size else [0] * len(sizes)
     assert offsets is not None, "internal error: the chosen shard size must be feasible"
@@ -295,12 +289,7 @@ def compute_owned_layout(
     tensors share the shards, large when one tensor outweighs a fair share (``total / n``), since
     every shard is then padded to that tensor's size.
     """
-    n = _as_int(num_shards, "num_shards")
-    if n < 1:
-        raise ValueError(f"num_shards must be >= 1, got {n}; pass the number of shards (world size)")
-    align = _check_align(align)
-    dims_list = _check_shapes(shapes)
-    sizes = [(math.prod(d), math.prod(d[1:])) for d in dims_list]
+    n, align, dims_list, sizes = _check_inputs(shapes, num_shards, align)
     owners = assign_owners([numel for numel, _ in sizes], n, initial_loads=initial_loads)
     loads = [0] * n
     for (numel, _), k in zip(sizes, owners):
@@ -316,6 +305,17 @@ def compute_owned_layout(
             offset = k * size + min(fill[k], size - 1) if size else 0
         items.append(ItemLayout(d, offset, numel, row, d[0] if d else 1))
     return OwnedLayout(tuple(items), n, size)
+
+
+def _check_inputs(shapes, num_shards, align):
+    """Validated ``(num_shards, align, shapes, [(numel, row_numel)])``; a 0-D tensor is one row
+    of one element."""
+    n = _as_int(num_shards, "num_shards")
+    if n < 1:
+        raise ValueError(f"num_shards must be >= 1, got {n}; pass the number of shards (world size)")
+    align = _check_align(align)
+    dims_list = _check_shapes(shapes)
+    return n, align, dims_list, [(math.prod(d), math.prod(d[1:])) for d in dims_list]
 
 
 def _place(pos: int, numel: int, row: int, size: int) -> Optional[int]:

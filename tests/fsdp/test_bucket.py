@@ -16,6 +16,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 import fsdp
 from tests.fsdp.models import Block, full_state, make_batches, make_model, max_diff, reference, train
+from tests.fsdp.test_api import _expect
 from tests.harness import run_ranks
 
 
@@ -88,15 +89,6 @@ def test_bucket_has_its_own_precision_policy() -> None:
     out = run_ranks(_bucket_policy_and_placement, 2)[0]
     assert out["up_model"] == torch.bfloat16 and out["rest_model"] == torch.float32
     assert all(p == [Shard(0)] for p in out["placements"].values())
-
-
-def _expect(fn, exc, text) -> str:
-    try:
-        fn()
-    except exc as e:
-        assert text in str(e), (text, str(e))
-        return "ok"
-    raise AssertionError(f"expected {exc.__name__} containing {text!r}")
 
 
 class Experts(nn.Module):
