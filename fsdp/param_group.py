@@ -288,54 +288,83 @@ class ParameterGroup:
         self._in_main: set[int] = set()  # params with gradients in main_grad
         self._reduce: Optional[tuple[Pending, bool]] = None
         self._gaps: Optional[list[tuple[int, int]]] = None  # padding of grad_in, found once
+        # ``spread``: this group's gradients arrive interleaved with other groups' (a root unit
+        # holding the embedding and the output head: the head's gradient comes first, the
+        # embedding's last). Then autograd's gradients are held as they come and ``grad_in``
+        # is allocated only once the group is complete, so it does not live through the whole
+        # backward at full size. Learned by the unit's state during the first backward.
+        self.spread = False
+        self._held: dict[int, torch.Tensor] = {}
         self._main_grad_has_data = False  # False: the next reduction overwrites main_grad
         self._grads_attached = False  # main_grad's storage: allocated by the first reduction
 
     def register_grad_hooks(
-        self, on_group_done: Callable[["ParameterGroup"], None], on_group_start: Callable[["ParameterGroup"], None]
+        self,
+        on_group_done: Callable[["ParameterGroup"], None],
+        on_group_start: Callable[["ParameterGroup"], None],
+        on_first_grad: Callable[["ParameterGroup"], None] = lambda group: None,
     ) -> None:
         """Copy each unsharded gradient into ``grad_in`` as soon as autograd has accumulated it
-        (Megatron's main_grad style); report when ``grad_in`` is about to be allocated and when
-        the whole group has its gradients."""
+        (Megatron's main_grad style); report the group's first gradient of a backward, when
+        ``grad_in`` is about to be allocated and when the whole group has its gradients."""
         # The hooks live on our own parameters: holding the group or the state strongly would make
         # a reference cycle through autograd's C++ hook table, which the garbage collector cannot
         # see, and a sharded module would never be freed.
-        done, start = _weak_callable(on_group_done), _weak_callable(on_group_start)
+        callbacks = [_weak_callable(f) for f in (on_group_done, on_group_start, on_first_grad)]
         for k, p in enumerate(self.unsharded_params):
-            p.register_post_accumulate_grad_hook(_grad_hook(weakref.ref(self), k, done, start))
+            p.register_post_accumulate_grad_hook(_grad_hook(weakref.ref(self), k, callbacks))
 
-    def _on_grad(self, k: int, p: torch.Tensor, on_group_done, on_group_start) -> None:
+    @torch.no_grad()
+    def _on_grad(self, k: int, p: torch.Tensor, on_group_done, on_group_start, on_first_grad) -> None:
         grad, p.grad = p.grad, None
         if grad is None:
             return
         if self._reduce is not None:  # left in flight by set_is_last_backward(False)
             self.finish_reduce()
-        if not self._local:
-            on_group_start(self)
-            self.grad_in.reallocate_storage()
-        with torch.no_grad():
-            # The first gradient of a parameter is copied, later ones (micro-batches) added;
-            # what no gradient wrote is zeroed just before the reduction (_zero_unwritten).
-            if k in self._local:
-                self.grad_in.get_local_tensor(k).add_(grad)
-            else:
-                self.grad_in.get_local_tensor(k).copy_(grad)
-        self._local.add(k)
+        if not self._seen:
+            on_first_grad(self)
         self._seen.add(k)
+        if self.spread and not self._local:  # hold autograd's gradient; grad_in comes later
+            held = self._held.get(k)
+            self._held[k] = grad if held is None else held + grad
+        else:
+            self._pack(k, grad, on_group_start)
         if len(self._seen) == len(self.infos):
+            self._pack_held(on_group_start)
             on_group_done(self)
 
+    def _pack(self, k: int, grad: torch.Tensor, on_group_start=None) -> None:
+        """Write one gradient into ``grad_in``: the first of a parameter is copied, later ones
+        (micro-batches) added; what no gradient wrote is zeroed before the reduction."""
+        if not self._local:
+            if on_group_start is not None:
+                on_group_start(self)
+            self.grad_in.reallocate_storage()
+        if k in self._local:
+            self.grad_in.get_local_tensor(k).add_(grad)
+        else:
+            self.grad_in.get_local_tensor(k).copy_(grad)
+        self._local.add(k)
+
+    @torch.no_grad()
+    def _pack_held(self, on_group_start=None) -> None:
+        held, self._held = self._held, {}
+        for k, grad in held.items():
+            self._pack(k, grad, on_group_start)
+
     def end_backward(self) -> None:
+        self._pack_held()  # gradients kept for a later (sync) backward live in grad_in
         self._seen.clear()
 
     def has_local_grads(self) -> bool:
-        return self.requires_grad and bool(self._local)
+        return self.requires_grad and bool(self._local or self._held)
 
     def launch_reduce(self) -> None:
         """Average ``grad_in`` over the ranks, asynchronously: reduce-scatter for sharded main
         grads, all-reduce otherwise; straight into ``main_grad`` when it is overwritten in the
         same dtype, else into a temporary (sharded, or ``grad_in`` itself) folded in by
         :meth:`finish_reduce`."""
+        self._pack_held()
         if not self._local:
             return
         if self._reduce is not None:
@@ -463,6 +492,7 @@ class ParameterGroup:
             self._reduce[0].wait()
             self._reduce = None
         self._local = set()
+        self._held = {}
         if not self.grad_in.is_storage_released():
             self.grad_in.release_storage()
         self.main_grad.reallocate_storage()
@@ -480,11 +510,11 @@ def _weak_callable(fn: Callable) -> Callable[[], Optional[Callable]]:
     return lambda: fn
 
 
-def _grad_hook(group_ref, k: int, done_ref, start_ref) -> Callable[[torch.Tensor], None]:
+def _grad_hook(group_ref, k: int, callback_refs) -> Callable[[torch.Tensor], None]:
     def hook(p: torch.Tensor) -> None:
-        group, on_done, on_start = group_ref(), done_ref(), start_ref()
-        if group is not None and on_done is not None and on_start is not None:
-            group._on_grad(k, p, on_done, on_start)
+        group, callbacks = group_ref(), [ref() for ref in callback_refs]
+        if group is not None and None not in callbacks:
+            group._on_grad(k, p, *callbacks)
 
     return hook
 

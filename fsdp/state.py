@@ -8,8 +8,10 @@ Life of a step, per unit (ZeRO-3 shown; the other strategies skip the gathers an
    (``reshard_after_forward``; not for the root while grad is on: its backward comes next),
    and hook the outputs so that their gradient triggers step 3;
 3. pre-backward (first output gradient): gather again, start gathering the unit before it;
-4. each parameter's post-accumulate-grad hook copies its gradient into the group's ``grad_in``;
-   when a group has all of them its reduction starts (async) and its unsharded storage is freed;
+4. each parameter's post-accumulate-grad hook copies its gradient into the group's ``grad_in``
+   (a group whose gradients bracket other groups', like a root holding the embedding and the
+   head, keeps autograd's gradients until it is complete instead); when a group has all of them
+   its reduction starts (async; at most one in flight) and its unsharded storage is freed;
 5. the root's final callback (queued on the autograd engine) reduces whatever is left, reshards
    every unit, waits for every reduction and attaches ``param.grad``.
 """
@@ -59,12 +61,15 @@ class FSDPState:
         self._pre_backward_done = False
         self._callback_queued = False
         self._in_flight: list[ParameterGroup] = []  # root only: reductions launched, oldest first
+        self._filling: list[ParameterGroup] = []  # root only: groups with some gradients, not all
 
     def install_hooks(self) -> None:
         """Called once the unit is fully built, so a failed setup leaves no hook behind."""
         for group in self.groups:
             if group.requires_grad:
-                group.register_grad_hooks(self._on_group_grads_done, self._on_group_grads_start)
+                group.register_grad_hooks(
+                    self._on_group_grads_done, self._on_group_grads_start, self._on_group_first_grad
+                )
         for module in self.modules:
             module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
             module.register_forward_hook(self._post_forward)
@@ -167,6 +172,15 @@ class FSDPState:
         for prev in self._next_units(self.backward_prefetch, -1):
             prev.unshard(async_op=True)
 
+    def _on_group_first_grad(self, group: ParameterGroup) -> None:
+        """A group got its first gradient of this backward while others are still incomplete:
+        those are ``spread`` (their gradients bracket other groups'), and from the next backward
+        on they hold their gradients until complete instead of a full ``grad_in``."""
+        root = self.root if self.root is not None else self
+        for other in root._filling:
+            other.spread = True
+        root._filling.append(group)
+
     def _on_group_grads_start(self, group: ParameterGroup) -> None:
         """A group is about to allocate its gradient buffer: finish the reductions still in
         flight first (by now they have had a whole unit's backward to run), so that their
@@ -178,6 +192,8 @@ class FSDPState:
     def _on_group_grads_done(self, group: ParameterGroup) -> None:
         root = self.root if self.root is not None else self
         root._queue_final_callback()
+        if group in root._filling:
+            root._filling.remove(group)
         if self.requires_grad_sync:
             group.launch_reduce()
             # Bound the reductions in flight: finishing older ones frees their unsharded gradient
@@ -196,6 +212,7 @@ class FSDPState:
     def _final_callback(self) -> None:
         self._callback_queued = False
         self._in_flight.clear()  # whatever is still in flight is finished below
+        self._filling.clear()
         units = self.units or [self]
         for unit in units:
             if unit.requires_grad_sync:

@@ -252,7 +252,7 @@ def _grad_buffers_in_backward(model, batches, ref) -> tuple[int, float]:
     for unit in units:
         for g in unit.groups:
             if g.requires_grad:
-                g.register_grad_hooks(unit._on_group_grads_done, unit._on_group_grads_start)
+                g.register_grad_hooks(unit._on_group_grads_done, unit._on_group_grads_start, unit._on_group_first_grad)
     train(m, batches, rank=rank, world=world)
     return most, max_diff(full_state(m), ref)
 
@@ -285,3 +285,43 @@ def test_a_trained_model_is_freed() -> None:
     would run through autograd's C++ hook table, invisible to the garbage collector, and every
     model built in a long-lived process (this test suite's workers) would stay in memory."""
     assert run_ranks(_freed_after_training, 2, make_model(), make_batches(1)) == [True, True]
+
+
+def _root_gradient_buffer_in_second_backward(model, batches, ref) -> dict:
+    """The root unit's gradients bracket every block's (head first, embedding last). After the
+    first backward shows that, the root holds autograd's gradients instead of a full grad_in."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    m = shard(copy.deepcopy(model), True)
+    root = m._fsdp_state.groups[0]
+    seen: list[bool] = []
+    for block in m.blocks:
+        state = block._fsdp_state
+        original = state._on_group_grads_done
+
+        def watched(group, original=original):
+            seen.append(root.grad_in.is_storage_released())
+            original(group)
+
+        state._on_group_grads_done = watched
+        for g in state.groups:
+            for p in g.unsharded_params:
+                p._post_accumulate_grad_hooks.clear()
+            g.register_grad_hooks(state._on_group_grads_done, state._on_group_grads_start, state._on_group_first_grad)
+    train(m, batches, rank=rank, world=world)
+    blocks = len(m.blocks)
+    return {
+        "spread": [root.spread] + [b._fsdp_state.groups[0].spread for b in m.blocks],
+        "first": seen[:blocks],
+        "later": seen[blocks:],
+        "diff": max_diff(full_state(m), ref),
+    }
+
+
+def test_root_holds_gradients_not_a_buffer_while_blocks_reduce() -> None:
+    model, batches = make_model(blocks=3), make_batches(3)
+    ref = reference(model, batches)
+    out = run_ranks(_root_gradient_buffer_in_second_backward, 2, model, batches, ref, backend="threaded")[0]
+    assert out["spread"] == [True, False, False, False]
+    assert out["first"] == [False] * 3  # first backward: the root's grad_in lives throughout
+    assert out["later"] == [True] * 6  # then it is not allocated while the blocks reduce
+    assert out["diff"] <= 1e-5
