@@ -213,6 +213,15 @@ def _local_grads(compute, rank: int, world: int):
     return [p.grad for p in compute]
 
 
+def _gather_and_reduce(way, rank: int, world: int) -> None:
+    """The part both ways share: all-gather the weights, backward on this rank's slice, reduce
+    the gradients into the sharded (or owned) gradient buffer."""
+    way.weights.allgather(0, out=way.full)
+    for i, g in enumerate(_local_grads(way.compute, rank, world)):
+        way.grads_partial.get_local_tensor(i).copy_(g)
+    way.grads_partial.reduce_scatter(0, out=way.grads)
+
+
 class _Owned:
     """Owned weights, a reused full buffer, Partial("avg") -> Owned gradients, fsdp.muon.Muon."""
 
@@ -235,10 +244,7 @@ class _Owned:
         self.compute = [torch.nn.Parameter(self.full.get_local_tensor(i)) for i in range(len(shapes))]
 
     def step(self, rank: int, world: int) -> None:
-        self.weights.allgather(0, out=self.full)
-        for i, g in enumerate(_local_grads(self.compute, rank, world)):
-            self.grads_partial.get_local_tensor(i).copy_(g)
-        self.grads_partial.reduce_scatter(0, out=self.grads)
+        _gather_and_reduce(self, rank, world)
         self.opt.step()
 
     def final(self):
@@ -281,10 +287,7 @@ class _Gather:
 
         from fsdp.muon import newton_schulz
 
-        self.weights.allgather(0, out=self.full)
-        for i, g in enumerate(_local_grads(self.compute, rank, world)):
-            self.grads_partial.get_local_tensor(i).copy_(g)
-        self.grads_partial.reduce_scatter(0, out=self.grads)
+        _gather_and_reduce(self, rank, world)
         mu = HP["momentum"]
         for j, i in enumerate(self.mats):  # elementwise on row shards: no communication
             grad, buf = self.grads.get_local_tensor(i), self.momentum.get_local_tensor(j)
