@@ -17,9 +17,10 @@ all-gather (``Owned -> Replicate``), exactly the traffic of ZeRO-3.
   DTensor gradients laid out the same way. It reads and writes ``_local_tensor`` only, so it
   never communicates; the AdamW part is elementwise and also accepts any row-sharded piece.
 
-State holds local tensors (a non-owner has none for a matrix it does not own). Step math is
-per tensor and the same on both kinds, so an Owned run equals a single-device run bit for bit
-whenever the gradients do (tests/fsdp/test_muon.py).
+State is laid out like each parameter on every rank (DTensors for DTensor parameters, with 0
+rows on the ranks that do not own the tensor), so it checkpoints and reshards with DCP like the
+parameters. Step math is per tensor and the same on both kinds, so an Owned run equals a
+single-device run bit for bit whenever the gradients do (tests/fsdp/test_muon.py).
 
 Update rules, for a weight ``W`` of shape ``(rows, cols)`` with gradient ``G``:
 
@@ -31,7 +32,9 @@ Update rules, for a weight ``W`` of shape ``(rows, cols)`` with gradient ``G``:
   default) or ``0.2 * sqrt(max(rows, cols))`` (``"match_rms_adamw"``, Moonshot's: the update's
   RMS matches AdamW's, so AdamW's lr and weight decay carry over).
 * AdamW (Loshchilov & Hutter), for every parameter that is not 2-D (or a group with
-  ``use_muon=False``): ``W <- W * (1 - adamw_lr * adamw_weight_decay)``, ``m <- lerp(m, G,
+  ``use_muon=False``), with ``adamw_lr`` scaled by ``lr / base_lr`` (``base_lr``: the group's
+  lr when it was added), so that an lr scheduler moves both parts together and ``lr=0`` freezes
+  the whole group: ``W <- W * (1 - adamw_lr * adamw_weight_decay)``, ``m <- lerp(m, G,
   1 - beta1)``, ``v <- beta2 v + (1 - beta2) G^2``, ``W <- W - adamw_lr / (1 - beta1^t) * m /
   (sqrt(v) / sqrt(1 - beta2^t) + adamw_eps)``.
 """
@@ -52,7 +55,7 @@ __all__ = ["NS_COEFFICIENTS", "Muon", "newton_schulz"]
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 
 _ADJUST_LR = ("original", "match_rms_adamw")
-_NS_DTYPES = (torch.float32, torch.bfloat16, torch.float64)
+_NS_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
 
 def newton_schulz(
@@ -136,7 +139,7 @@ class Muon(torch.optim.Optimizer):
             adamw_weight_decay=adamw_weight_decay,
             ns_coefficients=ns_coefficients,
             ns_eps=ns_eps,
-            ns_dtype=ns_dtype,
+            ns_dtype=_dtype_name(ns_dtype),
             adjust_lr=adjust_lr,
             use_muon=None,
         )
@@ -148,6 +151,7 @@ class Muon(torch.optim.Optimizer):
         group = self.param_groups[-1]
         where = f"param group {len(self.param_groups) - 1}"
         _check_options(group, where)
+        group.setdefault("base_lr", group["lr"])  # the lr that adamw_lr goes with (see _adamw)
         for j, p in enumerate(group["params"]):
             if group["use_muon"] and p.dim() != 2:
                 raise ValueError(
@@ -175,6 +179,7 @@ class Muon(torch.optim.Optimizer):
 
     def _muon(self, p: torch.Tensor, local: torch.Tensor, grad: torch.Tensor, group: dict, where: str) -> None:
         rows, cols = p.shape
+        state = _state_like(self.state[p], p, ("momentum_buffer",))
         if tuple(local.shape) != (rows, cols):
             if local.shape[0] == 0:
                 return  # another rank owns this matrix
@@ -185,14 +190,12 @@ class Muon(torch.optim.Optimizer):
             )
         if local.numel() == 0:
             return
-        state = self.state[p]
-        if "momentum_buffer" not in state:
-            state["momentum_buffer"] = torch.zeros_like(grad, memory_format=torch.contiguous_format)
-        buf = state["momentum_buffer"]
+        buf = _local(state["momentum_buffer"])
         momentum = group["momentum"]
         buf.lerp_(grad, 1 - momentum)
         update = torch.lerp(grad, buf, momentum) if group["nesterov"] else buf
-        ortho = newton_schulz(update, group["ns_steps"], group["ns_coefficients"], group["ns_eps"], group["ns_dtype"])
+        ns_dtype = _NS_DTYPES[group["ns_dtype"]]
+        ortho = newton_schulz(update, group["ns_steps"], group["ns_coefficients"], group["ns_eps"], ns_dtype)
         if group["adjust_lr"] == "original":
             scale = math.sqrt(max(1.0, rows / cols))
         else:
@@ -203,23 +206,37 @@ class Muon(torch.optim.Optimizer):
         local.add_(ortho, alpha=-lr * scale)
 
     def _adamw(self, p: torch.Tensor, local: torch.Tensor, grad: torch.Tensor, group: dict) -> None:
+        state = _state_like(self.state[p], p, ("exp_avg", "exp_avg_sq"))
+        state["step"] = state.get("step", 0) + 1
         if local.numel() == 0:
             return  # another rank holds this tensor (or it is empty)
-        state = self.state[p]
-        if "step" not in state:
-            state["step"] = 0
-            state["exp_avg"] = torch.zeros_like(local, memory_format=torch.contiguous_format)
-            state["exp_avg_sq"] = torch.zeros_like(local, memory_format=torch.contiguous_format)
-        state["step"] += 1
         t = state["step"]
-        lr, (beta1, beta2) = group["adamw_lr"], group["adamw_betas"]
-        exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+        # AdamW's lr follows the group's lr: an lr scheduler (which sets "lr") scales both parts,
+        # and lr=0 (how torch.distributed.checkpoint initialises optimizer state) steps neither.
+        base = group["base_lr"]
+        lr = group["adamw_lr"] * (group["lr"] / base) if base else group["adamw_lr"]
+        beta1, beta2 = group["adamw_betas"]
+        exp_avg, exp_avg_sq = _local(state["exp_avg"]), _local(state["exp_avg_sq"])
         if group["adamw_weight_decay"]:
             local.mul_(1 - lr * group["adamw_weight_decay"])
         exp_avg.lerp_(grad, 1 - beta1)
         exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
         denom = (exp_avg_sq.sqrt() / math.sqrt(1 - beta2**t)).add_(group["adamw_eps"])
         local.addcdiv_(exp_avg, denom, value=-lr / (1 - beta1**t))
+
+
+def _state_like(state: dict, p: torch.Tensor, keys: tuple[str, ...]) -> dict:
+    """Create the zero state ``keys`` laid out like ``p`` on every rank, owners or not: for a
+    DTensor parameter they are DTensors (fsdp gives them the parameter's exact rows after the
+    step), so the optimizer state checkpoints and reshards with DCP like the parameters."""
+    for key in keys:
+        if key not in state:
+            state[key] = torch.zeros_like(p, memory_format=torch.contiguous_format).detach()
+    return state
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 def _local_pieces(p: torch.Tensor, where: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -250,6 +267,12 @@ def _local_pieces(p: torch.Tensor, where: str) -> tuple[torch.Tensor, torch.Tens
     return local, glocal
 
 
+def _dtype_name(dtype: Any) -> Any:
+    """Param groups keep the Newton–Schulz dtype by name: checkpoint writers (DCP) store plain
+    values, not ``torch.dtype``."""
+    return str(dtype).removeprefix("torch.") if isinstance(dtype, torch.dtype) else dtype
+
+
 def _check_options(group: dict[str, Any], where: str) -> None:
     def bad(name: str, rule: str) -> ValueError:
         return ValueError(f"{where}: {name}={group[name]!r} is invalid; {rule}")
@@ -266,6 +289,7 @@ def _check_options(group: dict[str, Any], where: str) -> None:
         raise bad("ns_steps", "use an int >= 1 (5 is the usual choice)")
     if len(tuple(group["ns_coefficients"])) != 3:
         raise bad("ns_coefficients", "give the quintic's three coefficients (a, b, c)")
+    group["ns_dtype"] = _dtype_name(group["ns_dtype"])
     if group["ns_dtype"] not in _NS_DTYPES:
         raise bad("ns_dtype", "use torch.float32, torch.bfloat16 or torch.float64")
     if group["adjust_lr"] not in _ADJUST_LR:

@@ -205,7 +205,12 @@ def _train_owned_against_single_device() -> dict:
         ref_opt.step()
     compare()
     owned = [i for i in range(len(SHAPES)) if weights.owner(i) == rank]
-    stepped = sorted(i for i, p in enumerate(main) if opt.state.get(p))
+    # every rank has state for every parameter (DCP needs the same keys everywhere), but only
+    # the owner's has elements
+    assert all(opt.state.get(p) for p in main)
+    stepped = sorted(
+        i for i, p in enumerate(main) if any(v.to_local().numel() for v in opt.state[p].values() if torch.is_tensor(v))
+    )
     moved = max((r.detach() - t).abs().max().item() for r, t in zip(ref, init))
     return {"gaps": gaps, "owned": owned, "stepped": stepped, "moved": moved}
 
@@ -215,7 +220,7 @@ def test_owned_muon_equals_single_device_bit_for_bit(backend, world) -> None:
     results = run_ranks(_train_owned_against_single_device, world, backend=backend)
     for rank, res in enumerate(results):
         assert res["gaps"] == [0.0] * (STEPS + 1), (rank, res["gaps"])
-        assert res["stepped"] == res["owned"]  # a rank keeps state for, and steps, what it owns
+        assert res["stepped"] == res["owned"]  # a rank's state has elements for what it owns
         assert res["moved"] > 1e-3  # the weights really changed
     assert sorted(i for res in results for i in res["owned"]) == list(range(len(SHAPES)))
     assert sum(bool(res["owned"]) for res in results) >= 2  # ownership is really spread

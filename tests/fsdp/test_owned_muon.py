@@ -93,3 +93,62 @@ def test_owned_bucket_muon_equals_single_device_bit_for_bit(backend, world) -> N
         assert not differ, (step, differ)
     # and Muon moved the weights (the comparison is not between two untouched models)
     assert not torch.equal(want[-1]["head.weight"], model.head.weight.detach())
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+
+def _build(model):
+    m = copy.deepcopy(model)
+    for block in m.blocks:
+        fsdp.fully_shard(block, buckets=[fsdp.Bucket(MATRICES, placement=Owned())])
+    fsdp.fully_shard(m, buckets=[fsdp.Bucket("head.weight", placement=Owned())])
+    return m, _muon(m)
+
+
+def _steps(m, opt, batches) -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for x, y in batches:
+        per = x.shape[0] // world
+        loss_fn(m, x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _save_then_continue(model, batches, path: str):
+    from tests.fsdp.test_checkpoint import _full, _save
+
+    m, opt = _build(model)
+    _steps(m, opt, batches[:2])
+    _save(m, opt, path)
+    saved = _full(m, opt)
+    _steps(m, opt, batches[2:])
+    return saved, full_state(m)
+
+
+def _load_then_continue(other, batches, path: str):
+    from tests.fsdp.test_checkpoint import _full, _load
+
+    m, opt = _build(other)
+    _load(m, opt, path)
+    loaded = _full(m, opt)
+    _steps(m, opt, batches[2:])
+    return loaded, full_state(m)
+
+
+def test_owned_muon_checkpoint_resumes_exactly_and_reshards(tmp_path) -> None:
+    """Muon's state is laid out like its Owned parameters, so DCP saves it on the owners and
+    loads it onto other owners (world 4) exactly; resuming on the same world continues the
+    uninterrupted run bit for bit."""
+    from tests.fsdp.test_checkpoint import _diff
+
+    model, other, batches = make_model(blocks=3), make_model(seed=5, blocks=3), make_batches(4)
+    path = str(tmp_path / "c")
+    first = run_ranks(_save_then_continue, 2, model, batches, path)
+    saved, uninterrupted = first[0]
+    assert saved[1]["state"] and all("momentum_buffer" in s or "exp_avg" in s for s in saved[1]["state"].values())
+    again = run_ranks(_load_then_continue, 2, other, batches, path)[0]
+    assert _diff(saved, again[0]) == []
+    assert all(torch.equal(again[1][k], uninterrupted[k]) for k in uninterrupted)
+    moved = run_ranks(_load_then_continue, 4, other, batches, path)[0]  # other owners
+    assert _diff(saved, moved[0]) == []
