@@ -269,3 +269,25 @@ def test_bench_muon_counts_what_it_predicts() -> None:
         assert res["ops"] == {"owned": 2, "gather": 3}
         assert res["sent"] == res["predicted"]
         assert res["sent"]["owned"] < res["sent"]["gather"]
+
+
+def test_lr_zero_freezes_both_parts_and_schedulers_scale_both() -> None:
+    """torch.distributed.checkpoint initialises an empty optimizer by stepping it with lr=0; that
+    must not move any weight (AdamW's weight decay included). An lr scheduler sets ``lr`` only;
+    the AdamW part follows it."""
+    from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+    g = torch.Generator().manual_seed(3)
+    w, b = torch.randn(6, 4, generator=g).requires_grad_(), torch.randn(6, generator=g).requires_grad_()
+    before = (w.detach().clone(), b.detach().clone())
+    opt = Muon([w, b], lr=0.02, weight_decay=0.1, adamw_lr=1e-2, adamw_weight_decay=0.1)
+    _init_optim_state(opt)
+    assert torch.equal(w, before[0]) and torch.equal(b, before[1]) and opt.state[b]["step"] == 1
+    ours, theirs = before[1].clone().requires_grad_(), before[1].clone().requires_grad_()
+    halved = Muon([ours], lr=0.02, adamw_lr=1e-2)
+    halved.param_groups[0]["lr"] = 0.01  # what a scheduler halving the lr does
+    ref = torch.optim.AdamW([theirs], lr=5e-3, weight_decay=0.0, foreach=False)
+    ours.grad, theirs.grad = torch.ones(6), torch.ones(6)
+    halved.step()
+    ref.step()
+    assert torch.equal(ours, theirs)
