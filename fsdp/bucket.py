@@ -128,6 +128,11 @@ def _explicit(b, bucket, members, names, params, mesh, strategy, policy) -> list
     if factor is not None and (not isinstance(factor, (int, float)) or factor <= 0):
         raise ValueError(f"buckets[{b}].gradient_divide_factor must be a positive number, got {factor!r}")
     _check_placement(b, bucket.placement)
+    if type(bucket.placement).__name__ == "Owned" and mesh.ndim != 1:
+        raise ValueError(
+            f"buckets[{b}] places tensors Owned() on a {mesh.ndim}-D mesh; Owned works on a 1-D mesh: "
+            f"pass mesh=<the shard axis>, e.g. mesh['shard'] (replicas then hold their own owners)"
+        )
     if bucket.per_tensor:
         shards = mesh.shape[-1] if strategy.shard_optim else 1
         for k in members:

@@ -99,7 +99,10 @@ class Experts(nn.Module):
 
 
 def _misuse() -> dict:
+    from dbuffer import Owned
+
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    mesh2d = init_device_mesh("cpu", (1, dist.get_world_size()))  # every rank: it makes groups
     out: dict = {}
     if dist.get_rank() != 0:  # only rank 0 calls: any collective would hang the test
         return out
@@ -118,6 +121,9 @@ def _misuse() -> dict:
     out["factor"] = _expect(
         lambda: fsdp.fully_shard(Block(), mesh=mesh, buckets=[B("up.*", gradient_divide_factor=-1)]), ValueError, "positive"
     )
+    out["owned_2d"] = _expect(
+        lambda: fsdp.fully_shard(Block(), mesh=mesh2d, buckets=[B("up.*", placement=Owned())]), ValueError, "1-D mesh"
+    )
     out["type"] = _expect(lambda: fsdp.fully_shard(Block(), mesh=mesh, buckets=["up.*"]), TypeError, "fsdp.Bucket")
     block = Block()
     out["untouched"] = _expect(lambda: fsdp.fully_shard(block, mesh=mesh, buckets=[B("up.*"), B("up.weight")]), ValueError, "up.weight")
@@ -128,4 +134,5 @@ def _misuse() -> dict:
 
 def test_bucket_misuse_raises_before_any_collective() -> None:
     out = run_ranks(_misuse, 2, timeout=60)[0]
-    assert out == {k: "ok" for k in ("overlap", "unmatched", "experts", "placement", "size", "factor", "type", "untouched")}
+    names = ("overlap", "unmatched", "experts", "placement", "size", "factor", "owned_2d", "type", "untouched")
+    assert out == {k: "ok" for k in names}
