@@ -345,7 +345,11 @@ class DBuffer:
 
     def _launch(self, step: Step, dst: torch.Tensor, src: torch.Tensor, group, size: int, async_op: bool) -> Pending:
         if step.kind == "allgather":
-            work = collectives.all_gather(dst, src, group, async_op)
+            segments = self._sparse_owned_segments(size)
+            if segments is None:
+                work = collectives.all_gather(dst, src, group, async_op)
+            else:
+                work = self._gather_owned(dst, src, segments, group, size, async_op)
         elif step.kind == "reduce_scatter":
             work = collectives.reduce_scatter(dst, src, self.placements[step.axis].reduce_op, group, async_op)
         elif step.kind == "allreduce":
@@ -356,6 +360,36 @@ class DBuffer:
             dst.copy_(src.view(size, -1)[self._coordinate[step.axis]])
             work = _done(dst)
         return work
+
+    # An Owned gather broadcasts each owner's used range instead of all-gathering padded shards
+    # once the padding would make the all-gather send this much more than the tensors hold.
+    _OWNED_BROADCAST_ABOVE = 1.25
+
+    def _sparse_owned_segments(self, size: int) -> list[tuple[int, int, int]] | None:
+        """``(owner, start, end)`` of each owner's tensors in the full buffer, if this is an Owned
+        gather over ``size`` ranks whose shards are mostly padding; else None."""
+        if not self.is_owned or size < 2:
+            return None
+        loads = self.layout.loads(size)
+        shard = self.layout.shard_numel_for(size)
+        if size * shard <= self._OWNED_BROADCAST_ABOVE * sum(loads):
+            return None
+        ends = [r * shard for r in range(size)]
+        for k, item in enumerate(self.layout.items):  # packed from the start of the owner's shard
+            r = self.layout.owner(k, size)
+            ends[r] = max(ends[r], item.offset + item.numel)
+        return [(r, r * shard, ends[r]) for r in range(size)]
+
+    def _gather_owned(self, dst, src, segments, group, size: int, async_op: bool) -> Pending:
+        """Own shard copied in, every owner's used range broadcast from it (every rank takes
+        part in every broadcast, in the same order), the other shards' padding zeroed."""
+        shard = src.numel()
+        rank = self._coordinate[0]
+        dst[rank * shard : (rank + 1) * shard].copy_(src)
+        for r, start, end in segments:
+            if r != rank:
+                dst[end : (r + 1) * shard].zero_()
+        return collectives.broadcast_segments(dst, segments, group, async_op)
 
     def _check_out(self, out: "DBuffer", placements: Sequence[AnyPlacement], dtype: torch.dtype, op: str) -> None:
         problem = None

@@ -18,6 +18,8 @@ This is the only module of the toolkit that calls torch.distributed collectives.
   64 MiB and 14.7 ms vs 15.3 ms at 16 MiB (within this machine's noise); with
   ``all_to_all_single`` + sum + ``all_gather_single`` 123 ms vs 62 ms at 64 MiB. Its second half
   could also not run in the background.
+* Owned layouts whose shards are mostly padding gather by one broadcast per owner's used range
+  (:func:`broadcast_segments`) instead of an all-gather of padded shards (see ``buffer.py``).
 * ``avg``: native where the backend has ``ReduceOp.AVG`` (NCCL, threaded); elsewhere a sum and an
   in-place division by the group size on the (already reduced, smaller) output.
 
@@ -43,7 +45,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-__all__ = ["Pending", "all_gather", "all_reduce", "reduce_scatter", "release_workspaces"]
+__all__ = ["Pending", "all_gather", "all_reduce", "broadcast_segments", "reduce_scatter", "release_workspaces"]
 
 _NATIVE_AVG_BACKENDS = ("nccl", "threaded")
 
@@ -173,6 +175,20 @@ def all_reduce(t: torch.Tensor, op: str, group: dist.ProcessGroup, async_op: boo
     work = dist.all_reduce(t, op=c10d_op, group=group, async_op=async_op)
     size = dist.get_world_size(group)
     return _maybe_wait(Pending([work], _div_by(size, t) if divide else (lambda: t)), async_op)
+
+
+def broadcast_segments(
+    buf: torch.Tensor, segments: list[tuple[int, int, int]], group: dist.ProcessGroup, async_op: bool = False
+) -> Pending:
+    """For each ``(src, start, end)``: ``buf[start:end]`` on every rank becomes group rank
+    ``src``'s. One broadcast per segment, in the given order (the same on every rank): an
+    all-gather of unequal pieces without padding them to the largest."""
+    works = [
+        dist.broadcast(buf[start:end], group=group, group_src=src, async_op=True)
+        for src, start, end in segments
+        if end > start
+    ]
+    return _maybe_wait(Pending(works, lambda: buf), async_op)
 
 
 def _alone(out: torch.Tensor, inp: torch.Tensor) -> Pending:

@@ -48,6 +48,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from dbuffer import DBuffer  # noqa: E402
 from dbuffer.layout import compute_layout, compute_owned_layout  # noqa: E402
 
 Shape = tuple[int, ...]
@@ -109,8 +110,19 @@ def muon_comm(
     def packed(ss: Sequence[Shape]) -> int:
         return compute_layout(ss, world).shard_numel if ss else 0
 
+    def owned(ss: Sequence[Shape]) -> int:
+        """Elements a rank sends for an Owned buffer: the padded reduce-scatter, and the gather
+        as an all-gather of padded shards or, when those are mostly padding, a broadcast of
+        each owner's tensors (bandwidth-optimal, like the all-gather: a pipelined broadcast of
+        L elements over W ranks sends L (W - 1) / W per rank on average)."""
+        if not ss:
+            return 0
+        layout = compute_owned_layout(ss, world)
+        padded = w1 * layout.shard_numel
+        sparse = world * layout.shard_numel > DBuffer._OWNED_BROADCAST_ABOVE * layout.data_numel
+        return padded + (layout.data_numel * w1 // world if sparse else padded)
+
     owned_all = compute_owned_layout(shapes, world)
-    owned_mats = compute_owned_layout(matrices, world).shard_numel if matrices else 0
     zero3 = 2 * w1 * packed(shapes)
     ns_per_rank = [0] * world
     for i, (s, m) in enumerate(zip(shapes, mask)):
@@ -122,8 +134,8 @@ def muon_comm(
         params=owned_all.data_numel,
         zero3=zero3 * elem_bytes,
         gather=(zero3 + w1 * packed(matrices)) * elem_bytes,
-        owned=2 * w1 * owned_all.shard_numel * elem_bytes,
-        owned_split=2 * w1 * (owned_mats + packed(rest)) * elem_bytes,
+        owned=owned(shapes) * elem_bytes,
+        owned_split=(owned(matrices) + 2 * w1 * packed(rest)) * elem_bytes,
         owned_padding=owned_all.padding_fraction,
         ns_gather=sum(ns_per_rank),
         ns_owned=max(ns_per_rank),

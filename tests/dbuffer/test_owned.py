@@ -385,3 +385,46 @@ def test_assign_owners_continues_from_initial_loads(sizes, initial) -> None:
     assert max(final) <= max(max(initial), min(final) + biggest)
     assert assign_owners(sizes, n, initial_loads=[0] * n) == assign_owners(sizes, n)
     assert assign_owners([5, 5, 5], 4, initial_loads=[5, 5, 5, 0]) == (3, 0, 1)
+
+
+def _owned_gather_calls(shapes) -> dict:
+    """Gather an Owned buffer; report which c10d calls ran and whether the values are exact."""
+    import dbuffer.collectives as coll
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    g = torch.Generator().manual_seed(7)
+    tensors = [torch.randn(s, generator=g) for s in shapes]
+    owned = distribute_tensors(tensors, mesh, [Owned()])
+    calls: list[tuple[str, int]] = []
+    real = {n: getattr(coll.dist, n) for n in ("broadcast", "all_gather_single", "isend")}
+
+    def spy(name):
+        def run(tensor, *args, **kwargs):
+            calls.append((name, tensor.numel()))
+            return real[name](tensor, *args, **kwargs)
+
+        return run
+
+    for name in real:
+        setattr(coll.dist, name, spy(name))
+    try:
+        full = owned.redistribute([Replicate()])
+    finally:
+        for name, fn in real.items():
+            setattr(coll.dist, name, fn)
+    exact = all(torch.equal(full.get_local_tensor(k), t) for k, t in enumerate(tensors))
+    return {"calls": calls, "exact": exact, "loads": owned.layout.loads(), "shard": owned.local_buffer.numel()}
+
+
+def test_sparse_owned_gather_broadcasts_only_what_owners_hold() -> None:
+    """One big tensor makes every shard as large as it: an all-gather would send 4 x 128
+    elements for 139 real ones; broadcasting each owner's used range sends just those."""
+    sparse = run_ranks(_owned_gather_calls, 4, [(16, 8), (2, 2), (2, 2), (1, 3)])
+    dense = run_ranks(_owned_gather_calls, 4, [(4, 4), (4, 4), (4, 4), (4, 4)])
+    for out in sparse:
+        assert out["exact"]
+        assert all(name == "broadcast" for name, _ in out["calls"])
+        assert sorted(n for _, n in out["calls"]) == sorted(x for x in out["loads"] if x)  # no padding sent
+        assert out["shard"] * 4 > 1.25 * sum(out["loads"])
+    for out in dense:  # no padding: the one all-gather
+        assert out["exact"] and [name for name, _ in out["calls"]] == ["all_gather_single"]
