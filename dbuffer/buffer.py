@@ -351,7 +351,12 @@ class DBuffer:
             else:
                 work = self._gather_owned(dst, src, segments, group, size, async_op)
         elif step.kind == "reduce_scatter":
-            work = collectives.reduce_scatter(dst, src, self.placements[step.axis].reduce_op, group, async_op)
+            op = self.placements[step.axis].reduce_op
+            segments = self._sparse_owned_segments(size)
+            if segments is None:
+                work = collectives.reduce_scatter(dst, src, op, group, async_op)
+            else:
+                work = collectives.reduce_to_owners(dst, src, segments, op, group, async_op)
         elif step.kind == "allreduce":
             if dst.data_ptr() != src.data_ptr():
                 dst.copy_(src)
@@ -361,13 +366,14 @@ class DBuffer:
             work = _done(dst)
         return work
 
-    # An Owned gather broadcasts each owner's used range instead of all-gathering padded shards
-    # once the padding would make the all-gather send this much more than the tensors hold.
+    # Owned buffers move only each owner's used range (gather: broadcasts; reduction to the
+    # owners: one all-to-all of unequal splits) once padded shards would carry this many times
+    # the elements the tensors hold.
     _OWNED_BROADCAST_ABOVE = 1.25
 
     def _sparse_owned_segments(self, size: int) -> list[tuple[int, int, int]] | None:
         """``(owner, start, end)`` of each owner's tensors in the full buffer, if this is an Owned
-        gather over ``size`` ranks whose shards are mostly padding; else None."""
+        buffer over ``size`` ranks whose shards are mostly padding; else None."""
         if not self.is_owned or size < 2:
             return None
         loads = self.layout.loads(size)

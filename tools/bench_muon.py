@@ -111,16 +111,16 @@ def muon_comm(
         return compute_layout(ss, world).shard_numel if ss else 0
 
     def owned(ss: Sequence[Shape]) -> int:
-        """Elements a rank sends for an Owned buffer: the padded reduce-scatter, and the gather
-        as an all-gather of padded shards or, when those are mostly padding, a broadcast of
-        each owner's tensors (bandwidth-optimal, like the all-gather: a pipelined broadcast of
-        L elements over W ranks sends L (W - 1) / W per rank on average)."""
+        """Elements a rank sends for an Owned buffer, reduction to the owners plus gather: padded
+        shards (reduce-scatter + all-gather), or, when those are mostly padding, only each
+        owner's tensors (an all-to-all of unequal splits + broadcasts; bandwidth-optimal like
+        the rest: a rank sends about ``(W - 1) / W`` of the data each way)."""
         if not ss:
             return 0
         layout = compute_owned_layout(ss, world)
-        padded = w1 * layout.shard_numel
-        sparse = world * layout.shard_numel > DBuffer._OWNED_BROADCAST_ABOVE * layout.data_numel
-        return padded + (layout.data_numel * w1 // world if sparse else padded)
+        if world * layout.shard_numel > DBuffer._OWNED_BROADCAST_ABOVE * layout.data_numel:
+            return 2 * (layout.data_numel * w1 // world)
+        return 2 * w1 * layout.shard_numel
 
     owned_all = compute_owned_layout(shapes, world)
     zero3 = 2 * w1 * packed(shapes)

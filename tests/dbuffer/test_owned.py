@@ -428,3 +428,56 @@ def test_sparse_owned_gather_broadcasts_only_what_owners_hold() -> None:
         assert out["shard"] * 4 > 1.25 * sum(out["loads"])
     for out in dense:  # no padding: the one all-gather
         assert out["exact"] and [name for name, _ in out["calls"]] == ["all_gather_single"]
+
+
+def _owned_reduce_calls(shapes, op: str) -> dict:
+    """Reduce a Partial buffer to its owners; report the c10d calls and exactness against the
+    sum over ranks taken in rank order."""
+    import dbuffer.collectives as coll
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(7)
+    base = [torch.randn(s, generator=g) for s in shapes]
+    layout = distribute_tensors(base, mesh, [Owned()]).layout
+    partial = DBuffer(mesh, [Partial(op)], shapes, torch.float32, layout=layout)
+    for k, t in enumerate(base):
+        partial.get_local_tensor(k).copy_(t * (rank + 1))
+    calls: list[str] = []
+    real = {n: getattr(coll.dist, n) for n in ("all_to_all_single", "reduce_scatter_single", "isend")}
+
+    def spy(name):
+        def run(*args, **kwargs):
+            calls.append(name)
+            return real[name](*args, **kwargs)
+
+        return run
+
+    for name in real:
+        setattr(coll.dist, name, spy(name))
+    try:
+        owned = partial.redistribute([Owned()])
+    finally:
+        for name, fn in real.items():
+            setattr(coll.dist, name, fn)
+    exact = True
+    for k, t in enumerate(base):
+        if owned.owner(k) == rank:
+            want = t * 1
+            for r in range(1, world):
+                want = want + t * (r + 1)
+            if op == "avg":
+                want = want / world
+            exact &= torch.equal(owned.get_local_tensor(k), want)
+        else:
+            exact &= owned.get_local_tensor(k).numel() == 0
+    return {"calls": calls, "exact": exact}
+
+
+@pytest.mark.parametrize("op", ["sum", "avg"])
+@pytest.mark.parametrize("backend", ["gloo", "threaded"])
+def test_sparse_owned_reduction_sends_no_padding(op, backend) -> None:
+    for out in run_ranks(_owned_reduce_calls, 4, [(16, 8), (2, 2), (2, 2), (1, 3)], op, backend=backend):
+        assert out["exact"]
+        if backend == "gloo":  # threads share the patched module, so count calls in processes only
+            assert out["calls"] == ["all_to_all_single"]
