@@ -215,12 +215,17 @@ def reduce_to_owners(
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     lengths = [end - start for _, start, end in segments]
     mine = lengths[rank]
-    send = _WORKSPACES.take(sum(lengths), inp.dtype)
+    pooled = inp.device.type == "cpu"  # the scratch pool keeps host memory only
+
+    def scratch(numel: int) -> torch.Tensor:
+        return _WORKSPACES.take(numel, inp.dtype) if pooled else torch.empty(numel, dtype=inp.dtype, device=inp.device)
+
+    send = scratch(sum(lengths))
     pos = 0
     for (_, start, end), n in zip(segments, lengths):  # the owners' ranges, back to back
         send[pos : pos + n].copy_(inp[start:end])
         pos += n
-    received = _WORKSPACES.take(size * mine, inp.dtype)
+    received = scratch(size * mine)
     work = dist.all_to_all_single(
         received, send, output_split_sizes=[mine] * size, input_split_sizes=lengths, group=group, async_op=True
     )
@@ -234,8 +239,9 @@ def reduce_to_owners(
         out[mine:].zero_()
         if op == "avg":
             head.div_(size)
-        _WORKSPACES.give(send)
-        _WORKSPACES.give(received)
+        if pooled:
+            _WORKSPACES.give(send)
+            _WORKSPACES.give(received)
         return out
 
     return _maybe_wait(Pending([work], finish), async_op)
