@@ -376,6 +376,12 @@ class DBuffer:
         buffer over ``size`` ranks whose shards are mostly padding; else None."""
         if not self.is_owned or size < 2:
             return None
+        cache = self.__dict__.setdefault("_segments_cache", {})  # per buffer: fixed layout, hot path
+        if size not in cache:
+            cache[size] = self._owned_segments(size)
+        return cache[size]
+
+    def _owned_segments(self, size: int) -> list[tuple[int, int, int]] | None:
         loads = self.layout.loads(size)
         shard = self.layout.shard_numel_for(size)
         if size * shard <= self._OWNED_BROADCAST_ABOVE * sum(loads):
