@@ -364,11 +364,11 @@ class ParameterGroup:
         grads, all-reduce otherwise; straight into ``main_grad`` when it is overwritten in the
         same dtype, else into a temporary (sharded, or ``grad_in`` itself) folded in by
         :meth:`finish_reduce`."""
-        self._pack_held()
-        if not self._local:
+        if not (self._local or self._held):
             return
-        if self._reduce is not None:
+        if self._reduce is not None:  # it may still be reading grad_in
             self.finish_reduce()
+        self._pack_held()
         self._zero_unwritten()
         overwrite = self._overwrite_main_grad()
         self._in_main = set(self._local) if overwrite else self._in_main | self._local
