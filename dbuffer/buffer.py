@@ -394,13 +394,12 @@ class DBuffer:
 
     def _gather_owned(self, dst, src, segments, group, size: int, async_op: bool) -> Pending:
         """Own shard copied in, every owner's used range broadcast from it (every rank takes
-        part in every broadcast, in the same order), the other shards' padding zeroed."""
+        part in every broadcast, in the same order); the padding reads as zeros. One memset of
+        the whole buffer: it is mostly padding, or this path would not be taken."""
         shard = src.numel()
         rank = self._coordinate[0]
+        dst.zero_()
         dst[rank * shard : (rank + 1) * shard].copy_(src)
-        for r, start, end in segments:
-            if r != rank:
-                dst[end : (r + 1) * shard].zero_()
         return collectives.broadcast_segments(dst, segments, group, async_op)
 
     def _check_out(self, out: "DBuffer", placements: Sequence[AnyPlacement], dtype: torch.dtype, op: str) -> None:

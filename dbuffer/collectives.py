@@ -223,8 +223,9 @@ def reduce_to_owners(
     send = scratch(sum(lengths))
     pos = 0
     for (_, start, end), n in zip(segments, lengths):  # the owners' ranges, back to back
-        send[pos : pos + n].copy_(inp[start:end])
-        pos += n
+        if n:
+            send[pos : pos + n].copy_(inp[start:end])
+            pos += n
     received = scratch(size * mine)
     work = dist.all_to_all_single(
         received, send, output_split_sizes=[mine] * size, input_split_sizes=lengths, group=group, async_op=True

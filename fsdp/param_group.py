@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
-import torch.distributed
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
@@ -43,7 +43,6 @@ from fsdp.policy import Dtypes, Strategy
 from fsdp.streams import CommStreams
 
 __all__ = ["ParamInfo", "ParameterGroup"]
-
 
 
 @dataclass(frozen=True)
@@ -59,10 +58,6 @@ class GroupPlacements:
     def for_mesh(cls, ndim: int, shard: Placement, reduce_op: str) -> "GroupPlacements":
         lead = (Replicate(),) * (ndim - 1)
         return cls(lead + (shard,), lead + (Replicate(),), (Partial(reduce_op),) * ndim)
-
-    @property
-    def shard_axis(self) -> int:
-        return len(self.sharded) - 1
 
 
 @dataclass
@@ -394,9 +389,10 @@ class ParameterGroup:
         buf = self.grad_in.local_buffer
         for start, end in self._padding():
             buf[start:end].zero_()
-        for k in range(len(self.infos)):
-            if k not in self._local:
-                self.grad_in.get_local_tensor(k).zero_()
+        if len(self._local) < len(self.infos):
+            for k in range(len(self.infos)):
+                if k not in self._local:
+                    self.grad_in.get_local_tensor(k).zero_()
 
     def _padding(self) -> list[tuple[int, int]]:
         """Ranges of ``grad_in``'s (full) local buffer that belong to no parameter."""
@@ -503,6 +499,7 @@ class ParameterGroup:
         self._seen.clear()
         self._main_grad_has_data = False
 
+
 def _weak_callable(fn: Callable) -> Callable[[], Optional[Callable]]:
     """A weak reference to a bound method; other callables are held strongly."""
     if hasattr(fn, "__self__") and hasattr(fn, "__func__"):
@@ -529,7 +526,7 @@ _OWNED_LOADS: dict[tuple, list[int]] = {}
 
 def _owned_layout(shapes: list[tuple[int, ...]], mesh: DeviceMesh) -> OwnedLayout:
     n = mesh.size()
-    key = (mesh.device_type, tuple(mesh.mesh.flatten().tolist()), torch.distributed.get_rank())
+    key = (mesh.device_type, tuple(mesh.mesh.flatten().tolist()), dist.get_rank())
     loads = _OWNED_LOADS.setdefault(key, [0] * n)
     layout = compute_owned_layout(shapes, n, initial_loads=loads)
     for k, added in enumerate(layout.loads(n)):
