@@ -341,7 +341,19 @@ class DBuffer:
         src = self.local_buffer
         with out._refill_guard():
             work = self._launch(step, dst, src, group, size, async_op)
-        return Pending([work], lambda: (work.wait(), out)[1])
+        if not async_op:
+            return Pending([work], lambda: (work.wait(), out)[1])
+
+        def finish() -> "DBuffer":
+            work.wait()
+            self._untrack(pending)
+            out._untrack(pending)
+            return out
+
+        pending = Pending([work], finish)
+        self._track(pending)  # until it is waited for, release_storage() of either waits for it
+        out._track(pending)
+        return pending
 
     def _launch(self, step: Step, dst: torch.Tensor, src: torch.Tensor, group, size: int, async_op: bool) -> Pending:
         if step.kind == "allgather":
@@ -433,9 +445,25 @@ class DBuffer:
     def release_storage(self) -> None:
         """Free the local storage. Views (``get_local_tensor``, parameters, tensors autograd saved)
         stay valid objects and see the storage again after :meth:`reallocate_storage`; their
-        values are undefined until something writes the buffer again."""
+        values are undefined until something writes the buffer again.
+
+        A collective started with ``async_op=True`` that still reads this buffer (its source) or
+        writes it (its ``out``) is waited for first, so that it never touches freed memory; its
+        handle's ``wait()`` then returns at once."""
         self._check_owns_storage("release_storage")
+        in_flight = self.__dict__.pop("_in_flight", None)
+        for pending in in_flight or ():
+            pending.wait()
         self.local_buffer.untyped_storage().resize_(0)
+
+    def _track(self, pending: Pending) -> None:
+        """Remember an async collective that reads or writes this buffer until it is waited for."""
+        self.__dict__.setdefault("_in_flight", []).append(pending)
+
+    def _untrack(self, pending: Pending) -> None:
+        in_flight = self.__dict__.get("_in_flight")
+        if in_flight and pending in in_flight:
+            in_flight.remove(pending)
 
     def reallocate_storage(self) -> None:
         """Give the local buffer its storage back (uninitialised); a no-op if it has it.
@@ -477,8 +505,14 @@ def distribute_tensors(
     """A DBuffer holding ``tensors`` (every rank passes the same full tensors), copying only the
     ranges this rank owns. ``Partial("sum")`` puts the values on the first rank of each partial
     axis and zeros elsewhere; ``Partial("avg")`` puts them everywhere. ``layout`` as for
-    :class:`DBuffer` (default: owned if a placement is ``Owned()``, else packed)."""
+    :class:`DBuffer` (default: owned if a placement is ``Owned()``, else packed). Only the
+    values are taken: the buffer is not part of any autograd graph (``nn.Parameter`` s and tensors
+    that require grad are read detached, as by torch's ``distribute_tensor``)."""
     tensors = list(tensors)
+    for k, t in enumerate(tensors):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"tensors[{k}] is a {type(t).__name__}, not a torch.Tensor")
+    tensors = [t.detach() for t in tensors]
     dtypes = {t.dtype for t in tensors}
     if len(dtypes) > 1:
         raise ValueError(f"tensors have mixed dtypes {sorted(map(str, dtypes))}; a DBuffer holds one dtype, cast first")

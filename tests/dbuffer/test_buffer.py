@@ -378,3 +378,60 @@ def _world_one_makes_no_c10d_call() -> bool:
 
 def test_a_group_of_one_copies_without_calling_c10d() -> None:
     assert run_ranks(_world_one_makes_no_c10d_call, 1) == [True]
+
+
+# --------------------------------------------------------------------- misuse made safe
+
+
+def _release_while_in_flight() -> list[bool]:
+    """release_storage() of a buffer an async collective still writes or reads waits for it
+    (before: gloo wrote into freed memory, SIGSEGV). 4 MiB shards take gloo's point-to-point
+    path, smaller ones the one-call collective; rank 1 starts late so the transfers are still in
+    flight when rank 0 releases."""
+    import time
+
+    mesh = _mesh((dist.get_world_size(),))
+    rank, checks = dist.get_rank(), []
+    for n in (1 << 20, 1000):
+        shapes = [(2 * n,)]
+        full = torch.arange(2 * n, dtype=torch.float32)
+        src = distribute_tensors([full], mesh, [S])
+        out = DBuffer(mesh, [R], shapes, torch.float32)
+        if rank == 1:
+            time.sleep(0.3)
+        handle = src.allgather(0, out=out, async_op=True)
+        out.release_storage()  # the gather's destination
+        checks.append(out.is_storage_released() and handle.wait() is out)
+        out.reallocate_storage()
+        if rank == 1:
+            time.sleep(0.3)
+        handle = src.redistribute([R], out=out, async_op=True)
+        src.release_storage()  # the gather's source: it was read in full before being freed
+        checks.append(handle.wait() is out and torch.equal(out.local_buffer, full))
+        partial = DBuffer.from_local(full.clone(), mesh, [SUM], shapes)
+        handle = partial.allreduce(0, out=partial, async_op=True)  # in place
+        partial.release_storage()
+        checks.append(partial.is_storage_released())
+        handle.wait()
+    return checks
+
+
+def test_release_storage_waits_for_a_collective_in_flight() -> None:
+    assert run_ranks(_release_while_in_flight, 2, backend="gloo", timeout=60) == [[True] * 6] * 2
+
+
+def _distribute_parameters() -> bool:
+    mesh = _mesh((dist.get_world_size(),))
+    fulls = _full_tensors()
+    params = [torch.nn.Parameter(t.clone()) for t in fulls]
+    buf = distribute_tensors(params, mesh, [S])
+    assert buf.local_buffer.grad_fn is None and not buf.local_buffer.requires_grad
+    assert all(buf.get_local_tensor(i).grad_fn is None for i in range(len(params)))
+    _check_holds(buf, fulls)
+    with pytest.raises(TypeError, match=r"tensors\[1\] is a list"):
+        distribute_tensors([fulls[0], [1.0, 2.0]], mesh, [S])
+    return True
+
+
+def test_distribute_tensors_takes_values_only() -> None:
+    assert all(run_ranks(_distribute_parameters, 2, backend="gloo"))
