@@ -6,7 +6,7 @@ The layout math (:mod:`dbuffer.layout`, :mod:`dbuffer.placements`) is pure; the 
 
 from dbuffer.buffer import DBuffer, distribute_tensors
 from dbuffer.collectives import Pending
-from dbuffer.dtensor import RowShardedDTensor
+from dbuffer.row_sharded import RowShardedDTensor
 from dbuffer.layout import Layout, OwnedLayout, assign_owners, compute_layout, compute_owned_layout
 from dbuffer.placements import Owned
 

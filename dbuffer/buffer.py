@@ -31,6 +31,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from dbuffer import collectives
 from dbuffer.collectives import Pending
+from dbuffer.dtensor import make_dtensor
 from dbuffer.layout import Layout, OwnedLayout, compute_layout, compute_owned_layout
 from dbuffer.placements import (
     AnyPlacement,
@@ -201,9 +202,10 @@ class DBuffer:
 
     def get_dtensor(self, i: int):
         """Tensor ``i`` as an exact DTensor view of this buffer; see :mod:`dbuffer.dtensor`."""
-        from dbuffer.dtensor import make_dtensor
-
-        return make_dtensor(self, self._item(i))
+        i = self._item(i)
+        rows = self.layout.rows_per_shard(i, self.num_shards)
+        shape = self.layout.items[i].shape
+        return make_dtensor(self.get_local_tensor(i), self.mesh, self.placements, shape, rows, self.shard_index)
 
     def _item(self, i: int) -> int:
         if not -len(self) <= i < len(self):

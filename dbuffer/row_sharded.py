@@ -1,0 +1,516 @@
+"""RowShardedDTensor: a DTensor whose ``Shard(0)`` pieces are arbitrary contiguous row ranges.
+
+DTensor's ``Shard(0)`` means "split like ``torch.chunk``" (nested per mesh axis). A row-atomic
+DBuffer splits each tensor where the *buffer's* shard boundaries fall instead, so rank 0 may
+hold 0 rows of a tensor and rank 1 all of them; that is what makes its gathers copy-free. A
+plain DTensor built on such a piece would compute wrong values (``p * 2`` claims chunk rows,
+``full_tensor()`` pads to chunk sizes and hangs or returns garbage). This subclass carries the
+true rows (one count per shard, row-major over the sharded mesh axes) and makes every op exact:
+
+* **Local ops** — pointwise ops (``p * 2``, ``torch.lerp``, ``addcdiv_``, every ``_foreach_*``
+  but norms), ``*_like``, ``clone``, ``copy_``, casts: when every sharded operand has the same
+  rows (a RowShardedDTensor with the same row counts, or a plain DTensor whose ``torch.chunk``
+  rows happen to equal them) and the others are replicated values that broadcast along the rows,
+  the op runs on the local pieces and the result keeps the rows. No communication. This is the
+  path of optimizers, EMAs and weight decay.
+* **Split-free reductions** — ``sum``, norms (``_foreach_norm``, ``linalg_vector_norm``),
+  ``amax``/``amin``/``max``/``min``: DTensor reduces the local pieces and combines them as
+  ``Partial``, which is right for any row split, so they go to DTensor unchanged (this is the
+  path of ``clip_grad_norm_``).
+* **Row-preserving views** — ``detach``, ``view``/slicing that keep dim 0 whole on every shard:
+  a view with the same rows. A view that would move rows between ranks (``p.view(-1)``,
+  ``p.t()``, ``p[0]``) raises: a copy would silently drop writes made through it.
+* **Everything else** (matmul, ``mean``, random fills like ``uniform_``, ops mixing different
+  row splits): computed on full tensors (each sharded operand gathered exactly), then each rank
+  keeps its rows — of the result, or of an operand modified in place. Exact, and on every rank
+  the same values a single process computes (random fills draw the whole tensor from each rank's
+  generator: with the same seed everywhere that is the unsharded init), at the price of a
+  gather. A result of another shape is returned replicated.
+
+What it cannot do: ``to_local()`` returns this rank's true rows (not ``torch.chunk``'s), and
+``redistribute`` goes through a full gather (exact, not communication-optimal).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import torch
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from dbuffer import collectives
+from dbuffer.broadcast import broadcast_
+from dbuffer.placements import sharded_axes
+
+__all__ = ["RowShardedDTensor", "chunk_rows", "row_range"]
+
+aten = torch.ops.aten
+
+# Ops that are not tagged pointwise but act on each element independently of its neighbours.
+_ELEMENTWISE = {
+    aten.clone.default,
+    aten.zeros_like.default,
+    aten.ones_like.default,
+    aten.empty_like.default,
+    aten.full_like.default,
+    aten.zero_.default,
+    aten.fill_.Scalar,
+    aten.copy_.default,
+    aten._to_copy.default,
+}
+# Reductions whose DTensor rule (reduce local pieces, combine as Partial) holds for any row split.
+_SPLIT_FREE_REDUCTIONS = {
+    aten.sum.default,
+    aten.sum.dim_IntList,
+    aten.linalg_vector_norm.default,
+    aten.amax.default,
+    aten.amin.default,
+    aten.max.default,
+    aten.min.default,
+    aten._foreach_norm.Scalar,
+}
+_NOT_ELEMENTWISE_FOREACH = ("_foreach_norm", "_foreach_max")
+
+
+def chunk_rows(num_rows: int, axis_sizes: Sequence[int]) -> tuple[int, ...]:
+    """Rows per shard that DTensor assumes for ``Shard(0)`` on axes of ``axis_sizes`` (nested
+    ``torch.chunk``, outer axis first), in row-major shard order."""
+    pieces = [num_rows]
+    for size in axis_sizes:
+        nxt = []
+        for rows in pieces:
+            step = -(-rows // size) if rows else 0
+            nxt.extend(max(0, min(step, rows - k * step)) for k in range(size))
+        pieces = nxt
+    return tuple(pieces)
+
+
+class RowShardedDTensor(DTensor):
+    """A DTensor whose ``Shard(0)`` pieces are given row ranges; exact under every op (see the
+    module docstring for how each kind of op is run)."""
+
+    _rows_per_shard: tuple[int, ...]
+    _row_start: int
+
+    @staticmethod
+    def wrap(local: torch.Tensor, spec: DTensorSpec, rows_per_shard: tuple[int, ...], row_start: int) -> "RowShardedDTensor":
+        out = RowShardedDTensor(local, spec, requires_grad=False)
+        out._rows_per_shard = rows_per_shard
+        out._row_start = row_start
+        return out
+
+    def _with_local(self, local: torch.Tensor) -> "RowShardedDTensor":
+        """``local`` (this rank's rows of a result shaped like this tensor) with these rows."""
+        meta = TensorMeta(self.shape, self.stride(), local.dtype)
+        spec = DTensorSpec(self.device_mesh, self.placements, meta)
+        return RowShardedDTensor.wrap(local, spec, self._rows_per_shard, self._row_start)
+
+    # ------------------------------------------------------------------ whole-tensor views
+
+    @torch.no_grad()
+    def full_tensor(self, *, grad_placements=None) -> torch.Tensor:  # type: ignore[override]
+        """The whole tensor on every rank (a new tensor; not differentiable)."""
+        mesh, placements = self.device_mesh, self.placements
+        local = self._local_tensor
+        for axis, p in enumerate(placements):
+            if isinstance(p, Partial):
+                local = local.clone() if local is self._local_tensor else local
+                collectives.all_reduce(local, p.reduce_op, mesh.get_group(axis))
+        row_shape = tuple(self.shape[1:])
+        holders = [k for k, rows in enumerate(self._rows_per_shard) if rows]
+        axes = sharded_axes(placements)
+        if len(holders) == 1 and len(axes) == 1:  # one rank holds every row (Owned): broadcast
+            full = local.new_zeros(tuple(self.shape))
+            if local.shape[0]:
+                full.copy_(local)
+            return broadcast_(full, mesh.get_group(axes[0]), src=holders[0])
+        most = max(self._rows_per_shard)
+        padded = local.new_zeros((most, *row_shape))
+        padded[: local.shape[0]] = local
+        gathered = padded.reshape(-1)
+        for axis in reversed(axes):
+            out = gathered.new_empty(gathered.numel() * mesh.shape[axis])
+            collectives.all_gather(out, gathered, mesh.get_group(axis))
+            gathered = out
+        pieces = gathered.view(len(self._rows_per_shard), most, *row_shape)
+        return torch.cat([pieces[k, :rows] for k, rows in enumerate(self._rows_per_shard)])
+
+    def redistribute(self, device_mesh=None, placements=None, *, async_op: bool = False, **kwargs):  # type: ignore[override]
+        """Any placements on this tensor's mesh, through the full tensor (exact; a gather)."""
+        mesh = device_mesh or self.device_mesh
+        if mesh != self.device_mesh or placements is None:
+            raise NotImplementedError(
+                "a RowShardedDTensor (row ranges of a DBuffer) redistributes only on its own mesh and "
+                "needs explicit placements; redistribute the DBuffer to change meshes"
+            )
+        full = DTensor.from_local(self.full_tensor(), mesh, [Replicate()] * mesh.ndim, run_check=False)
+        return full.redistribute(mesh, list(placements))
+
+    def like(self, t: DTensor) -> "RowShardedDTensor":
+        """``t`` (a DTensor with this one's global shape, placements and local shape, e.g. state
+        made by code that bypassed dispatch) as a RowShardedDTensor with these rows, sharing
+        ``t``'s local tensor."""
+        if isinstance(t, RowShardedDTensor):
+            return t
+        if (
+            not isinstance(t, DTensor)
+            or t.shape != self.shape
+            or t._local_tensor.shape != self._local_tensor.shape
+            or tuple(t.placements) != tuple(self.placements)
+        ):
+            raise ValueError(
+                f"like: {type(t).__name__} of shape {tuple(t.shape)} is not laid out like this "
+                f"RowShardedDTensor of shape {tuple(self.shape)} (local {tuple(self._local_tensor.shape)})"
+            )
+        return RowShardedDTensor.wrap(t._local_tensor, t._spec, self._rows_per_shard, self._row_start)
+
+    # ------------------------------------------------------------------ compile / pickling
+
+    def __tensor_flatten__(self):
+        names, (spec, requires_grad) = super().__tensor_flatten__()
+        return names, (spec, requires_grad, self._rows_per_shard, self._row_start)
+
+    @staticmethod
+    def __tensor_unflatten__(inner_tensors, flatten_spec, outer_size, outer_stride):
+        spec, requires_grad, rows, start = flatten_spec
+        plain = DTensor.__tensor_unflatten__(inner_tensors, (spec, requires_grad), outer_size, outer_stride)
+        out = RowShardedDTensor(plain._local_tensor, plain._spec, requires_grad=requires_grad)
+        out._rows_per_shard, out._row_start = rows, start
+        return out
+
+    # ------------------------------------------------------------------ dispatch
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
+        kwargs = kwargs or {}
+        flat, tree = tree_flatten((args, kwargs))
+        if func in _SPLIT_FREE_REDUCTIONS:
+            return _rewrap_rows(func(*_as_plain(args), **_as_plain(kwargs)), flat)
+        if func.is_view:
+            return _view(func, args, kwargs, flat)
+        if _is_elementwise(func):
+            refs = _common_rows(args, kwargs)
+            if refs is not None:
+                return _run_local(func, args, kwargs, refs)
+        return _run_full(func, args, kwargs, flat, tree)
+
+    # ------------------------------------------------------------------ DCP
+
+    def _chunk(self):
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+        offsets = torch.Size([self._row_start] + [0] * (self.dim() - 1))
+        return ChunkStorageMetadata(offsets=offsets, sizes=self._local_tensor.shape)
+
+    def __create_write_items__(self, fqn: str, object: Any):
+        from torch.distributed.checkpoint.metadata import MetadataIndex, TensorProperties
+        from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+        self._raise_if_contains_partial_placements()
+        if self._local_tensor.shape[0] == 0:  # this rank holds none of the rows
+            return []
+        chunk = self._chunk()
+        return [
+            WriteItem(
+                index=MetadataIndex(fqn, chunk.offsets),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=chunk,
+                    properties=TensorProperties.create_from_tensor(self._local_tensor),
+                    size=self.size(),
+                ),
+            )
+        ]
+
+    def __create_chunk_list__(self):
+        self._raise_if_contains_partial_placements()
+        return [] if self._local_tensor.shape[0] == 0 else [self._chunk()]
+
+    def __get_tensor_shard__(self, index):
+        return self._local_tensor
+
+
+# ----------------------------------------------------------------------------- rows of a DTensor
+
+
+def _rows(t: DTensor) -> Optional[tuple]:
+    """How ``t``'s rows lie on its mesh: ``None`` for a replicated value, otherwise a key that is
+    equal for two DTensors exactly when their local pieces are the same rows of same-shaped
+    tensors (``"other"`` for layouts this module does not reason about: Partial, other dims)."""
+    placements = tuple(t.placements)
+    if any(isinstance(p, Partial) for p in placements):
+        return ("other", id(t))
+    if any(isinstance(p, Shard) and (p.dim != 0 or type(p) is not Shard) for p in placements):
+        return ("other", id(t))
+    axes = sharded_axes(placements)
+    if not axes:
+        return None
+    if isinstance(t, RowShardedDTensor):
+        rows = t._rows_per_shard
+    else:
+        rows = chunk_rows(t.shape[0], [t.device_mesh.shape[a] for a in axes])
+    return (t.device_mesh, placements, tuple(t.shape), rows)
+
+
+def row_range(t: DTensor) -> tuple[int, int]:
+    """Rows ``[start, end)`` of the full tensor (along dim 0) that ``t``'s local piece holds:
+    its true rows for a RowShardedDTensor, DTensor's ``torch.chunk`` rows for a plain one, all
+    rows when nothing is sharded. Only ``Shard(0)``, ``Replicate()`` and ``Partial`` placements."""
+    from dbuffer.placements import shard_index
+
+    if isinstance(t, RowShardedDTensor):
+        return t._row_start, t._row_start + t._local_tensor.shape[0]
+    placements = t.placements
+    if any(isinstance(p, Shard) and p.dim != 0 for p in placements):
+        raise ValueError(f"row_range: placements {list(placements)} shard a dim other than 0")
+    axes = sharded_axes(placements)
+    if t.dim() == 0 or not axes:
+        return 0, (t.shape[0] if t.dim() else 1)
+    mesh = t.device_mesh
+    rows = chunk_rows(t.shape[0], [mesh.shape[a] for a in axes])
+    k = shard_index(mesh.shape, placements, mesh.get_coordinate())
+    start = sum(rows[:k])
+    return start, start + rows[k]
+
+
+# ----------------------------------------------------------------------------- the three paths
+
+
+def _is_elementwise(func) -> bool:
+    if torch.Tag.nondeterministic_seeded in func.tags:
+        return False
+    name = func._schema.name.split("::")[-1]
+    if name.startswith("_foreach_"):
+        return not name.startswith(_NOT_ELEMENTWISE_FOREACH)
+    return torch.Tag.pointwise in func.tags or func in _ELEMENTWISE
+
+
+def _mixed_error(func) -> RuntimeError:
+    return RuntimeError(
+        f"{func}: got mixed torch.Tensor and DTensor, need to convert all torch.Tensor to DTensor "
+        f"before calling distributed operators!"
+    )
+
+
+def _common_rows(args: tuple, kwargs: dict) -> Optional[list[Optional[DTensor]]]:
+    """For an elementwise op: per output position (one, or one per list element of a
+    ``_foreach_*`` op), the sharded operand whose rows the result keeps (``None``: nothing
+    sharded there) — or ``None`` if the pieces do not line up and the op must run on full
+    tensors. A plain tensor operand of more than 0 dims raises, as DTensor does."""
+    lists = [a for a in list(args) + list(kwargs.values()) if isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor)]
+    singles = [a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)]
+    width = len(lists[0]) if lists else 1
+    refs: list[Optional[DTensor]] = []
+    for i in range(width):
+        operands = singles + [lst[i] for lst in lists if i < len(lst)]
+        ref, key = None, None
+        replicated = []
+        for t in operands:
+            if not isinstance(t, DTensor):
+                if t.dim() > 0:
+                    return None  # let the full path raise DTensor's error
+                continue
+            k = _rows(t)
+            if k is None:
+                replicated.append(t)
+            elif k[0] == "other" or (key is not None and not _same_key(k, key)):
+                return None
+            elif ref is None:
+                ref, key = t, k
+        if ref is not None:
+            for t in replicated:  # must broadcast along the rows, not index them
+                if t.device_mesh != ref.device_mesh or t.dim() > ref.dim() or (t.dim() == ref.dim() and t.shape[0] != 1):
+                    return None
+        refs.append(ref)
+    return refs
+
+
+def _same_key(a: tuple, b: tuple) -> bool:
+    return (a[0] is b[0] or a[0] == b[0]) and a[1:] == b[1:]
+
+
+def _run_local(func, args: tuple, kwargs: dict, refs: list[Optional[DTensor]]):
+    """Run an elementwise op on the local pieces; results keep their reference's rows."""
+    out = func(*_locals(args), **_locals(kwargs))
+    if _mutates_first(func):
+        return None if out is None else args[0]  # in-place: the operand itself (foreach: nothing)
+    if isinstance(out, (list, tuple)):
+        return type(out)(_wrap_like(o, ref) for o, ref in zip(out, refs))
+    return _wrap_like(out, refs[0])
+
+
+def _wrap_like(local: Any, ref: Optional[DTensor]) -> Any:
+    if not isinstance(local, torch.Tensor) or ref is None:
+        return local
+    if isinstance(ref, RowShardedDTensor):
+        return ref._with_local(local)
+    spec = DTensorSpec(ref.device_mesh, ref.placements, TensorMeta(ref.shape, ref.stride(), local.dtype))
+    return DTensor(local, spec, requires_grad=False)
+
+
+def _view(func, args: tuple, kwargs: dict, flat: list):
+    """A view of a RowShardedDTensor keeps its rows, or raises if it would move rows."""
+    src = args[0]
+    if not isinstance(src, RowShardedDTensor):
+        return func(*_as_plain(args), **_as_plain(kwargs))
+    rest, local = args[1:], src._local_tensor
+    if func not in _ROW_VIEWS:
+        _check_keeps_rows(func, src, rest, kwargs)
+    full = func(torch.empty(src.shape, dtype=src.dtype, device="meta"), *rest, **kwargs)
+    out = func(local, *rest, **kwargs)
+    if isinstance(out, (list, tuple)):
+        return type(out)(_view_result(o, f, src) for o, f in zip(out, full))
+    return _view_result(out, full, src)
+
+
+# Views that keep every element where it is: no check needed.
+_ROW_VIEWS = {aten.detach.default, aten.alias.default}
+
+
+def _check_keeps_rows(func, src: "RowShardedDTensor", rest: tuple, kwargs: dict) -> None:
+    """Raise unless ``func`` applied to each shard's rows gives exactly those rows of ``func``
+    applied to the whole tensor. Probed with element ids (the same verdict on every rank)."""
+    numel = src.numel()
+    ids = torch.arange(numel, dtype=torch.int32 if numel < 2**31 else torch.int64).view(src.shape)
+    try:
+        whole = func(ids, *rest, **kwargs)
+        ok, start = True, 0
+        for rows in src._rows_per_shard:
+            piece = func(ids[start : start + rows], *rest, **kwargs)
+            ok = ok and _same_rows(whole, piece, start, rows, src.shape[0])
+            start += rows
+    except RuntimeError:
+        ok = False
+    if not ok:
+        raise NotImplementedError(
+            f"{func} on a row-sharded DTensor of shape {tuple(src.shape)} would move rows between "
+            f"ranks (its pieces are a DBuffer's row ranges, not torch.chunk's); read it through "
+            f"p.full_tensor() or p.redistribute(placements=[Replicate()] * mesh.ndim), or use a view "
+            f"that keeps dim 0 (slicing or reshaping the other dims)"
+        )
+
+
+def _same_rows(whole: Any, piece: Any, start: int, rows: int, num_rows: int) -> bool:
+    if isinstance(whole, (list, tuple)):
+        return len(whole) == len(piece) and all(_same_rows(w, p, start, rows, num_rows) for w, p in zip(whole, piece))
+    return (
+        whole.dim() >= 1
+        and whole.shape[0] == num_rows
+        and piece.shape == whole[start : start + rows].shape
+        and torch.equal(piece, whole[start : start + rows])
+    )
+
+
+def _view_result(local: torch.Tensor, full: torch.Tensor, src: "RowShardedDTensor") -> "RowShardedDTensor":
+    meta = TensorMeta(full.shape, full.stride(), local.dtype)
+    spec = DTensorSpec(src.device_mesh, src.placements, meta)
+    return RowShardedDTensor.wrap(local, spec, src._rows_per_shard, src._row_start)
+
+
+def _run_full(func, args: tuple, kwargs: dict, flat: list, tree):
+    """Compute on whole tensors (each DTensor operand gathered exactly), then keep this rank's
+    rows: written back into operands the op modifies, and of results shaped like an operand."""
+    if any(isinstance(t, torch.Tensor) and not isinstance(t, DTensor) and t.dim() > 0 for t in flat):
+        raise _mixed_error(func)
+    originals: dict[int, DTensor] = {}
+    fulls = []
+    for t in flat:
+        if isinstance(t, DTensor):
+            whole = t.full_tensor() if isinstance(t, RowShardedDTensor) else _plain_full(t)
+            originals[id(whole)] = t
+            fulls.append(whole)
+        else:
+            fulls.append(t)
+    full_args, full_kwargs = tree_unflatten(fulls, tree)
+    out = func(*full_args, **full_kwargs)
+    written = _written(func, args, kwargs)
+    with torch.no_grad():
+        for whole, t in zip(fulls, flat):
+            if isinstance(t, DTensor) and id(t) in written:
+                t._local_tensor.copy_(_piece(whole, t))
+    ref = next((t for t in flat if isinstance(t, RowShardedDTensor)), None)
+    return _map_tensors(out, lambda o: originals[id(o)] if id(o) in originals else _result(o, ref))
+
+
+def _written(func, args: tuple, kwargs: dict) -> set[int]:
+    """ids of the tensors the op writes (schema arguments marked ``(a!)``, lists included)."""
+    out: set[int] = set()
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        value = args[i] if i < len(args) else kwargs.get(arg.name)
+        for t in value if isinstance(value, (list, tuple)) else [value]:
+            if isinstance(t, torch.Tensor):
+                out.add(id(t))
+    return out
+
+
+def _piece(full: torch.Tensor, t: DTensor) -> torch.Tensor:
+    """``t``'s local piece of ``full`` (a whole tensor shaped like ``t``)."""
+    if isinstance(t, RowShardedDTensor):
+        return full[t._row_start : t._row_start + t._local_tensor.shape[0]]
+    whole = DTensor.from_local(full, t.device_mesh, [Replicate()] * t.device_mesh.ndim, run_check=False)
+    return whole.redistribute(t.device_mesh, t.placements)._local_tensor
+
+
+def _result(o: Any, ref: Optional["RowShardedDTensor"]) -> Any:
+    if not isinstance(o, torch.Tensor):
+        return o
+    if ref is not None and o.shape == ref.shape:
+        return ref._with_local(o[ref._row_start : ref._row_start + ref._local_tensor.shape[0]].clone())
+    mesh = ref.device_mesh if ref is not None else None
+    return DTensor.from_local(o, mesh, [Replicate()] * mesh.ndim, run_check=False)
+
+
+def _plain_full(t: DTensor) -> torch.Tensor:
+    return DTensor(t._local_tensor, t._spec, requires_grad=False).full_tensor()
+
+
+def _rewrap_rows(out: Any, flat: list) -> Any:
+    """DTensor's result of a split-free reduction; one that kept dim 0 gets the input's rows."""
+    ref = next(t for t in flat if isinstance(t, RowShardedDTensor))
+
+    def fix(o):
+        if isinstance(o, DTensor) and o.dim() >= 1 and o.shape[0] == ref.shape[0] and _rows(o) is not None:
+            if o._local_tensor.shape[0] == ref._local_tensor.shape[0] and _rows(o)[0] != "other":
+                return RowShardedDTensor.wrap(o._local_tensor, o._spec, ref._rows_per_shard, ref._row_start)
+        return o
+
+    return _map_tensors(out, fix)
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _mutates_first(func) -> bool:
+    args = func._schema.arguments
+    return bool(args) and args[0].alias_info is not None and args[0].alias_info.is_write
+
+
+def _map_tensors(out: Any, fn) -> Any:
+    if isinstance(out, (list, tuple)):
+        return type(out)(_map_tensors(o, fn) for o in out)
+    return fn(out) if isinstance(out, torch.Tensor) else out
+
+
+def _locals(tree: Any) -> Any:
+    if isinstance(tree, DTensor):
+        return tree._local_tensor
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_locals(t) for t in tree)
+    if isinstance(tree, dict):
+        return {k: _locals(v) for k, v in tree.items()}
+    return tree
+
+
+def _as_plain(tree: Any) -> Any:
+    """RowShardedDTensors as plain DTensors on the same pieces (for DTensor's own rules)."""
+    if isinstance(tree, RowShardedDTensor):
+        return DTensor(tree._local_tensor, tree._spec, requires_grad=False)
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_as_plain(t) for t in tree)
+    if isinstance(tree, dict):
+        return {k: _as_plain(v) for k, v in tree.items()}
+    return tree
