@@ -45,6 +45,9 @@ Differences worth knowing:
   kind of update call ``group.mark_stale()`` on the unit's groups.
 * Meshes are 1-D, or 2-D ``(replicate, shard)`` for HSDP; 0-D parameters only with ``no_shard``;
   a parameter tied across two units is an error (put both users in one unit).
+* ``reshard_after_forward`` as an int (FSDP2: reshard to a smaller group) reshards fully; the
+  shards live on the mesh's device, so ``module.to(device)`` accepts that device only (no CPU
+  offload). ``module.to(dtype)`` keeps the dtypes a ``MixedPrecisionPolicy`` set explicitly.
 """
 
 from fsdp.api import FSDPModule, UnshardHandle, fully_shard, init_weights, register_fsdp_forward_method

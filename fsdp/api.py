@@ -85,6 +85,9 @@ class FSDPModule:
             state.reshard_after_backward = reshard_after_backward
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
+        """Explicit from now on (the root's default of not resharding no longer applies)."""
+        if not isinstance(reshard_after_forward, bool):
+            raise TypeError(f"reshard_after_forward must be a bool, got {reshard_after_forward!r}")
         for state in self._states(recurse):
             state.reshard_after_forward = reshard_after_forward
 
@@ -104,7 +107,6 @@ class FSDPModule:
         sharded parameters keep their storage, which ``fully_shard`` allocated on the mesh's
         device (``device`` must be that device). Then call :func:`init_weights`."""
         device = torch.device(device)
-        hidden = []
         for state in self._states(True):
             for group in state.groups:
                 have = group.main.device
@@ -113,12 +115,35 @@ class FSDPModule:
                         f"to_empty(device={device}): fully_shard allocated the shards on {have}, the mesh's "
                         f"device; pass that device (or build the mesh for {device.type})"
                     )
-                for info in group.infos:
-                    for module, name in info.registrations:
-                        hidden.append((module, name, module._parameters[name]))
-                        module._parameters[name] = None  # nn.Module._apply skips None
+        return super().to_empty(device=device, recurse=recurse)  # type: ignore[misc]  # via _apply
+
+    def _apply(self, fn, recurse: bool = True):
+        """What ``nn.Module.to`` / ``double`` / ``float`` / ``half`` / ``cpu`` / ``cuda`` /
+        ``to_empty`` run. The sharded parameters of every unit below follow the new dtype (see
+        :meth:`ParameterGroup.convert <fsdp.param_group.ParameterGroup.convert>`: their buffers
+        are rebuilt from the current values, the parameter objects keep their identity, explicit
+        policy dtypes stay); everything else (buffers, ignored parameters) goes through
+        ``nn.Module._apply``. The shards stay on the mesh's device: ``.to`` that device is a no-op,
+        ``.to`` another one raises before anything changes. As in FSDP2, the unit is resharded
+        first; call it between steps, not between forward and backward.
+        """
+        states = self._states(recurse)
+        targets = {id(g): _conversion_target(fn, g) for state in states for g in state.groups}
+        for state in states:  # every unit below is checked before any changes
+            for group in state.groups:
+                group.check_convert(*targets[id(group)])
+        state = self._fsdp_state
+        state.reshard()  # the sharded parameters registered (the unsharded ones are rebuilt)
+        for group in state.groups:
+            group.convert(*targets[id(group)])
+        hidden = []  # nested units hide their own when nn.Module._apply reaches them
+        for group in state.groups:
+            for info in group.infos:
+                for module, name in info.registrations:
+                    hidden.append((module, name, module._parameters[name]))
+                    module._parameters[name] = None  # nn.Module._apply skips None
         try:
-            return super().to_empty(device=device, recurse=recurse)  # type: ignore[misc]
+            return super()._apply(fn, recurse)  # type: ignore[misc]
         finally:
             for module, name, param in reversed(hidden):
                 module._parameters[name] = param
@@ -146,6 +171,20 @@ class FSDPModule:
         return states
 
 
+def _conversion_target(fn: Callable[[torch.Tensor], torch.Tensor], group: ParameterGroup):
+    """(dtype, device) that ``fn`` (an ``nn.Module._apply`` function) turns the group's main
+    weights into, found by applying it to an empty tensor like them."""
+    probe = torch.empty(0, dtype=group.dtypes.main, device=group.main.device)
+    try:
+        out = fn(probe)
+    except Exception as e:
+        e.add_note(f"(fully_shard: converting sharded parameters {group._names()}, on {group.main.device})")
+        raise
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"an nn.Module._apply function returned {type(out).__name__} for a tensor")
+    return out.dtype, out.device
+
+
 def _state_of(module: nn.Module) -> FSDPState:
     if not isinstance(module, FSDPModule):
         raise TypeError(f"{type(module).__name__} is not sharded; pass modules returned by fully_shard")
@@ -156,7 +195,7 @@ def fully_shard(
     module: Union[nn.Module, list[nn.Module]],
     *,
     mesh: Optional[DeviceMesh] = None,
-    reshard_after_forward: bool = True,
+    reshard_after_forward: Optional[Union[bool, int]] = None,
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
     sharding_strategy: Union[str, Strategy] = "optim_grads_params",
     ignored_params: Optional[Iterable[nn.Parameter]] = None,
@@ -164,6 +203,15 @@ def fully_shard(
     bucket_size: Optional[int] = None,
 ):
     """Shard ``module`` (or a list of modules forming one unit) over ``mesh``.
+
+    ``reshard_after_forward``: as in FSDP2, whether a unit frees its gathered weights after
+    forward (and gathers again in backward). ``None`` (default): True, except for the root (the
+    first unit run), whose backward starts right after its forward. After forward a unit that
+    reshards has its sharded DTensor parameters registered, one that does not its unsharded
+    plain ones, until the end of backward or :meth:`FSDPModule.reshard`. An ``int`` (FSDP2's
+    resharding to a smaller group of that many ranks) is validated as FSDP2 does; 1 means False,
+    any other factor of the shard group's size reshards fully (like True: fsdp has no
+    intermediate mesh).
 
     ``mesh``: 1-D (the data-parallel ranks) or 2-D ``(replicate, shard)`` for HSDP: parameters
     are sharded and gathered within the inner axis, gradients are reduce-scattered within it and
@@ -177,8 +225,8 @@ def fully_shard(
     strategy = parse_strategy(sharding_strategy)
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(f"mp_policy must be an fsdp.MixedPrecisionPolicy, got {type(mp_policy).__name__}")
-    if not isinstance(reshard_after_forward, bool):
-        raise TypeError(f"reshard_after_forward must be a bool, got {reshard_after_forward!r}")
+    if reshard_after_forward is not None and not isinstance(reshard_after_forward, int):
+        raise TypeError(f"reshard_after_forward must be a bool, an int or None, got {reshard_after_forward!r}")
     for m in modules:
         if not isinstance(m, nn.Module):
             raise TypeError(f"fully_shard expects nn.Module(s), got {type(m).__name__}")
@@ -188,6 +236,7 @@ def fully_shard(
     infos = _collect_params(modules, ignored)
     _check_devices(infos)
     mesh = _check_mesh(mesh, infos)
+    reshard_after_forward = _check_reshard_after_forward(reshard_after_forward, mesh)
     if isinstance(buckets, Bucket):
         buckets = [buckets]
     specs = plan_buckets(
@@ -347,6 +396,19 @@ def _check_params(infos: list[ParamInfo], strategy: Strategy, policy: MixedPreci
             )
 
 
+def _check_reshard_after_forward(value: Optional[Union[bool, int]], mesh: DeviceMesh) -> Optional[bool]:
+    """None and bools as they are; an int ``n`` (FSDP2: reshard to groups of ``n`` ranks) must
+    divide the shard group's size: 1 keeps the weights (False), any other factor reshards."""
+    if value is None or isinstance(value, bool):
+        return value
+    size = mesh.shape[-1]
+    if not 1 <= value <= size or size % value:
+        raise ValueError(
+            f"reshard_after_forward as an int must be a factor of the shard group's size {size}, got {value}"
+        )
+    return value != 1
+
+
 def _check_mesh(mesh: Optional[DeviceMesh], infos: list[ParamInfo], what: str = "mesh") -> DeviceMesh:
     if infos and infos[0].param.device.type != "meta":
         device_type = infos[0].param.device.type
@@ -385,6 +447,7 @@ def _build_groups(infos: list[ParamInfo], specs: list[GroupSpec]) -> list[Parame
                 first.requires_grad,
                 shard=spec.placement,
                 gradient_divide_factor=spec.gradient_divide_factor,
+                policy=spec.policy,
             )
         )
     return groups

@@ -26,7 +26,7 @@ Buffers, all on one layout (parameter registration order, so every rank packs th
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Optional
 
 import torch
@@ -39,7 +39,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from dbuffer import DBuffer, Owned, Pending, RowShardedDTensor
 from dbuffer.layout import OwnedLayout, compute_layout, compute_owned_layout
-from fsdp.policy import Dtypes, Strategy
+from fsdp.policy import Dtypes, MixedPrecisionPolicy, Strategy
 from fsdp.streams import CommStreams
 
 __all__ = ["ParamInfo", "ParameterGroup"]
@@ -82,15 +82,18 @@ class ParameterGroup:
         requires_grad: bool,
         shard: Placement = Shard(0),
         gradient_divide_factor: Optional[float] = None,
+        policy: Optional[MixedPrecisionPolicy] = None,
     ) -> None:
         """``shard``: ``Shard(0)`` (row-atomic packing) or ``dbuffer.Owned()`` (whole tensors on
         balanced owners). ``gradient_divide_factor``: divide the summed gradients by this instead
         of averaging over the mesh (e.g. expert weights, whose gradients already hold the
-        contributions of a whole expert-parallel group)."""
+        contributions of a whole expert-parallel group). ``policy``: the policy ``dtypes`` came
+        from; :meth:`convert` keeps the dtypes it set explicitly (None: every dtype follows)."""
         self.infos = infos
         self.mesh = mesh
         self.strategy = strategy
         self.dtypes = dtypes
+        self.policy = policy
         self.requires_grad = requires_grad
         self.divide_factor = gradient_divide_factor
         self.placements = GroupPlacements.for_mesh(mesh.ndim, shard, "avg" if gradient_divide_factor is None else "sum")
@@ -109,32 +112,44 @@ class ParameterGroup:
         self.streams = CommStreams.for_device(self.main.device)
         if not meta:
             self._fill_main([i.param for i in infos])
-        self.model = self.main if dtypes.model == dtypes.main else self._new(main_pl, dtypes.model)
-        if not strategy.shard_optim:
-            self.unsharded = self.model  # no_shard: the replicated model weights are the full ones
-        else:
-            self.unsharded = self._new(pl.replicated, dtypes.model, zero_fill=not strategy.shard_params)
-        self.sharded_params = [
-            nn.Parameter(self.main.get_dtensor(k), requires_grad=requires_grad) for k in range(len(infos))
-        ]
-        self.unsharded_params = [
-            nn.Parameter(self.unsharded.get_local_tensor(k), requires_grad=requires_grad) for k in range(len(infos))
-        ]
-        for p in self.sharded_params:
-            p._fsdp_group = weakref.ref(self)  # found by the optimizer-step hook below
+        self._build_compute_buffers()
+        self.sharded_params = self._new_sharded_params()
         self._stale = True  # the main weights changed since the last refresh
         self._weights_version: Optional[int] = None  # weights_version() at the last refresh
         self._refreshes = 0
         self._gathered: Optional[int] = None  # refresh the unsharded storage holds, if any
         self._gather_pending: Optional[Pending] = None
-        if strategy.shard_params:  # gathered before each use (its views exist now)
-            self.unsharded.release_storage()
+        self._grad_callbacks: Optional[list] = None  # register_grad_hooks' (weak) callbacks
         self.refresh()
         if requires_grad:
             self._init_grads()
         self._init_buffer: Optional[DBuffer] = None  # full main-dtype weights during init_weights
         # Meta-built weights are zeros until initialised or loaded: refuse to run on them.
         self._uninitialised_version = self.weights_version() if meta else None
+
+    def _build_compute_buffers(self) -> None:
+        """``model``, ``unsharded`` and the unsharded parameters (views of it) for ``main`` and
+        ``dtypes``; their values come from the next :meth:`refresh` / :meth:`unshard`."""
+        d, strategy = self.dtypes, self.strategy
+        self.model = self.main if d.model == d.main else self._new(self.main.placements, d.model)
+        if not strategy.shard_optim:
+            self.unsharded = self.model  # no_shard: the replicated model weights are the full ones
+        else:
+            self.unsharded = self._new(self.placements.replicated, d.model, zero_fill=not strategy.shard_params)
+        self.unsharded_params = [
+            nn.Parameter(self.unsharded.get_local_tensor(k), requires_grad=self.requires_grad)
+            for k in range(len(self.infos))
+        ]
+        if strategy.shard_params:  # gathered before each use (its views exist now)
+            self.unsharded.release_storage()
+
+    def _new_sharded_params(self) -> list[nn.Parameter]:
+        params = [
+            nn.Parameter(self.main.get_dtensor(k), requires_grad=self.requires_grad) for k in range(len(self.infos))
+        ]
+        for p in params:
+            p._fsdp_group = weakref.ref(self)  # found by the optimizer-step hook below
+        return params
 
     def _new(self, placements, dtype: torch.dtype, zero_fill: bool = True) -> DBuffer:
         return DBuffer(
@@ -222,6 +237,92 @@ class ParameterGroup:
             self.unsharded.release_storage()
         self._gathered = None
 
+    # ------------------------------------------------------------------ dtype / device
+
+    def dtypes_after_to(self, dtype: torch.dtype) -> Dtypes:
+        """The group's dtypes after ``module.to(dtype)``: the main weights (the registered
+        parameters) take ``dtype``; the dtypes the policy left unset (``param_dtype``,
+        ``main_grads_dtype``, ``reduce_dtype`` of None) follow them as they did at
+        ``fully_shard``, the ones it set stay."""
+        if dtype == self.dtypes.main:
+            return self.dtypes
+        if not dtype.is_floating_point:
+            return Dtypes(dtype, dtype, dtype, dtype)
+        policy = self.policy if self.policy is not None else MixedPrecisionPolicy(main_params_dtype=None)
+        return replace(policy, main_params_dtype=dtype).dtypes_for(dtype)
+
+    def check_convert(self, dtype: torch.dtype, device: torch.device) -> None:
+        """Raise, changing nothing, if :meth:`convert` cannot take the group to ``dtype`` on
+        ``device``: the shards stay on this rank's device of the mesh (no offload)."""
+        have, device = self.main.device, torch.device(device)
+        if device.type != have.type or (None not in (device.index, have.index) and device.index != have.index):
+            raise ValueError(
+                f"cannot move sharded parameters {self._names()} to {device}: fully_shard keeps each "
+                f"rank's shards on its device of the mesh ({have}); build the mesh for "
+                f"{device.type!r} and shard the module there"
+            )
+        if dtype != self.dtypes.main and self.dtypes.main.is_floating_point and not dtype.is_floating_point:
+            raise ValueError(f"cannot convert floating parameters {self._names()} to {dtype}: pick a floating dtype")
+
+    @torch.no_grad()
+    def convert(self, dtype: Optional[torch.dtype] = None, device=None) -> bool:
+        """``module.to(dtype)`` for this group: rebuild every buffer in the new dtypes
+        (:meth:`dtypes_after_to`) from the current values (main weights, gradients held or
+        reduced), on the same device (``device`` is checked, see :meth:`check_convert`).
+        The sharded parameters keep their identity (their contents are swapped, as
+        ``nn.Module._apply`` does for DTensor parameters), so references to them stay valid;
+        state an optimizer already made for them keeps its old dtype. The model weights are
+        refreshed at the next unshard. Call between steps, not between forward and backward.
+        Returns whether anything changed."""
+        dtype = self.dtypes.main if dtype is None else dtype
+        self.check_convert(dtype, self.main.device if device is None else device)
+        dtypes = self.dtypes_after_to(dtype)
+        if dtypes == self.dtypes:
+            return False
+        for p in self.sharded_params:
+            if weakref.getweakrefs(p):
+                raise RuntimeError(
+                    f"cannot convert parameter {self._names()}: something holds a weak reference to it, "
+                    f"which swapping its contents would break"
+                )
+        if self._init_buffer is not None:
+            raise RuntimeError("convert() inside init_weights: convert the module before or after")
+        self.wait_unshard()
+        uninitialised = self._uninitialised_version is not None
+        self.dtypes = dtypes
+        self.main = _converted(self.main, dtypes.main)
+        self._build_compute_buffers()
+        self._gathered = None
+        self.mark_stale()
+        if self.requires_grad:
+            self.finish_reduce()
+            self._detect_zeroed()
+            old_in, old_main = self.grad_in, self.main_grad
+            self.grad_in = _converted(old_in, dtypes.reduce)
+            self.main_grad = _converted(old_main, dtypes.main_grad)
+            if self.main_grad is not old_main:
+                self.main_grad_views = self._main_grad_views()  # made while it has storage
+            for new, old in ((self.grad_in, old_in), (self.main_grad, old_main)):
+                if new is not old and old.is_storage_released():
+                    new.release_storage()
+            self._held = {k: g.to(dtypes.model) for k, g in self._held.items()}
+            if self._grad_callbacks is not None:
+                self._hook_unsharded_params()
+        for old, new in zip(self.sharded_params, self._new_sharded_params()):
+            old.grad = None  # attached again below; a reference would block the swap
+            for key, value in vars(old).items():  # attributes set on the parameter stay
+                if key not in vars(new) and key != "main_grad":
+                    setattr(new, key, value)
+            torch.utils.swap_tensors(old, new)
+        if self.requires_grad and self._grads_attached:
+            self._point_grads()
+        if uninitialised:  # still never initialised: keep refusing to run on it
+            self._uninitialised_version = self.weights_version()
+        return True
+
+    def _names(self) -> str:
+        return ", ".join(repr(i.fqn) for i in self.infos[:3]) + (", ..." if len(self.infos) > 3 else "")
+
     # ------------------------------------------------------------------ initialisation
 
     def _check_initialised(self) -> None:
@@ -274,9 +375,7 @@ class ParameterGroup:
         self.grad_in = self._new(pl.partial, d.reduce, zero_fill=False)
         self.grad_in.release_storage()
         self.main_grad = self._new(pl.sharded if s.shard_grads else pl.replicated, d.main_grad, zero_fill=False)
-        # ``optim``: the grads are whole on every rank but the parameters are shards of them.
-        view = self.main_grad.redistribute(pl.sharded) if s.shard_optim and not s.shard_grads else self.main_grad
-        self.main_grad_views = [view.get_dtensor(k) for k in range(len(self.infos))]
+        self.main_grad_views = self._main_grad_views()
         self.main_grad.release_storage()  # allocated again by the first reduction
         self._seen: set[int] = set()  # params whose gradient arrived in this backward
         self._local: set[int] = set()  # params with gradients in grad_in, not yet reduced
@@ -293,6 +392,13 @@ class ParameterGroup:
         self._main_grad_has_data = False  # False: the next reduction overwrites main_grad
         self._grads_attached = False  # main_grad's storage: allocated by the first reduction
 
+    def _main_grad_views(self) -> list[DTensor]:
+        """``param.grad`` / ``param.main_grad`` of each parameter: DTensor views of ``main_grad``."""
+        s, pl = self.strategy, self.placements
+        # ``optim``: the grads are whole on every rank but the parameters are shards of them.
+        view = self.main_grad.redistribute(pl.sharded) if s.shard_optim and not s.shard_grads else self.main_grad
+        return [view.get_dtensor(k) for k in range(len(self.infos))]
+
     def register_grad_hooks(
         self,
         on_group_done: Callable[["ParameterGroup"], None],
@@ -306,6 +412,11 @@ class ParameterGroup:
         # a reference cycle through autograd's C++ hook table, which the garbage collector cannot
         # see, and a sharded module would never be freed.
         callbacks = [_weak_callable(f) for f in (on_group_done, on_group_start, on_first_grad)]
+        self._grad_callbacks = callbacks  # convert() hooks its new unsharded parameters too
+        self._hook_unsharded_params()
+
+    def _hook_unsharded_params(self) -> None:
+        callbacks = self._grad_callbacks
         for k, p in enumerate(self.unsharded_params):
             p.register_post_accumulate_grad_hook(_grad_hook(weakref.ref(self), k, callbacks))
 
@@ -471,6 +582,9 @@ class ParameterGroup:
         self._detect_zeroed()
         if not self._main_grad_has_data:
             return
+        self._point_grads()
+
+    def _point_grads(self) -> None:
         for k in sorted(self._in_main):
             p, view = self.sharded_params[k], self.main_grad_views[k]
             p.main_grad = view
@@ -498,6 +612,17 @@ class ParameterGroup:
                 p.grad.zero_()
         self._seen.clear()
         self._main_grad_has_data = False
+
+
+def _converted(buf: DBuffer, dtype: torch.dtype) -> DBuffer:
+    """``buf`` itself if already in ``dtype``, else rebuilt in it (same mesh, placements, layout,
+    device) with its values cast, if it has storage (the new one always has)."""
+    if buf.dtype == dtype:
+        return buf
+    out = DBuffer(buf.mesh, buf.placements, buf.shapes, dtype, buf.device, layout=buf.layout, zero_fill=False)
+    if not buf.is_storage_released():
+        out.local_buffer.copy_(buf.local_buffer)
+    return out
 
 
 def _weak_callable(fn: Callable) -> Callable[[], Optional[Callable]]:

@@ -4,9 +4,10 @@ Life of a step, per unit (ZeRO-3 shown; the other strategies skip the gathers an
 
 1. forward pre-hook: refresh model weights if the optimizer stepped, all-gather (or wait for a
    prefetched gather), register the unsharded parameters, start gathering the next unit;
-2. forward post-hook: register the sharded parameters again and free the unsharded storage
-   (``reshard_after_forward``; not for the root while grad is on: its backward comes next),
-   and hook the outputs so that their gradient triggers step 3;
+2. forward post-hook: with ``reshard_after_forward`` (default: every unit but the root, whose
+   backward comes next), register the sharded parameters again and free the unsharded storage;
+   otherwise the unsharded parameters stay registered (as in FSDP2, under ``no_grad`` too) until
+   step 5 or ``reshard()``. Hook the outputs so that their gradient triggers step 3;
 3. pre-backward (first output gradient): gather again, start gathering the unit before it;
 4. each parameter's post-accumulate-grad hook copies its gradient into the group's ``grad_in``
    (a group whose gradients bracket other groups', like a root holding the embedding and the
@@ -42,12 +43,12 @@ class FSDPState:
         modules: list[nn.Module],
         groups: list[ParameterGroup],
         policy: MixedPrecisionPolicy,
-        reshard_after_forward: bool,
+        reshard_after_forward: Optional[bool],
     ) -> None:
         self.modules = modules
         self.groups = groups
         self.policy = policy
-        self.reshard_after_forward = reshard_after_forward
+        self.reshard_after_forward = reshard_after_forward  # None: all but the root
         self.reshard_after_backward = True
         self.requires_grad_sync = True
         self.is_last_backward = True
@@ -73,6 +74,19 @@ class FSDPState:
         for module in self.modules:
             module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
             module.register_forward_hook(self._post_forward)
+        # Like FSDP2: state dicts see (and load into) the sharded parameters even when a forward
+        # left the unsharded ones registered.
+        holders = {id(m): m for m in self.modules}
+        for group in self.groups:
+            for info in group.infos:
+                holders.update((id(m), m) for m, _ in info.registrations)
+        for module in holders.values():
+            module.register_state_dict_pre_hook(self._reshard_hook)
+            module.register_load_state_dict_pre_hook(self._reshard_hook)
+
+    def _reshard_hook(self, module: nn.Module, *args) -> None:
+        if self._unsharded:
+            self.reshard()
 
     # ------------------------------------------------------------------ setup
 
@@ -138,11 +152,18 @@ class FSDPState:
             args, kwargs = _cast_floats((args, kwargs), self.policy.param_dtype)
         return args, kwargs
 
+    def reshards_after_forward(self) -> bool:
+        """``reshard_after_forward``, or if None (the default, as in FSDP2): all but the root."""
+        if self.reshard_after_forward is None:
+            return self.root is not self
+        return self.reshard_after_forward
+
     def _post_forward(self, module: nn.Module, args: tuple, output: Any):
         grad = torch.is_grad_enabled()
-        # The sharded parameters are registered again in any case (module.parameters() is the
-        # optimizer's view); the storage is kept for the root, whose backward comes next.
-        self.reshard(free=not grad or (self.reshard_after_forward and self.root is not self))
+        if self.reshards_after_forward():
+            self.reshard()
+        # Otherwise the unsharded parameters stay registered and gathered (with or without grad,
+        # as in FSDP2) until the end of backward or reshard().
         if grad:
             self._pre_backward_done = False
             for t in tree_flatten(output)[0]:

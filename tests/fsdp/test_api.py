@@ -109,6 +109,8 @@ def _misuse() -> dict:
     out["strategy"] = _expect(lambda: fsdp.fully_shard(Block(), sharding_strategy="zero4"), ValueError, "unknown sharding_strategy")
     out["policy"] = _expect(lambda: fsdp.MixedPrecisionPolicy(param_dtype=torch.int8), ValueError, "floating")
     out["scalar"] = _expect(lambda: fsdp.fully_shard(Scalar(), mesh=mesh), ValueError, "0-D")
+    out["raf_type"] = _expect(lambda: fsdp.fully_shard(Block(), mesh=mesh, reshard_after_forward="no"), TypeError, "bool")
+    out["raf_int"] = _expect(lambda: fsdp.fully_shard(Block(), mesh=mesh, reshard_after_forward=3), ValueError, "factor")
     # sharding twice
     block = fsdp.fully_shard(Block(), mesh=mesh)
     out["twice"] = _expect(lambda: fsdp.fully_shard(block, mesh=mesh), ValueError, "already sharded")
@@ -138,7 +140,7 @@ def _misuse() -> dict:
 
 def test_misuse_raises_before_any_collective() -> None:
     results = run_ranks(_misuse, 2, backend="gloo", timeout=60)
-    assert set(results[0].values()) == {"ok"} and len(results[0]) == 10, results[0]
+    assert set(results[0].values()) == {"ok"} and len(results[0]) == 12, results[0]
 
 
 def test_policy_dtypes() -> None:
@@ -150,3 +152,105 @@ def test_policy_dtypes() -> None:
     assert fsdp.MixedPrecisionPolicy().dtypes_for(torch.int64).main == torch.int64
     with pytest.raises(ValueError, match="unknown sharding_strategy"):
         fsdp.api.parse_strategy("FULL_SHARD")
+
+
+# ----------------------------------------------------------------------------- module.to after fully_shard
+
+
+def _loss64(model, x, y) -> torch.Tensor:
+    """Cross entropy in the logits' own dtype (``loss_fn`` rounds to fp32, which would hide float64)."""
+    return torch.nn.functional.cross_entropy(model(x).reshape(-1, 16), y.reshape(-1))
+
+
+def _adamw64(model, batches, rank: int = 0, world: int = 1) -> tuple[nn.Module, torch.optim.Optimizer]:
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    for x, y in batches:
+        per = x.shape[0] // world
+        _loss64(model, x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]).backward()
+        opt.step()
+        opt.zero_grad()
+    return model, opt
+
+
+def _full64(model) -> dict[str, torch.Tensor]:
+    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in model.named_parameters()}
+
+
+def _to_float64(model, batches, ref) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = {}
+    for strategy in ("optim_grads_params", "optim_grads", "optim", "no_shard"):
+        m = copy.deepcopy(model)
+        for b in m.blocks:
+            fsdp.fully_shard(b, sharding_strategy=strategy)
+        fsdp.fully_shard(m, sharding_strategy=strategy)
+        before = list(m.parameters())
+        assert m.to(torch.float64) is m
+        params = list(m.parameters())
+        assert all(a is b for a, b in zip(before, params)), "parameters keep their identity"
+        assert all(isinstance(p, DTensor) and p.dtype == p._local_tensor.dtype == torch.float64 for p in params)
+        assert m.cpu() is m and m.to("cpu") is m and list(m.parameters()) == params  # the mesh's device: no-op
+        # the first step: gradients are float64; after the last, the AdamW state is too
+        x, y = batches[0]
+        per = x.shape[0] // world
+        _loss64(m, x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]).backward()
+        assert all(p.grad.dtype == p.grad._local_tensor.dtype == torch.float64 for p in params), strategy
+        m.zero_grad()
+        _, opt = _adamw64(m, batches, rank, world)
+        assert all(v.dtype == torch.float64 for s in opt.state.values() for k, v in s.items() if k != "step")
+        got = _full64(m)
+        out[strategy] = max(float((got[k] - ref[k]).abs().max()) for k in ref)
+    return out
+
+
+@pytest.mark.parametrize("backend,world", [("gloo", 2), ("threaded", 4)])
+def test_to_float64_after_fully_shard_trains_like_a_float64_model(backend, world) -> None:
+    model, batches = make_model(), make_batches(3)
+    ref = _full64(_adamw64(copy.deepcopy(model).to(torch.float64), batches)[0])
+    result = run_ranks(_to_float64, world, model, batches, ref, backend=backend)[0]
+    assert all(v <= 1e-12 for v in result.values()), result
+
+
+def _to_details(model, batches) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    x, y = batches[0]
+    per = x.shape[0] // world
+    x, y = x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
+    out = {}
+    # Explicit policy dtypes stay; the ones derived from the parameters follow.
+    bf16 = fsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    m = fsdp.fully_shard(copy.deepcopy(model), mp_policy=bf16)
+    m.double()
+    d = m._fsdp_state.groups[0].dtypes
+    out["explicit_stay"] = (d.main, d.model, d.main_grad, d.reduce) == (
+        torch.float64, torch.bfloat16, torch.float64, torch.float32
+    )
+    loss_fn(m, x, y).backward()  # runs in bf16, gradients land in the float64 main grads
+    out["bf16_compute"] = all(p.dtype == p.grad.dtype == torch.float64 for p in m.parameters())
+    # Gradients already reduced are converted with the parameters (nn.Module._apply does too).
+    m = fsdp.fully_shard(copy.deepcopy(model))
+    loss_fn(m, x, y).backward()
+    grads = {n: p.grad.full_tensor() for n, p in m.named_parameters()}
+    m.to(torch.float64)
+    out["grads_follow"] = all(
+        p.grad.dtype == torch.float64 and torch.equal(p.grad.full_tensor(), grads[n].double())
+        for n, p in m.named_parameters()
+    )
+    # The unsharded parameters registered after the root's forward are resharded first.
+    with torch.no_grad():
+        m(x)
+    m.half()
+    out["half"] = all(isinstance(p, DTensor) and p.dtype == torch.float16 for p in m.parameters())
+    # Another device than the mesh's raises before anything changes.
+    params = list(m.parameters())
+    try:
+        m.to("meta")
+        out["meta"] = "no error"
+    except ValueError as e:
+        out["meta"] = "mesh" in str(e) and all(p.device.type == "cpu" and p.dtype == torch.float16 for p in params)
+    return out
+
+
+def test_to_keeps_explicit_policy_dtypes_converts_gradients_and_refuses_other_devices() -> None:
+    result = run_ranks(_to_details, 2, make_model(), make_batches(1), backend="threaded")[0]
+    assert all(v is True for v in result.values()), result

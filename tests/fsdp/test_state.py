@@ -8,6 +8,7 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 import fsdp
 from tests.fsdp.models import full_state, loss_fn, make_batches, make_model, max_diff, reference, train
@@ -33,15 +34,65 @@ def _storage(model, batches) -> bool:
     for unit in [m, *m.blocks]:
         assert all(_released(unit))
         assert all(g.grad_in.is_storage_released() for g in unit._fsdp_state.groups)
-    with torch.no_grad():  # no backward coming: everything resharded after forward
+    with torch.no_grad():  # as in FSDP2: the blocks reshard, the root keeps its gathered weights
         loss_fn(m, x, y)
-    assert all(all(_released(u)) for u in [m, *m.blocks])
+    assert all(all(_released(b)) for b in m.blocks) and not any(_released(m))
+    m.reshard()
+    assert all(_released(m))
     return True
 
 
 def test_unsharded_storage_is_released_after_forward_and_backward() -> None:
     model, batches = make_model(), make_batches(1)
     assert all(run_ranks(_storage, 2, model, batches, backend="gloo"))
+
+
+def _kinds(module) -> set[str]:
+    """Which kinds of parameters are registered on the unit's own modules (not nested units')."""
+    own = {id(p) for g in module._fsdp_state.groups for p in (*g.sharded_params, *g.unsharded_params)}
+    return {"dtensor" if isinstance(p, DTensor) else "plain" for p in module.parameters() if id(p) in own}
+
+
+def _registration(model, batches) -> dict:
+    """What ``module.weight`` is between forward and backward, as in FSDP2: the sharded DTensors
+    for units that reshard after forward, the unsharded plain tensors (equal to the full weights)
+    for those that do not (by default the root), with and without grad; the sharded ones again
+    after backward, after reshard() and for state dicts."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    x, y = batches[0]
+    per = x.shape[0] // world
+    x, y = x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
+    full = {n: p.detach().clone() for n, p in model.named_parameters()}
+    out = {}
+    for raf in (None, True, False):
+        m = shard(copy.deepcopy(model), True, reshard_after_forward=raf)
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+        sharded = list(m.parameters())
+        root, block = ("plain" if raf in (None, False) else "dtensor"), ("plain" if raf is False else "dtensor")
+        expected = ({root}, {block})
+        for grad in (True, False):
+            with torch.set_grad_enabled(grad):
+                loss = loss_fn(m, x, y)
+            out[(raf, grad, "after_forward")] = (_kinds(m), _kinds(m.blocks[0])) == expected
+            plain = {n: p for n, p in m.named_parameters() if not isinstance(p, DTensor)}
+            out[(raf, grad, "plain_is_full")] = all(torch.equal(p, full[n]) for n, p in plain.items())
+            if grad:
+                loss.backward()
+            else:
+                for unit in [m, *m.blocks]:
+                    unit.reshard()
+            out[(raf, grad, "after")] = all(a is b for a, b in zip(m.parameters(), sharded))
+        with torch.no_grad():
+            loss_fn(m, x, y)
+        sd = m.state_dict()  # reshards first, as FSDP2's state-dict hooks do
+        out[(raf, "state_dict")] = all(isinstance(v, DTensor) for v in sd.values()) and _kinds(m) == {"dtensor"}
+        out[(raf, "optimizer")] = all(a is b for a, b in zip(opt.param_groups[0]["params"], sharded))
+    return out
+
+
+def test_registered_parameters_between_forward_and_backward_follow_reshard_after_forward() -> None:
+    result = run_ranks(_registration, 2, make_model(), make_batches(1), backend="threaded")[0]
+    assert all(result.values()), {k: v for k, v in result.items() if not v}
 
 
 def _variants(model, batches, ref) -> dict:
@@ -57,6 +108,10 @@ def _variants(model, batches, ref) -> dict:
     m = shard(copy.deepcopy(model), True, reshard_after_forward=False)
     train(m, batches, rank=rank, world=world, micro=2)
     out["no_reshard_after_forward"] = max_diff(full_state(m), ref)
+    # reshard_after_forward=True on the root too: it gathers again in backward
+    m = shard(copy.deepcopy(model), True, reshard_after_forward=True)
+    train(m, batches, rank=rank, world=world, micro=2)
+    out["reshard_after_forward_root"] = max_diff(full_state(m), ref)
 
     # set_requires_gradient_sync(False) on all but the last micro-batch
     for strategy in STRATEGIES:
