@@ -35,7 +35,9 @@ more latency (a heavier tail) than gloo's collectives, hence the 2 MiB switch: w
 point-to-point was clearly faster.
 
 Every function writes into the ``out`` it is given and returns a :class:`Pending` whose
-``wait()`` finishes the work (post-processing included) and returns ``out``.
+``wait()`` finishes the work (post-processing included) and returns ``out``. With
+``DBUFFER_DEBUG_COLLECTIVES=1`` each one first checks that every rank of the group is at the same
+call (:mod:`dbuffer.debug`); off, that costs one bool check.
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
+
+from dbuffer import debug as _debug
 
 __all__ = [
     "Pending",
@@ -112,6 +116,8 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup, a
     size = dist.get_world_size(group)
     if size == 1:
         return _alone(out, inp)
+    if _debug.ENABLED:
+        _debug.check(group, "all_gather", _describe(out, inp))
     if size > 1 and _backend(group) == "gloo" and _gloo_p2p_ok(out, inp) and _big(inp):
         _check_sizes("all_gather", out, inp, size)
         rank = dist.get_rank(group)
@@ -135,6 +141,8 @@ def reduce_scatter(
     size = dist.get_world_size(group)
     if size == 1:
         return _alone(out, inp)
+    if _debug.ENABLED:
+        _debug.check(group, f"reduce_scatter({op})", _describe(out, inp))
     backend = _backend(group)
     c10d_op, divide = _reduce_op(op, backend)
     if size > 1 and backend == "gloo" and _gloo_p2p_ok(out, inp):
@@ -180,6 +188,8 @@ def all_reduce(t: torch.Tensor, op: str, group: dist.ProcessGroup, async_op: boo
     """Reduce ``t`` in place over the group."""
     if dist.get_world_size(group) == 1:
         return _alone(t, t)
+    if _debug.ENABLED:
+        _debug.check(group, f"all_reduce({op})", _describe(t))
     c10d_op, divide = _reduce_op(op, _backend(group))
     work = dist.all_reduce(t, op=c10d_op, group=group, async_op=async_op)
     size = dist.get_world_size(group)
@@ -192,6 +202,8 @@ def broadcast_segments(
     """For each ``(src, start, end)``: ``buf[start:end]`` on every rank becomes group rank
     ``src``'s. One broadcast per segment, in the given order (the same on every rank): an
     all-gather of unequal pieces without padding them to the largest."""
+    if _debug.ENABLED:
+        _debug.check(group, "broadcast_segments", f"{_describe(buf)} segments={list(segments)}")
     works = [
         dist.broadcast(buf[start:end], group=group, group_src=src, async_op=True)
         for src, start, end in segments
@@ -212,6 +224,8 @@ def reduce_to_owners(
     segment ``(r, start, end)`` (``n = end - start``); the rest of ``out`` is zeroed. Only the
     segments travel (one ``all_to_all_single`` of unequal splits, no padding) and each owner
     adds what it receives in rank order, so the result does not depend on the backend."""
+    if _debug.ENABLED:
+        _debug.check(group, f"reduce_to_owners({op})", f"{_describe(out, inp)} segments={list(segments)}")
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     lengths = [end - start for _, start, end in segments]
     mine = lengths[rank]
@@ -253,6 +267,11 @@ def _alone(out: torch.Tensor, inp: torch.Tensor) -> Pending:
     if out.data_ptr() != inp.data_ptr():
         out.copy_(inp.view(out.shape))
     return Pending([], lambda: out)
+
+
+def _describe(*tensors: torch.Tensor) -> str:
+    """``dtype [numel, ...]`` for the debug mode's comparison across ranks."""
+    return f"{tensors[0].dtype} {[t.numel() for t in tensors]}"
 
 
 def _maybe_wait(pending: Pending, async_op: bool) -> Pending:

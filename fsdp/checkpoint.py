@@ -51,6 +51,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
+from dbuffer import debug
 from dbuffer.dtensor import broadcast_, broadcast_object, row_range
 
 __all__ = ["CheckpointError", "StateDictOptions", "get_state_dict", "load", "save", "set_state_dict"]
@@ -76,6 +77,8 @@ def save(state: dict[str, Any], path: Union[str, os.PathLike], *, planner: Optio
     ``state`` is anything ``dcp.save`` takes, e.g. ``{"model": msd, "optim": osd, "step": 100}``
     from :func:`get_state_dict`. Every rank calls it. An existing ``path`` must be a checkpoint.
     """
+    if debug.ENABLED:
+        debug.check(None, "fsdp.checkpoint.save", repr(os.fspath(path)))
     path = os.path.abspath(os.fspath(path))
     if os.path.isdir(path) and os.listdir(path) and not os.path.exists(os.path.join(path, _METADATA)):
         raise CheckpointError(f"{path} exists and is not a checkpoint (no {_METADATA}); refusing to replace it")
@@ -89,6 +92,8 @@ def load(state: dict[str, Any], path: Union[str, os.PathLike], *, verify: bool =
     the checkpoint are fine). With ``verify``, each rank checks the CRC32 of the files it reads.
     Then pass the loaded dicts to ``set_state_dict`` (torch's or this module's).
     """
+    if debug.ENABLED:
+        debug.check(None, "fsdp.checkpoint.load", repr(os.fspath(path)))
     path = _resolve(os.path.abspath(os.fspath(path)))
     _unwrap(lambda: dcp.load(state, storage_reader=_CheckedReader(path, verify), planner=_CheckedPlanner(path)))
 
