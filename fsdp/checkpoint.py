@@ -22,6 +22,12 @@ Safety of :func:`save` and :func:`load`:
   checkpoint at ``path`` is set aside as ``<path>.old`` for the two renames and then removed. A
   crash at any point leaves ``path`` holding either the previous checkpoint or the new one
   (:func:`load` falls back to ``<path>.old`` if the crash hit between the renames).
+* A save never moves, overwrites or deletes anything but checkpoint files: before anything is
+  touched (and before DCP's first collective) rank 0 checks that ``path`` is absent, an empty
+  directory or a complete checkpoint, and that ``<path>.partial`` and ``<path>.old`` (names a
+  save reserves) hold nothing but files a save writes; a file, a symbolic link or a directory of
+  other files raises :class:`CheckpointError` naming it and the fix. The decision is broadcast
+  (one small collective), so every rank raises alike or none does.
 * ``load(state, path)`` raises :class:`CheckpointError` naming the key (missing key, wrong shape,
   with both shapes) or the file (missing, truncated, or failing its CRC32), the same error on
   every rank, while DCP is still planning: before any rank has copied anything into ``state``.
@@ -32,12 +38,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import shutil
 import warnings
 import zlib
 from typing import Any, Iterable, NamedTuple, Optional, Union
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.distributed.checkpoint.state_dict as dsd
 import torch.nn as nn
@@ -80,9 +88,63 @@ def save(state: dict[str, Any], path: Union[str, os.PathLike], *, planner: Optio
     if debug.ENABLED:
         debug.check(None, "fsdp.checkpoint.save", repr(os.fspath(path)))
     path = os.path.abspath(os.fspath(path))
-    if os.path.isdir(path) and os.listdir(path) and not os.path.exists(os.path.join(path, _METADATA)):
-        raise CheckpointError(f"{path} exists and is not a checkpoint (no {_METADATA}); refusing to replace it")
+    problem = _on_rank0(lambda: _not_ours(path))
+    if problem is not None:
+        raise CheckpointError(problem)
     _unwrap(lambda: dcp.save(state, storage_writer=_AtomicWriter(path), planner=planner))
+
+
+# What a DCP save writes into its directory (FileSystemWriter's data and metadata files, the
+# temporary metadata it renames, this module's checksums); anything else is someone else's.
+_SAVE_FILES = re.compile(r"__\d+_\d+\.distcp|(__\d+)?\.metadata(\.tmp)?|\.checksums")
+
+
+def _not_ours(path: str) -> Optional[str]:
+    """Why saving to ``path`` could move, overwrite or delete something that is not a checkpoint
+    (a save replaces ``path``, clears ``<path>.partial`` and deletes ``<path>.old``), or None.
+    ``path`` may be absent or an empty directory; an existing one must be a complete checkpoint;
+    ``.partial`` and ``.old`` may hold only the files a save writes."""
+    fix = "choose another path, or move it away yourself"
+    for target, complete in ((path, True), (path + PARTIAL, False), (path + OLD, False)):
+        try:
+            if not os.path.lexists(target):
+                continue
+            if os.path.islink(target):
+                return (
+                    f"cannot save to {path}: {target} is a symbolic link, which a save would replace; "
+                    f"pass the directory it points to ({os.path.realpath(target)}) or {fix}"
+                )
+            if not os.path.isdir(target):
+                return f"cannot save to {path}: {target} exists and is a file, not a checkpoint directory; {fix}"
+            entries = sorted(os.listdir(target))
+        except OSError as exc:
+            return f"cannot save to {path}: {target} cannot be inspected ({exc!r}); {fix}"
+        foreign = [e for e in entries if not _SAVE_FILES.fullmatch(e)]
+        if foreign:
+            shown = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
+            return (
+                f"cannot save to {path}: {target} exists and is not a checkpoint (it holds {shown}, "
+                f"which no save writes), and a save would replace it; {fix}"
+            )
+        if complete and entries and _METADATA not in entries:
+            return (
+                f"cannot save to {path}: {target} exists and is not a checkpoint (no {_METADATA}); "
+                f"refusing to replace it: {fix}"
+            )
+    return None
+
+
+def _on_rank0(decide):
+    """``decide()`` run on rank 0 of the default group and sent to every rank (one decision, taken
+    before DCP's first collective, even where ranks see a shared file system differently)."""
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+        return decide()
+    backend = str(dist.get_backend()).lower()
+    if "fake" in backend:
+        return decide()
+    cuda = "nccl" in backend and "gloo" not in backend
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    return broadcast_object(decide() if dist.get_rank() == 0 else None, None, 0, device)
 
 
 def load(state: dict[str, Any], path: Union[str, os.PathLike], *, verify: bool = True) -> None:

@@ -400,3 +400,69 @@ def test_load_errors_name_the_key_or_file(tmp_path) -> None:
     assert ".metadata is missing" in failures(path)
     with pytest.raises(ckpt.CheckpointError, match="not a checkpoint"):
         ckpt.save({"u": torch.zeros(1)}, path)  # a non-empty directory without metadata is kept
+
+
+# ----------------------------------------------------------------------------- what a save never touches
+
+
+def _save_refusals(root: str) -> dict:
+    """Every rank tries each save; rank 0 prepares the paths. A save must raise the same
+    CheckpointError on every rank, before touching anything that is not a checkpoint."""
+    rank = dist.get_rank()
+    state = {"u": torch.arange(6.0)}
+    cases = {
+        "file": ("file", "is a file"),
+        "foreign_dir": ("dir", "is not a checkpoint (it holds notes.txt"),
+        "partial_dir": ("partial", "is not a checkpoint (it holds notes.txt"),
+        "old_dir": ("old", "is not a checkpoint (it holds notes.txt"),
+        "link": ("link", "symbolic link"),
+    }
+    if rank == 0:
+        for name, (kind, _) in cases.items():
+            path = os.path.join(root, name)
+            if kind == "file":
+                open(path, "w").write("user data")
+            elif kind == "link":
+                os.makedirs(path + "_target")
+                os.symlink(path + "_target", path)
+            else:
+                target = {"dir": path, "partial": path + ckpt.PARTIAL, "old": path + ckpt.OLD}[kind]
+                os.makedirs(target)
+                open(os.path.join(target, "notes.txt"), "w").write("user data")
+    dist.barrier()
+    listing = sorted(os.listdir(root))
+    out = {}
+    for name, (_, words) in cases.items():
+        try:
+            ckpt.save(state, os.path.join(root, name))
+            out[name] = "saved"
+        except ckpt.CheckpointError as exc:
+            message = str(exc)
+            out[name] = "ok" if words in message and "choose another path" in message else message
+    assert sorted(os.listdir(root)) == listing  # nothing moved, created or deleted
+    if rank == 0:
+        assert open(os.path.join(root, "file")).read() == "user data"
+    # Rank 0 decides for every rank: one that would see a clean path still raises with it.
+    real = ckpt._not_ours
+    ckpt._not_ours = real if rank == 0 else (lambda path: None)
+    try:
+        ckpt.save(state, os.path.join(root, "file"))
+        out["rank0_decides"] = "saved"
+    except ckpt.CheckpointError as exc:
+        out["rank0_decides"] = "ok" if "is a file" in str(exc) else str(exc)
+    finally:
+        ckpt._not_ours = real
+    # A checkpoint (with its leftovers) is replaced as before.
+    good = os.path.join(root, "good")
+    ckpt.save(state, good)
+    ckpt.save({"u": torch.arange(6.0) * 2}, good)
+    loaded = {"u": torch.zeros(6)}
+    ckpt.load(loaded, good)
+    out["replaced"] = "ok" if torch.equal(loaded["u"], torch.arange(6.0) * 2) else "stale"
+    return out
+
+
+def test_save_never_replaces_what_it_did_not_write(tmp_path) -> None:
+    results = run_ranks(_save_refusals, 2, str(tmp_path), backend="gloo", timeout=60)
+    expected = dict.fromkeys(["file", "foreign_dir", "partial_dir", "old_dir", "link", "rank0_decides", "replaced"], "ok")
+    assert results[0] == results[1] == expected, results
