@@ -35,7 +35,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
-from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from dbuffer import DBuffer, Owned, Pending, RowShardedDTensor
 from dbuffer.layout import OwnedLayout, compute_layout, compute_owned_layout
@@ -72,6 +72,9 @@ class ParamInfo:
 
 class ParameterGroup:
     """The DBuffers of one (dtype, requires_grad) group and the moves between them."""
+
+    # The parameters fsdp last registered on the modules (None: not yet, the originals are there).
+    _registered: Optional[list[nn.Parameter]] = None
 
     def __init__(
         self,
@@ -344,9 +347,7 @@ class ParameterGroup:
         params = [
             nn.Parameter(target.get_local_tensor(k), requires_grad=self.requires_grad) for k in range(len(self.infos))
         ]
-        for info, p in zip(self.infos, params):
-            for module, name in info.registrations:
-                module._parameters[name] = p
+        self._register(params)
 
     @torch.no_grad()
     def end_init(self, commit: bool = True) -> None:
@@ -362,11 +363,45 @@ class ParameterGroup:
             self.refresh()
 
     def use_params(self, unsharded: bool) -> None:
-        """Register the unsharded (plain) or sharded (DTensor) parameters on their modules."""
-        params = self.unsharded_params if unsharded else self.sharded_params
+        """Register the unsharded (plain) or sharded (DTensor) parameters on their modules; see
+        :meth:`check_registered` for when that raises instead (registering nothing)."""
+        self._register(self.unsharded_params if unsharded else self.sharded_params)
+
+    def _register(self, params: list[nn.Parameter]) -> None:
+        global _REGISTRATIONS
+        self.check_registered()
         for info, p in zip(self.infos, params):
             for module, name in info.registrations:
                 module._parameters[name] = p
+        if self._registered is None:  # fully_shard: optimizers are checked again
+            _REGISTRATIONS += 1
+        if params is self.unsharded_params and not hasattr(params[0], "_fsdp_unsharded"):
+            for p in params:  # found by the optimizer-step pre-hook below
+                p._fsdp_unsharded = True
+        self._registered = params
+
+    def check_registered(self) -> None:
+        """Raise if a module no longer holds the parameter fsdp registered there: one assigned
+        after ``fully_shard`` (``module.weight = nn.Parameter(...)``) would otherwise be silently
+        replaced by fsdp's own at the next registration, and never trained or used."""
+        expected = self._registered
+        if expected is None:
+            return
+        for info, want in zip(self.infos, expected):
+            for module, name in info.registrations:
+                have = module._parameters.get(name)
+                if have is not want:
+                    owner = getattr(self.sharded_params[0], "_fsdp_owner", "its fsdp unit")
+                    alias = "" if (module, name) == info.registrations[0] else f" (tied; its {type(module).__name__}.{name})"
+                    what = "removed" if have is None else "replaced"
+                    raise RuntimeError(
+                        f"parameter {info.fqn!r} of {owner}{alias} was {what} after fully_shard; fsdp "
+                        f"registers its own sharded parameter there and would silently drop yours. Assign "
+                        f"parameters before fully_shard, or change the values in place: "
+                        f"fsdp.checkpoint.set_state_dict(model, model_state_dict={{name: full_tensor}}, "
+                        f"options=StateDictOptions(full_state_dict=True, strict=False)), or "
+                        f"fsdp.init_weights(model, fn) with fn copying into the (then full) parameter"
+                    )
 
     # ------------------------------------------------------------------ gradients
 
@@ -678,3 +713,40 @@ def _after_optimizer_step(optimizer: torch.optim.Optimizer, args, kwargs) -> Non
 
 
 register_optimizer_step_post_hook(_after_optimizer_step)
+
+# Bumped whenever fully_shard registers a group's parameters, so that optimizers checked before
+# are checked again; per optimizer, the (registrations, param-group sizes) it was checked at.
+_REGISTRATIONS = 0
+_CHECKED: "weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple]" = weakref.WeakKeyDictionary()
+
+
+def _before_optimizer_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    """Refuse to step an optimizer that holds parameters fsdp does not train: the originals
+    ``fully_shard`` replaced (an optimizer built before it), or the unsharded views registered
+    between a forward and the end of its backward. Its steps would change nothing the model
+    uses, silently. Checked once per optimizer (again if its param groups change size or a
+    module is sharded since), not on every step."""
+    key = (_REGISTRATIONS, tuple(len(g["params"]) for g in optimizer.param_groups))
+    if _CHECKED.get(optimizer) == key:
+        return
+    for i, param_group in enumerate(optimizer.param_groups):
+        for p in param_group["params"]:
+            if getattr(p, "_fsdp_unsharded", False):
+                raise RuntimeError(
+                    f"{type(optimizer).__name__}: param_groups[{i}] holds an unsharded (gathered) view of "
+                    f"a parameter of shape {tuple(p.shape)}, registered between a unit's forward and the "
+                    f"end of its backward; fsdp overwrites it at the next gather, so steps on it are lost. "
+                    f"Build the optimizer from model.parameters() while the model is resharded (call "
+                    f"model.reshard() first, or build it right after fully_shard)"
+                )
+            if hasattr(p, "_fsdp_owner") and not hasattr(p, "_fsdp_group"):
+                raise RuntimeError(
+                    f"{type(optimizer).__name__}: param_groups[{i}] holds a parameter of shape "
+                    f"{tuple(p.shape)} that fully_shard replaced ({getattr(p, '_fsdp_owner')} holds it "
+                    f"as a sharded DTensor now), so its steps would change nothing the model uses. "
+                    f"Build the optimizer after fully_shard, from model.parameters()"
+                )
+    _CHECKED[optimizer] = key
+
+
+register_optimizer_step_pre_hook(_before_optimizer_step)

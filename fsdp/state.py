@@ -107,6 +107,8 @@ class FSDPState:
     # ------------------------------------------------------------------ unshard / reshard
 
     def unshard(self, async_op: bool = False) -> None:
+        for group in self.groups:  # a parameter reassigned since fully_shard raises before any gather
+            group.check_registered()
         for group in self.groups:
             group.unshard(async_op=True)
         if not async_op:

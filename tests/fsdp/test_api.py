@@ -254,3 +254,42 @@ def _to_details(model, batches) -> dict:
 def test_to_keeps_explicit_policy_dtypes_converts_gradients_and_refuses_other_devices() -> None:
     result = run_ranks(_to_details, 2, make_model(), make_batches(1), backend="threaded")[0]
     assert all(v is True for v in result.values()), result
+
+
+def _stale_parameters(model, batches) -> dict:
+    """Parameters fsdp no longer trains: an optimizer built before fully_shard (or on the
+    unsharded views of an unsharded unit) and a parameter reassigned after it raise, naming the
+    fix, before anything changes; correct use afterwards still works."""
+    x, y = batches[0]
+    out = {}
+    m = copy.deepcopy(model)
+    early = torch.optim.SGD(m.parameters(), lr=0.1)
+    early.step()  # fine before sharding (nothing to do: no gradients)
+    for b in m.blocks:
+        fsdp.fully_shard(b)
+    fsdp.fully_shard(m)
+    loss_fn(m, x, y).backward()
+    before = [p._local_tensor.clone() for p in m.parameters()]
+    out["early"] = _expect(early.step, RuntimeError, "Build the optimizer after fully_shard")
+    assert all(torch.equal(b, p._local_tensor) for b, p in zip(before, m.parameters()))
+    m.blocks[0].unshard()
+    gathered = torch.optim.SGD(m.parameters(), lr=0.1)
+    m.blocks[0].reshard()
+    out["unsharded"] = _expect(gathered.step, RuntimeError, "model.reshard() first")
+    late = torch.optim.SGD(m.parameters(), lr=0.1)
+    late.step()  # built after fully_shard: steps the shards
+    assert not all(torch.equal(b, p._local_tensor) for b, p in zip(before, m.parameters()))
+    late.step()  # checked once: the cached check still passes
+
+    new = nn.Parameter(torch.zeros_like(model.blocks[0].gate.weight))
+    m.blocks[0].gate.weight = new
+    out["reassigned"] = _expect(lambda: loss_fn(m, x, y), RuntimeError, "'gate.weight' of the unit of Block was replaced")
+    assert m.blocks[0].gate.weight is new  # the user's parameter was not overwritten
+    out["reshard"] = _expect(m.blocks[0].reshard, RuntimeError, "Assign parameters before fully_shard")
+    assert m.blocks[0].gate.weight is new
+    return out
+
+
+def test_stale_optimizer_and_reassigned_parameter_raise() -> None:
+    results = run_ranks(_stale_parameters, 2, make_model(), make_batches(1), backend="gloo", timeout=60)
+    assert results[0] == results[1] == {"early": "ok", "unsharded": "ok", "reassigned": "ok", "reshard": "ok"}, results
