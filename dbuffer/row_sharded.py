@@ -60,16 +60,18 @@ _ELEMENTWISE = {
     aten.copy_.default,
     aten._to_copy.default,
 }
-# Reductions whose DTensor rule (reduce local pieces, combine as Partial) holds for any row split.
+# Reductions whose DTensor rule (reduce local pieces, combine as Partial) holds for any row split;
+# True where an empty piece is fine too (max of nothing is an error, so those need every shard
+# to hold rows).
 _SPLIT_FREE_REDUCTIONS = {
-    aten.sum.default,
-    aten.sum.dim_IntList,
-    aten.linalg_vector_norm.default,
-    aten.amax.default,
-    aten.amin.default,
-    aten.max.default,
-    aten.min.default,
-    aten._foreach_norm.Scalar,
+    aten.sum.default: True,
+    aten.sum.dim_IntList: True,
+    aten.linalg_vector_norm.default: True,
+    aten._foreach_norm.Scalar: True,
+    aten.amax.default: False,
+    aten.amin.default: False,
+    aten.max.default: False,
+    aten.min.default: False,
 }
 _NOT_ELEMENTWISE_FOREACH = ("_foreach_norm", "_foreach_max")
 
@@ -186,7 +188,7 @@ class RowShardedDTensor(DTensor):
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}
         flat, tree = tree_flatten((args, kwargs))
-        if func in _SPLIT_FREE_REDUCTIONS:
+        if func in _SPLIT_FREE_REDUCTIONS and (_SPLIT_FREE_REDUCTIONS[func] or _no_empty_piece(flat)):
             return _rewrap_rows(func(*_as_plain(args), **_as_plain(kwargs)), flat)
         if func.is_view:
             return _view(func, args, kwargs, flat)
@@ -482,6 +484,10 @@ def _rewrap_rows(out: Any, flat: list) -> Any:
 
 
 # ----------------------------------------------------------------------------- helpers
+
+
+def _no_empty_piece(flat: list) -> bool:
+    return all(0 not in t._rows_per_shard for t in flat if isinstance(t, RowShardedDTensor))
 
 
 def _mutates_first(func) -> bool:
