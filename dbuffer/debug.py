@@ -47,8 +47,18 @@ def _flag(value: Optional[str]) -> bool:
     return (value or "").strip().lower() not in ("", "0", "false", "no", "off")
 
 
+def _seconds(value: Optional[str]) -> float:
+    try:
+        seconds = float(value or 30.0)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise ValueError(f"{TIMEOUT_ENV} must be a positive number of seconds, got {value!r}")
+    return seconds
+
+
 ENABLED: bool = _flag(os.environ.get(ENV))
-TIMEOUT: float = float(os.environ.get(TIMEOUT_ENV) or 30.0)
+TIMEOUT: float = _seconds(os.environ.get(TIMEOUT_ENV))
 
 
 class CollectiveMismatchError(RuntimeError):
