@@ -30,6 +30,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from dbuffer import collectives
+from dbuffer.agreement import check_agreement
 from dbuffer.collectives import Pending
 from dbuffer.dtensor import make_dtensor
 from dbuffer.layout import Layout, OwnedLayout, compute_layout, compute_owned_layout
@@ -71,10 +72,18 @@ class DBuffer:
         layout: Layout | None = None,
         local_buffer: torch.Tensor | None = None,
         zero_fill: bool = True,
+        check_ranks: bool = True,
     ) -> None:
         """The local buffer is zero-filled, or left uninitialised with ``zero_fill=False`` (no
         page is written: cheap for a buffer whose storage is released right after its views are
-        made), or ``local_buffer`` is used as is (no copy)."""
+        made), or ``local_buffer`` is used as is (no copy).
+
+        ``check_ranks``: first check that every rank of the mesh passed the same shapes, dtype,
+        placements and layout (one all-gather of 8 bytes per mesh axis; see
+        :mod:`dbuffer.agreement`), so that a mismatch raises
+        :class:`~dbuffer.agreement.RankMismatchError` on every rank instead of crashing the
+        first collective. Pass False only for a buffer known to be built alike everywhere (a
+        sibling of a checked one)."""
         if not isinstance(mesh, DeviceMesh):
             raise TypeError(f"mesh must be a torch DeviceMesh, got {type(mesh).__name__}")
         if not isinstance(dtype, torch.dtype):
@@ -97,14 +106,37 @@ class DBuffer:
         self.num_shards = num_shards(mesh.shape, self.placements)
         self.shard_index = shard_index(mesh.shape, self.placements, self._coordinate)
         numel = self.layout.shard_numel_for(self.num_shards)
+        local_error = None
+        if local_buffer is not None:
+            try:
+                _check_local_buffer(local_buffer, numel, dtype, self.device)
+            except (TypeError, ValueError) as exc:  # raised after the ranks compared notes
+                local_error = exc
+        if check_ranks:
+            self._check_ranks(None if local_error is None else repr(local_error))
+        if local_error is not None:
+            raise local_error
         if local_buffer is None:
             make = torch.zeros if zero_fill else torch.empty
             local_buffer = make(numel, dtype=dtype, device=self.device)
-        else:
-            _check_local_buffer(local_buffer, numel, dtype, self.device)
         self.local_buffer = local_buffer
         self._refill_pending = False
         self._capacity_bytes = local_buffer.untyped_storage().nbytes()
+
+    def _check_ranks(self, local_error: str | None) -> None:
+        entries = [
+            ("mesh", f"shape {tuple(self.mesh.shape)}"),
+            ("placements", repr(self.placements)),
+            ("dtype", str(self.dtype)),
+            ("local_buffer", "ok" if local_error is None else local_error),
+        ]
+        entries += [(f"tensor {i}", f"shape {tuple(item.shape)}") for i, item in enumerate(self.layout.items)]
+        entries.append(
+            ("layout", f"{type(self.layout).__name__} of {self.layout.shard_numel_for(self.num_shards)} elements a shard")
+        )
+        check_agreement(
+            self.mesh, entries, "DBuffer", "Every rank of the mesh must build the buffer with the same arguments."
+        )
 
     # ------------------------------------------------------------------ construction
 

@@ -171,16 +171,26 @@ class RowShardedDTensor(DTensor):
     # ------------------------------------------------------------------ compile / pickling
 
     def __tensor_flatten__(self):
-        names, (spec, requires_grad) = super().__tensor_flatten__()
-        return names, (spec, requires_grad, self._rows_per_shard, self._row_start)
+        names, context = super().__tensor_flatten__()
+        return names, (context, self._rows_per_shard, self._row_start)
 
     @staticmethod
     def __tensor_unflatten__(inner_tensors, flatten_spec, outer_size, outer_stride):
-        spec, requires_grad, rows, start = flatten_spec
-        plain = DTensor.__tensor_unflatten__(inner_tensors, (spec, requires_grad), outer_size, outer_stride)
-        out = RowShardedDTensor(plain._local_tensor, plain._spec, requires_grad=requires_grad)
-        out._rows_per_shard, out._row_start = rows, start
-        return out
+        context, rows, start = flatten_spec
+        plain = DTensor.__tensor_unflatten__(inner_tensors, context, outer_size, outer_stride)
+        return RowShardedDTensor.wrap(plain._local_tensor, plain._spec, rows, start).requires_grad_(plain.requires_grad)
+
+    def __deepcopy__(self, memo):
+        if id(self) not in memo:
+            local = self._local_tensor.detach().clone()
+            out = self._with_local(local).requires_grad_(self.requires_grad)
+            if getattr(self, "_is_param", False):  # an nn.Parameter of this type stays one
+                out._is_param = True
+            memo[id(self)] = out
+        return memo[id(self)]
+
+    def __coerce_same_metadata_as_tangent__(self, flatten_spec, expected_type=None):
+        return super().__coerce_same_metadata_as_tangent__(flatten_spec[0], expected_type)
 
     # ------------------------------------------------------------------ dispatch
 

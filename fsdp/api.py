@@ -21,6 +21,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
+from dbuffer.agreement import check_agreement, value_digest
 from fsdp.bucket import Bucket, GroupSpec, plan_buckets
 from fsdp.param_group import ParamInfo, ParameterGroup
 from fsdp.policy import MixedPrecisionPolicy, Strategy, parse_strategy
@@ -236,16 +237,26 @@ def fully_shard(
     infos = _collect_params(modules, ignored)
     _check_devices(infos)
     mesh = _check_mesh(mesh, infos)
-    reshard_after_forward = _check_reshard_after_forward(reshard_after_forward, mesh)
-    if isinstance(buckets, Bucket):
-        buckets = [buckets]
-    specs = plan_buckets(
-        [i.fqn for i in infos], [i.param for i in infos], list(buckets), mesh, strategy, mp_policy, bucket_size
-    )
-    for spec in specs:
-        if spec.mesh is not mesh:
-            _check_mesh(spec.mesh, infos, what="a bucket's mesh")
-        _check_params([infos[k] for k in spec.members], spec.strategy, spec.policy)
+    config = (strategy, reshard_after_forward, mp_policy, buckets, bucket_size)
+    # Checks that could fail on some ranks only (their models differ) are compared across ranks
+    # before anyone raises, so that every rank raises the same error and none waits.
+    specs, local_error = [], None
+    try:
+        reshard_after_forward = _check_reshard_after_forward(reshard_after_forward, mesh)
+        if isinstance(buckets, Bucket):
+            buckets = [buckets]
+        specs = plan_buckets(
+            [i.fqn for i in infos], [i.param for i in infos], list(buckets), mesh, strategy, mp_policy, bucket_size
+        )
+        for spec in specs:
+            if spec.mesh is not mesh:
+                _check_mesh(spec.mesh, infos, what="a bucket's mesh")
+            _check_params([infos[k] for k in spec.members], spec.strategy, spec.policy)
+    except (TypeError, ValueError) as exc:
+        local_error = exc
+    _check_ranks_agree(mesh, infos, specs, config, local_error)
+    if local_error is not None:
+        raise local_error
 
     classes = [type(m) for m in modules]
     try:
@@ -371,6 +382,27 @@ def _collect_params(modules: list[nn.Module], ignored: set[int]) -> list[ParamIn
             children = [(f"{prefix}{n}.", c) for n, c in m.named_children() if not isinstance(c, FSDPModule)]
             stack.extend(reversed(children))
     return list(infos.values())
+
+
+def _check_ranks_agree(mesh: DeviceMesh, infos: list[ParamInfo], specs: list[GroupSpec], config, local_error) -> None:
+    """Every rank must shard the same unit (names, shapes, dtypes, arguments) of the same values:
+    one digest exchange on the unit's mesh, plus one per other bucket mesh for the values there
+    (expert weights may differ across an expert-parallel axis, never within their group's mesh).
+    A mismatch raises :class:`dbuffer.agreement.RankMismatchError` on every rank."""
+    fix = (
+        "Every rank must build the same model with the same values (same code and seed) and call "
+        "fully_shard with the same arguments; or load one checkpoint on every rank."
+    )
+    structure = [("fully_shard arguments", repr(config)), ("argument checks", repr(local_error) if local_error else "ok")]
+    structure += [(i.fqn, f"shape {tuple(i.param.shape)} {i.param.dtype} requires_grad={i.param.requires_grad}") for i in infos]
+    values: dict[int, tuple[DeviceMesh, list]] = {}
+    for spec in specs:
+        target = values.setdefault(id(spec.mesh), (spec.mesh, []))[1]
+        target += [(f"{infos[k].fqn} values", value_digest(infos[k].param)) for k in spec.members]
+    mesh_values = values.pop(id(mesh), (mesh, []))[1]
+    check_agreement(mesh, structure + mesh_values, "fully_shard", fix)
+    for other, entries in values.values():
+        check_agreement(other, entries, "fully_shard (a bucket's mesh)", fix)
 
 
 def _check_devices(infos: list[ParamInfo]) -> None:

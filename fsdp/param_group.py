@@ -111,7 +111,9 @@ class ParameterGroup:
             layout = _owned_layout(shapes, mesh)
         else:
             layout = None
-        self.main = DBuffer(mesh, main_pl, shapes, dtypes.main, None if meta else device, layout=layout)
+        self.main = DBuffer(
+            mesh, main_pl, shapes, dtypes.main, None if meta else device, layout=layout, check_ranks=False
+        )  # fully_shard checked that every rank builds the same unit
         self.streams = CommStreams.for_device(self.main.device)
         if not meta:
             self._fill_main([i.param for i in infos])
@@ -156,7 +158,14 @@ class ParameterGroup:
 
     def _new(self, placements, dtype: torch.dtype, zero_fill: bool = True) -> DBuffer:
         return DBuffer(
-            self.mesh, placements, self.main.shapes, dtype, self.main.device, layout=self.main.layout, zero_fill=zero_fill
+            self.mesh,
+            placements,
+            self.main.shapes,
+            dtype,
+            self.main.device,
+            layout=self.main.layout,
+            zero_fill=zero_fill,
+            check_ranks=False,  # a sibling of main
         )
 
     @torch.no_grad()
@@ -654,7 +663,9 @@ def _converted(buf: DBuffer, dtype: torch.dtype) -> DBuffer:
     device) with its values cast, if it has storage (the new one always has)."""
     if buf.dtype == dtype:
         return buf
-    out = DBuffer(buf.mesh, buf.placements, buf.shapes, dtype, buf.device, layout=buf.layout, zero_fill=False)
+    out = DBuffer(
+        buf.mesh, buf.placements, buf.shapes, dtype, buf.device, layout=buf.layout, zero_fill=False, check_ranks=False
+    )
     if not buf.is_storage_released():
         out.local_buffer.copy_(buf.local_buffer)
     return out

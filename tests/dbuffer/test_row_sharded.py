@@ -7,6 +7,8 @@ op on the full tensors in one process; a DTensor result is compared through ``fu
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.distributed as dist
 from hypothesis import given, settings
@@ -137,6 +139,9 @@ def _in_place_writes_keep_rows() -> bool:
     p.add_(distribute_tensor(full, mesh, [S]))  # different rows: the full path, written back
     torch.testing.assert_close(p.full_tensor(), 3 * full, rtol=0, atol=0)
     torch.testing.assert_close(buf.get_dtensor(1).full_tensor(), 3 * full, rtol=0, atol=0)
+    copied = copy.deepcopy(p)  # through __tensor_flatten__ / __tensor_unflatten__
+    assert isinstance(copied, RowShardedDTensor) and copied._local_tensor.data_ptr() != p._local_tensor.data_ptr()
+    torch.testing.assert_close(copied.full_tensor(), 3 * full, rtol=0, atol=0)
     try:
         p.mm(p.t())
     except NotImplementedError as exc:  # p.t() would move rows between ranks
