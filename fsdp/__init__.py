@@ -35,7 +35,8 @@ Checkpoints and meta-device init:
 Differences worth knowing:
 
 * Every rank must build the module with identical values (same seed), as with FSDP2: each rank
-  keeps its own rows, nothing is broadcast.
+  keeps its own rows, nothing is broadcast; unlike FSDP2, ranks that differ raise
+  ``dbuffer.agreement.RankMismatchError`` at ``fully_shard``.
 * The main weights are FP32 by default even for a module built in BF16 (Megatron), and the
   compute weights are a persistent copy refreshed once per optimizer step, not cast per gather.
 * With ``main_grads_dtype`` different from the main dtype, ``param.grad`` is a cast copy of
