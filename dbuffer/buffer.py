@@ -106,16 +106,10 @@ class DBuffer:
         self.num_shards = num_shards(mesh.shape, self.placements)
         self.shard_index = shard_index(mesh.shape, self.placements, self._coordinate)
         numel = self.layout.shard_numel_for(self.num_shards)
-        local_error = None
         if local_buffer is not None:
-            try:
-                _check_local_buffer(local_buffer, numel, dtype, self.device)
-            except (TypeError, ValueError) as exc:  # raised after the ranks compared notes
-                local_error = exc
-        if check_ranks:
-            self._check_ranks(None if local_error is None else repr(local_error))
-        if local_error is not None:
-            raise local_error
+            _check_local_buffer(local_buffer, numel, dtype, self.device)
+        if check_ranks:  # the arguments are valid: the one collective of the constructor
+            self._check_ranks()
         if local_buffer is None:
             make = torch.zeros if zero_fill else torch.empty
             local_buffer = make(numel, dtype=dtype, device=self.device)
@@ -123,12 +117,11 @@ class DBuffer:
         self._refill_pending = False
         self._capacity_bytes = local_buffer.untyped_storage().nbytes()
 
-    def _check_ranks(self, local_error: str | None) -> None:
+    def _check_ranks(self) -> None:
         entries = [
             ("mesh", f"shape {tuple(self.mesh.shape)}"),
             ("placements", repr(self.placements)),
             ("dtype", str(self.dtype)),
-            ("local_buffer", "ok" if local_error is None else local_error),
         ]
         entries += [(f"tensor {i}", f"shape {tuple(item.shape)}") for i, item in enumerate(self.layout.items)]
         entries.append(

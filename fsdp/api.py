@@ -6,8 +6,9 @@ parameters in their place, and swaps the module's class to ``FSDP<Orig>`` so the
 (``unshard``, ``reshard``, ``set_requires_gradient_sync``, ...) are available on it. Like FSDP2,
 shard nested modules first (bottom-up), the root last.
 
-Every check runs before any buffer is built or any collective runs, so a misuse raises the
-same error on every rank.
+Every check of the arguments runs before any buffer is built or any collective runs, so a
+misuse raises the same error on every rank. Then one small collective checks that every rank
+shards the same parameters with the same values (:mod:`dbuffer.agreement`).
 """
 
 from __future__ import annotations
@@ -19,10 +20,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from dbuffer.agreement import check_agreement, value_digest
 from fsdp.bucket import Bucket, GroupSpec, plan_buckets
+from fsdp.chunked import ChunkedParameterGroup
 from fsdp.param_group import ParamInfo, ParameterGroup
 from fsdp.policy import MixedPrecisionPolicy, Strategy, parse_strategy
 from fsdp.state import FSDPState, finish_grad_sync
@@ -202,6 +204,7 @@ def fully_shard(
     ignored_params: Optional[Iterable[nn.Parameter]] = None,
     buckets: Sequence[Bucket] = (),
     bucket_size: Optional[int] = None,
+    shard_placement_fn: Optional[Callable[[nn.Parameter], Optional[Shard]]] = None,
 ):
     """Shard ``module`` (or a list of modules forming one unit) over ``mesh``.
 
@@ -221,6 +224,17 @@ def fully_shard(
     :class:`fsdp.Bucket`); ``bucket_size``: split the remaining default groups at this many bytes
     of main weights. Returns the module, its class swapped to ``FSDP<Orig>``. Nested units must be
     sharded first.
+
+    ``shard_placement_fn`` (FSDP2's): called once per parameter; ``Shard(dim)`` (``dim`` may be
+    negative) makes that parameter's local shard exactly ``torch.chunk(full, W, dim)[rank]`` over
+    the ``W`` shard ranks (empty where torch.chunk gives fewer pieces), registered as a plain
+    DTensor with placement ``Shard(dim)``; ``None`` keeps the default row-atomic layout. Such
+    parameters are gathered and reduced in groups of their own, at the price of a copy after each
+    gather and of one copy per piece of each gradient before each reduction (see
+    :mod:`fsdp.chunked`). ``shard_placement_fn=lambda p: Shard(0)`` gives every parameter FSDP2's
+    exact ``Shard(0)`` pieces. Any other return value raises ``TypeError``, a dim the parameter
+    lacks ``ValueError``, naming the parameter. With ``no_shard`` nothing is sharded and the
+    function's answers have no effect.
     """
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
     strategy = parse_strategy(sharding_strategy)
@@ -238,25 +252,26 @@ def fully_shard(
     _check_devices(infos)
     mesh = _check_mesh(mesh, infos)
     config = (strategy, reshard_after_forward, mp_policy, buckets, bucket_size)
-    # Checks that could fail on some ranks only (their models differ) are compared across ranks
-    # before anyone raises, so that every rank raises the same error and none waits.
-    specs, local_error = [], None
-    try:
-        reshard_after_forward = _check_reshard_after_forward(reshard_after_forward, mesh)
-        if isinstance(buckets, Bucket):
-            buckets = [buckets]
-        specs = plan_buckets(
-            [i.fqn for i in infos], [i.param for i in infos], list(buckets), mesh, strategy, mp_policy, bucket_size
-        )
-        for spec in specs:
-            if spec.mesh is not mesh:
-                _check_mesh(spec.mesh, infos, what="a bucket's mesh")
-            _check_params([infos[k] for k in spec.members], spec.strategy, spec.policy)
-    except (TypeError, ValueError) as exc:
-        local_error = exc
-    _check_ranks_agree(mesh, infos, specs, config, local_error)
-    if local_error is not None:
-        raise local_error
+    reshard_after_forward = _check_reshard_after_forward(reshard_after_forward, mesh)
+    if isinstance(buckets, Bucket):
+        buckets = [buckets]
+    shard_dims = _shard_dims(infos, shard_placement_fn)
+    specs = plan_buckets(
+        [i.fqn for i in infos],
+        [i.param for i in infos],
+        list(buckets),
+        mesh,
+        strategy,
+        mp_policy,
+        bucket_size,
+        shard_dims,
+    )
+    for spec in specs:
+        if spec.mesh is not mesh:
+            _check_mesh(spec.mesh, infos, what="a bucket's mesh")
+        _check_params([infos[k] for k in spec.members], spec.strategy, spec.policy)
+    # The arguments are valid here; now the one collective: do all ranks shard the same thing?
+    _check_ranks_agree(mesh, infos, specs, config)
 
     classes = [type(m) for m in modules]
     try:
@@ -384,7 +399,40 @@ def _collect_params(modules: list[nn.Module], ignored: set[int]) -> list[ParamIn
     return list(infos.values())
 
 
-def _check_ranks_agree(mesh: DeviceMesh, infos: list[ParamInfo], specs: list[GroupSpec], config, local_error) -> None:
+class ShardPlacementError(ValueError, AssertionError):
+    """``shard_placement_fn`` returned ``Shard(dim)`` for a dim the parameter lacks. A
+    ``ValueError``; also an ``AssertionError``, which is what torch FSDP2 raises for it."""
+
+
+def _shard_dims(infos: list[ParamInfo], fn) -> Optional[list[Optional[int]]]:
+    """``shard_placement_fn``'s answer for every parameter: a dim (normalised) or None."""
+    if fn is None:
+        return None
+    if not callable(fn):
+        raise TypeError(f"shard_placement_fn must be a callable (nn.Parameter) -> Shard | None, got {fn!r}")
+    dims: list[Optional[int]] = []
+    for info in infos:
+        placement = fn(info.param)
+        if placement is None:
+            dims.append(None)
+            continue
+        if not isinstance(placement, Shard):
+            raise TypeError(
+                f"shard_placement_fn returned {placement!r} for parameter {info.fqn!r}; return Shard(dim) "
+                f"or None (the default layout)"
+            )
+        ndim, dim = info.param.dim(), placement.dim
+        if not -ndim <= dim < ndim:
+            raise ShardPlacementError(
+                f"Shard dim {dim} is invalid for {ndim}D tensor: shard_placement_fn returned {placement!r} "
+                f"for parameter {info.fqn!r} of shape {tuple(info.param.shape)}; return a dim in "
+                f"[{-ndim}, {ndim}) or None"
+            )
+        dims.append(dim % ndim)
+    return dims
+
+
+def _check_ranks_agree(mesh: DeviceMesh, infos: list[ParamInfo], specs: list[GroupSpec], config) -> None:
     """Every rank must shard the same unit (names, shapes, dtypes, arguments) of the same values:
     one digest exchange on the unit's mesh, plus one per other bucket mesh for the values there
     (expert weights may differ across an expert-parallel axis, never within their group's mesh).
@@ -393,8 +441,9 @@ def _check_ranks_agree(mesh: DeviceMesh, infos: list[ParamInfo], specs: list[Gro
         "Every rank must build the same model with the same values (same code and seed) and call "
         "fully_shard with the same arguments; or load one checkpoint on every rank."
     )
-    structure = [("fully_shard arguments", repr(config)), ("argument checks", repr(local_error) if local_error else "ok")]
+    structure = [("fully_shard arguments", repr(config))]
     structure += [(i.fqn, f"shape {tuple(i.param.shape)} {i.param.dtype} requires_grad={i.param.requires_grad}") for i in infos]
+    structure += [(f"{infos[k].fqn} placement", f"Shard({d})") for s in specs if s.dims for k, d in zip(s.members, s.dims)]
     values: dict[int, tuple[DeviceMesh, list]] = {}
     for spec in specs:
         target = values.setdefault(id(spec.mesh), (spec.mesh, []))[1]
@@ -470,18 +519,12 @@ def _build_groups(infos: list[ParamInfo], specs: list[GroupSpec]) -> list[Parame
     for spec in specs:
         members = [infos[k] for k in spec.members]
         first = members[0].param
-        groups.append(
-            ParameterGroup(
-                members,
-                spec.mesh,
-                spec.strategy,
-                spec.policy.dtypes_for(first.dtype),
-                first.requires_grad,
-                shard=spec.placement,
-                gradient_divide_factor=spec.gradient_divide_factor,
-                policy=spec.policy,
-            )
-        )
+        kw = dict(gradient_divide_factor=spec.gradient_divide_factor, policy=spec.policy)
+        args = (members, spec.mesh, spec.strategy, spec.policy.dtypes_for(first.dtype), first.requires_grad)
+        if spec.dims is not None:
+            groups.append(ChunkedParameterGroup(*args, dims=spec.dims, **kw))
+        else:
+            groups.append(ParameterGroup(*args, shard=spec.placement, **kw))
     return groups
 
 

@@ -99,8 +99,14 @@ def _misuse() -> dict:
     mesh3d = init_device_mesh("cpu", (dist.get_world_size(), 1, 1))
     other = DeviceMesh("cpu", [1])  # excludes rank 0
     out = {}
-    if dist.get_rank() != 0:
-        return out
+    if dist.get_rank() == 0:  # rank 0 alone: each raises before any collective, or it would hang
+        _misuse_alone(out, mesh, mesh3d, other)
+    # Every rank: these shard something first, and fully_shard's agreement check is a collective.
+    _misuse_after_sharding(out, mesh)
+    return out
+
+
+def _misuse_alone(out: dict, mesh, mesh3d, other) -> None:
     bf16 = fsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16)
     out["non_float"] = _expect(lambda: fsdp.fully_shard(WithInt(), mesh=mesh, mp_policy=bf16), ValueError, "non-floating")
     out["mesh_3d"] = _expect(lambda: fsdp.fully_shard(Block(), mesh=mesh3d), ValueError, "1-D")
@@ -111,6 +117,10 @@ def _misuse() -> dict:
     out["scalar"] = _expect(lambda: fsdp.fully_shard(Scalar(), mesh=mesh), ValueError, "0-D")
     out["raf_type"] = _expect(lambda: fsdp.fully_shard(Block(), mesh=mesh, reshard_after_forward="no"), TypeError, "bool")
     out["raf_int"] = _expect(lambda: fsdp.fully_shard(Block(), mesh=mesh, reshard_after_forward=3), ValueError, "factor")
+
+
+def _misuse_after_sharding(out: dict, mesh) -> None:
+    torch.manual_seed(0)  # every rank builds the same values (rank 0 built more above)
     # sharding twice
     block = fsdp.fully_shard(Block(), mesh=mesh)
     out["twice"] = _expect(lambda: fsdp.fully_shard(block, mesh=mesh), ValueError, "already sharded")
@@ -135,7 +145,6 @@ def _misuse() -> dict:
         fsdp.api.ParameterGroup = real
     assert type(block) is Block and dict(block.named_parameters()) == before
     fsdp.fully_shard(block, mesh=mesh)  # and it can be sharded afterwards
-    return out
 
 
 def test_misuse_raises_before_any_collective() -> None:

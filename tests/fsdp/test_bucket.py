@@ -104,8 +104,16 @@ def _misuse() -> dict:
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     mesh2d = init_device_mesh("cpu", (1, dist.get_world_size()))  # every rank: it makes groups
     out: dict = {}
-    if dist.get_rank() != 0:  # only rank 0 calls: any collective would hang the test
-        return out
+    if dist.get_rank() == 0:  # only rank 0 calls: any collective would hang the test
+        _misuse_alone(out, mesh, mesh2d)
+    torch.manual_seed(0)  # every rank (fully_shard's agreement check is a collective), same values
+    fsdp.fully_shard(Experts(4), mesh=mesh, buckets=[fsdp.Bucket("w_in", per_tensor=True)])  # 4 over 2: fine
+    return out
+
+
+def _misuse_alone(out: dict, mesh, mesh2d) -> None:
+    from dbuffer import Owned
+
     B = fsdp.Bucket
     out["overlap"] = _expect(
         lambda: fsdp.fully_shard(Block(), mesh=mesh, buckets=[B("up.*"), B("*.bias")]), ValueError, "exactly one bucket"
@@ -128,8 +136,6 @@ def _misuse() -> dict:
     block = Block()
     out["untouched"] = _expect(lambda: fsdp.fully_shard(block, mesh=mesh, buckets=[B("up.*"), B("up.weight")]), ValueError, "up.weight")
     assert type(block) is Block and not any(hasattr(p, "_local_tensor") for p in block.parameters())
-    fsdp.fully_shard(Experts(4), mesh=mesh, buckets=[B("w_in", per_tensor=True)])  # 4 experts over 2: fine
-    return out
 
 
 def test_bucket_misuse_raises_before_any_collective() -> None:
