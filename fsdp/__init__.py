@@ -2,7 +2,8 @@
 sharding strategies and precision policy. All communication happens inside :mod:`dbuffer`.
 
 From torch FSDP2, change the import: ``fully_shard(module, mesh=, reshard_after_forward=,
-mp_policy=MixedPrecisionPolicy(param_dtype=, reduce_dtype=, output_dtype=, cast_forward_inputs=))``
+mp_policy=MixedPrecisionPolicy(param_dtype=, reduce_dtype=, output_dtype=, cast_forward_inputs=),
+shard_placement_fn=)`` (``Shard(dim)``: exactly torch.chunk's pieces; see :mod:`fsdp.chunked`)
 and the module methods ``unshard(async_op=)``, ``reshard()``, ``set_requires_gradient_sync()``,
 ``set_reshard_after_forward()``, ``set_reshard_after_backward()``, ``set_is_last_backward()``,
 ``set_modules_to_forward_prefetch()``, ``set_modules_to_backward_prefetch()`` behave alike;

@@ -17,7 +17,7 @@ Guarantees, all checked in :func:`plan_buckets` before any buffer or collective 
 from __future__ import annotations
 
 import fnmatch
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional, Sequence, Union
 
 import torch
@@ -73,6 +73,7 @@ class GroupSpec:
     strategy: Strategy
     policy: MixedPrecisionPolicy
     gradient_divide_factor: Optional[float] = None
+    dims: Optional[list[int]] = None  # shard_placement_fn's Shard(dim) per member: torch.chunk pieces
 
 
 def plan_buckets(
@@ -83,10 +84,14 @@ def plan_buckets(
     strategy: Strategy,
     policy: MixedPrecisionPolicy,
     bucket_size: Optional[int],
+    shard_dims: Optional[Sequence[Optional[int]]] = None,
 ) -> list[GroupSpec]:
     """Assign the unit's parameters (registration order) to groups. Explicit buckets come first,
     in the order given; the rest is grouped by (dtype, requires_grad), split at ``bucket_size``
-    bytes of main weights (a larger parameter gets a group of its own)."""
+    bytes of main weights (a larger parameter gets a group of its own). ``shard_dims``: per
+    parameter, the dim ``shard_placement_fn`` shards it along (None: the default layout); those
+    parameters form groups of their own, grouped the same way, when the strategy shards the main
+    weights (otherwise nothing is sharded and they join the default groups)."""
     if bucket_size is not None and (not isinstance(bucket_size, int) or bucket_size <= 0):
         raise ValueError(f"bucket_size must be a positive number of bytes or None, got {bucket_size!r}")
     owner: dict[int, int] = {}
@@ -111,8 +116,18 @@ def plan_buckets(
     for b, bucket in enumerate(buckets):
         members = [k for k in range(len(names)) if owner.get(k) == b]
         specs.extend(_explicit(b, bucket, members, names, params, mesh, strategy, policy))
+    dims = list(shard_dims) if shard_dims is not None else [None] * len(names)
+    for k, b in owner.items():
+        if dims[k] is not None:
+            raise ValueError(
+                f"parameter {names[k]!r} is in buckets[{b}] (names={buckets[b].patterns}) and shard_placement_fn "
+                f"returned Shard({dims[k]}) for it; a bucket sets its own placement: return None for it"
+            )
     rest = [k for k in range(len(names)) if k not in owner]
-    specs.extend(_default(rest, params, mesh, strategy, policy, bucket_size))
+    chunked = [k for k in rest if dims[k] is not None] if strategy.shard_optim else []
+    specs.extend(_default([k for k in rest if k not in chunked], params, mesh, strategy, policy, bucket_size))
+    for spec in _default(chunked, params, mesh, strategy, policy, bucket_size):
+        specs.append(replace(spec, dims=[dims[k] for k in spec.members]))
     return specs
 
 

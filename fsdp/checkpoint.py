@@ -56,7 +56,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMe
 from torch.distributed.checkpoint.planner import SavePlanner
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.distributed.checkpoint.storage import WriteResult
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 from torch.futures import Future
 
 from dbuffer import debug
@@ -519,8 +519,23 @@ def _copy_rows(leaf: torch.Tensor, value: torch.Tensor) -> None:
         local = leaf._local_tensor
         if leaf.dim() == 0:
             local.copy_(value)
+        elif any(isinstance(p, Shard) and p.dim != 0 for p in leaf.placements):
+            local.copy_(_chunk_piece(leaf, value))  # a plain DTensor (shard_placement_fn's)
         else:
             r0, r1 = row_range(leaf)
             local.copy_(value[r0:r1].reshape(local.shape))
     else:
         leaf.copy_(value)
+
+
+def _chunk_piece(leaf: DTensor, value: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of ``value`` under a plain DTensor's placements: torch.chunk's, nested
+    over the mesh axes."""
+    mesh, coordinate = leaf.device_mesh, leaf.device_mesh.get_coordinate()
+    for axis, placement in enumerate(leaf.placements):
+        if isinstance(placement, Shard):
+            length = value.shape[placement.dim]
+            chunk = -(-length // mesh.shape[axis])
+            start = min(coordinate[axis] * chunk, length)
+            value = value.narrow(placement.dim, start, min(start + chunk, length) - start)
+    return value

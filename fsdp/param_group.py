@@ -105,14 +105,9 @@ class ParameterGroup:
         shapes = [tuple(i.param.shape) for i in infos]
         pl = self.placements
         main_pl = pl.sharded if strategy.shard_optim else pl.replicated
-        if not strategy.shard_optim:  # replicated everywhere: no shard boundaries, no padding
-            layout = compute_layout(shapes, 1)
-        elif isinstance(shard, Owned):
-            layout = _owned_layout(shapes, mesh)
-        else:
-            layout = None
+        buffer_shapes, layout = self._main_layout(shapes, shard)
         self.main = DBuffer(
-            mesh, main_pl, shapes, dtypes.main, None if meta else device, layout=layout, check_ranks=False
+            mesh, main_pl, buffer_shapes, dtypes.main, None if meta else device, layout=layout, check_ranks=False
         )  # fully_shard checked that every rank builds the same unit
         self.streams = CommStreams.for_device(self.main.device)
         if not meta:
@@ -131,6 +126,14 @@ class ParameterGroup:
         self._init_buffer: Optional[DBuffer] = None  # full main-dtype weights during init_weights
         # Meta-built weights are zeros until initialised or loaded: refuse to run on them.
         self._uninitialised_version = self.weights_version() if meta else None
+
+    def _main_layout(self, shapes: list[tuple[int, ...]], shard: Placement):
+        """The shapes the buffers hold and their layout (None: DBuffer's packed default)."""
+        if not self.strategy.shard_optim:  # replicated everywhere: no shard boundaries, no padding
+            return shapes, compute_layout(shapes, 1)
+        if isinstance(shard, Owned):
+            return shapes, _owned_layout(shapes, self.mesh)
+        return shapes, None
 
     def _build_compute_buffers(self) -> None:
         """``model``, ``unsharded`` and the unsharded parameters (views of it) for ``main`` and
@@ -203,7 +206,8 @@ class ParameterGroup:
         if self.model is not self.main:
             self.main.cast(self.dtypes.model, out=self.model)
         if self.strategy.shard_optim and not self.strategy.shard_params:
-            self.model.redistribute(self.placements.replicated, out=self.unsharded)
+            self.model.redistribute(self.placements.replicated, out=self._gather_target())
+            self._end_gather()
         self._weights_version = version
         self._stale = False
         self._refreshes += 1
@@ -223,16 +227,25 @@ class ParameterGroup:
             return
         self._version_before_gather = self.unsharded.local_buffer._version
         self.unsharded.reallocate_storage()
+        target = self._gather_target()
         with self.streams.launch(self.streams.all_gather):
-            self._gather_pending = self.model.redistribute(self.placements.replicated, out=self.unsharded, async_op=True)
+            self._gather_pending = self.model.redistribute(self.placements.replicated, out=target, async_op=True)
         if not async_op:
             self.wait_unshard()
+
+    def _gather_target(self) -> DBuffer:
+        """Where the all-gather of the model weights lands (with storage): the unsharded weights."""
+        return self.unsharded
+
+    def _end_gather(self) -> None:
+        """After the gather has landed (a subclass copies the gathered weights into place)."""
 
     def wait_unshard(self) -> None:
         if self._gather_pending is not None:
             self._gather_pending.wait()
             self.streams.wait(self.streams.all_gather)
             self._gather_pending = None
+            self._end_gather()
             self._gathered = self._refreshes
             # A regather restores values autograd saved in forward; it is not a modification.
             # (DBuffer's refill guard covers the launch; this also covers work done in wait().)
@@ -300,7 +313,8 @@ class ParameterGroup:
         if self._init_buffer is not None:
             raise RuntimeError("convert() inside init_weights: convert the module before or after")
         self.wait_unshard()
-        uninitialised = self._uninitialised_version is not None
+        # initialised since being built on meta (init_weights, a load) unless the version is the same
+        uninitialised = self._uninitialised_version == self.weights_version()
         self.dtypes = dtypes
         self.main = _converted(self.main, dtypes.main)
         self._build_compute_buffers()
@@ -328,8 +342,8 @@ class ParameterGroup:
             torch.utils.swap_tensors(old, new)
         if self.requires_grad and self._grads_attached:
             self._point_grads()
-        if uninitialised:  # still never initialised: keep refusing to run on it
-            self._uninitialised_version = self.weights_version()
+        # still never initialised: keep refusing to run on it (the versions start afresh)
+        self._uninitialised_version = self.weights_version() if uninitialised else None
         return True
 
     def _names(self) -> str:
@@ -351,7 +365,7 @@ class ParameterGroup:
         main weights themselves when they are replicated (``no_shard``), otherwise a temporary
         replicated buffer of this group only, never of the whole model."""
         if self.strategy.shard_optim:
-            self._init_buffer = self._new(self.placements.replicated, self.dtypes.main)
+            self._init_buffer = self._init_target()
         target = self._init_buffer if self._init_buffer is not None else self.main
         params = [
             nn.Parameter(target.get_local_tensor(k), requires_grad=self.requires_grad) for k in range(len(self.infos))
@@ -365,11 +379,19 @@ class ParameterGroup:
         weights. ``commit=False`` (after a failed init function) only restores the registration."""
         buf, self._init_buffer = self._init_buffer, None
         if commit and buf is not None:
-            buf.redistribute(self.main.placements, out=self.main)
+            self._commit_init(buf)
         self.use_params(unsharded=False)
         if commit:
             self.mark_stale()
             self.refresh()
+
+    def _init_target(self) -> DBuffer:
+        """The replicated main-dtype buffer whose views ``init_weights`` fills."""
+        return self._new(self.placements.replicated, self.dtypes.main)
+
+    def _commit_init(self, buf: DBuffer) -> None:
+        """Keep this rank's part of the initialised full weights in ``buf`` (a local copy)."""
+        buf.redistribute(self.main.placements, out=self.main)
 
     def use_params(self, unsharded: bool) -> None:
         """Register the unsharded (plain) or sharded (DTensor) parameters on their modules; see
@@ -490,11 +512,18 @@ class ParameterGroup:
             if on_group_start is not None:
                 on_group_start(self)
             self.grad_in.reallocate_storage()
-        if k in self._local:
-            self.grad_in.get_local_tensor(k).add_(grad)
-        else:
-            self.grad_in.get_local_tensor(k).copy_(grad)
+        self._write_grad(k, grad, add=k in self._local)
         self._local.add(k)
+
+    def _write_grad(self, k: int, grad: Optional[torch.Tensor], add: bool = False) -> None:
+        """Copy (``add``: add) parameter ``k``'s unsharded gradient into ``grad_in``; None: zero it."""
+        view = self.grad_in.get_local_tensor(k)
+        if grad is None:
+            view.zero_()
+        elif add:
+            view.add_(grad)
+        else:
+            view.copy_(grad)
 
     @torch.no_grad()
     def _pack_held(self, on_group_start=None) -> None:
@@ -547,7 +576,7 @@ class ParameterGroup:
         if len(self._local) < len(self.infos):
             for k in range(len(self.infos)):
                 if k not in self._local:
-                    self.grad_in.get_local_tensor(k).zero_()
+                    self._write_grad(k, None)
 
     def _padding(self) -> list[tuple[int, int]]:
         """Ranges of ``grad_in``'s (full) local buffer that belong to no parameter."""

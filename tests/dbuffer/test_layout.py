@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dbuffer.layout import ItemLayout, Layout, compute_layout
+from dbuffer.layout import ItemLayout, Layout, compute_chunk_layout, compute_layout
 from tools.padding_report import model_shapes
 
 # -- strategies -------------------------------------------------------------
@@ -228,3 +228,63 @@ def test_real_models_pad_little_and_fast(model):
 def test_model_shapes_match_published_sizes():
     total = {name: sum(math.prod(s) for s in model_shapes(name)) for name in ("Llama-3-8B", "Llama-3-70B", "Mixtral-8x7B")}
     assert total == {"Llama-3-8B": 8_030_261_248, "Llama-3-70B": 70_553_706_496, "Mixtral-8x7B": 46_702_792_704}
+
+
+# -- chunk layouts (shard_placement_fn: torch.chunk pieces, shard-major) ------
+_nonscalar = st.lists(
+    st.one_of(
+        st.tuples(_first),
+        st.tuples(_first, _small),
+        st.tuples(_small, _first),
+        st.tuples(_small, _first, _small),
+    ),
+    max_size=8,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(shapes=_nonscalar, n=st.one_of(st.integers(1, 9), st.sampled_from([16, 64, 200])), align=align_st, data=st.data())
+def test_chunk_layout_holds_torch_chunk_pieces_and_packs_back(shapes, n, align, data):
+    dims = [data.draw(st.integers(0, len(s) - 1)) for s in shapes]
+    layout = compute_chunk_layout(shapes, dims, n, align=align)
+    assert layout.shard_numel % align == 0
+    fulls = [torch.arange(math.prod(s), dtype=torch.float64).reshape(s) + 1000 * k for k, s in enumerate(shapes)]
+    flat = torch.full((n, layout.shard_numel), -1.0, dtype=torch.float64)  # -1: padding
+    for i in range(n):
+        pos = 0
+        for k, (full, dim) in enumerate(zip(fulls, dims)):
+            pieces = torch.chunk(full, n, dim)  # the oracle; fewer pieces than n: the rest empty
+            want = pieces[i] if i < len(pieces) else full.narrow(dim, 0, 0)
+            start, length = layout.piece(k, i)
+            assert full.narrow(dim, start, length).equal(want)
+            assert layout.piece_shape(k, i) == tuple(want.shape)
+            a, b = layout.local_range(k, i)
+            assert pos <= a <= b <= layout.shard_numel and b - a == want.numel()  # in order, disjoint
+            pos = a + layout.items[k].chunk * layout.items[k].inner  # the slot's end
+            flat[i, a:b] = want.reshape(-1)
+        assert pos <= layout.shard_numel
+        gaps = layout.padding(i)
+        covered = sum(b - a for a, b in gaps) + sum(layout.piece(k, i)[1] * layout.items[k].inner for k in range(len(shapes)))
+        assert covered == layout.shard_numel  # padding and pieces tile the shard
+        for a, b in gaps:
+            assert bool((flat[i, a:b] == -1).all())
+    # shards whole first, then at most one short one, then empty ones; concatenated, the pieces
+    # are the tensor (what a gather's copy-out relies on)
+    for k, (full, dim) in enumerate(zip(fulls, dims)):
+        lengths = [layout.piece(k, i)[1] for i in range(n)]
+        whole = layout.whole_pieces(k)
+        assert all(x == layout.items[k].chunk for x in lengths[:whole]) and all(x < layout.items[k].chunk or x == 0 for x in lengths[whole:])
+        assert sum(1 for x in lengths[whole:] if x) <= 1
+        parts = [flat[i, slice(*layout.local_range(k, i))].reshape(layout.piece_shape(k, i)) for i in range(n)]
+        assert torch.cat(parts, dim).equal(full)
+    assert layout.padding_numel == layout.total_numel - sum(f.numel() for f in fulls) >= 0
+    assert layout.padding_numel <= sum((n - 1) * it.inner for it in layout.items) + n * (align - 1)
+
+
+def test_chunk_layout_errors_name_the_argument():
+    with pytest.raises(ValueError, match=r"dims\[1\]=2 is not a dim of shapes\[1\]=\(3, 4\)"):
+        compute_chunk_layout([(2,), (3, 4)], [0, 2], 2)
+    with pytest.raises(ValueError, match="dims has 1 entries for 2 shapes"):
+        compute_chunk_layout([(2,), (3, 4)], [0], 2)
+    with pytest.raises(ValueError, match="0-D tensors cannot be split"):
+        compute_chunk_layout([()], [0], 2)
