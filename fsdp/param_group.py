@@ -37,7 +37,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from dbuffer import DBuffer, Owned, Pending, RowShardedDTensor
+from dbuffer import DBuffer, Owned, Pending
 from dbuffer.layout import OwnedLayout, compute_layout, compute_owned_layout
 from fsdp.policy import Dtypes, MixedPrecisionPolicy, Strategy
 from fsdp.streams import CommStreams
@@ -735,21 +735,15 @@ def _owned_layout(shapes: list[tuple[int, ...]], mesh: DeviceMesh) -> OwnedLayou
 
 
 def _after_optimizer_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
-    """Mark the groups whose parameters a torch.optim optimizer just updated as stale, and give
-    state it made like a row-sharded parameter (``exp_avg = zeros_like(p)``: a plain DTensor,
-    which claims ``torch.chunk`` rows) the parameter's true rows, so that the state gathers and
-    checkpoints exactly (no copy: the same local tensor)."""
+    """Mark the groups whose parameters a torch.optim optimizer just updated as stale. (State it
+    made like a row-sharded parameter, ``exp_avg = zeros_like(p)``, already carries the
+    parameter's true rows: see :mod:`dbuffer.row_sharded`.)"""
     for param_group in optimizer.param_groups:
         for p in param_group["params"]:
             ref = getattr(p, "_fsdp_group", None)
             group = ref() if ref is not None else None
             if group is not None:
                 group.mark_stale()
-                state = optimizer.state.get(p) if isinstance(p, RowShardedDTensor) else None
-                for key, value in (state or {}).items():
-                    if type(value) is DTensor and value.shape == p.shape:
-                        if value._local_tensor.shape == p._local_tensor.shape:
-                            state[key] = p.like(value)
 
 
 register_optimizer_step_post_hook(_after_optimizer_step)
