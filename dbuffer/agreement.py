@@ -61,11 +61,21 @@ def check_agreement(mesh: DeviceMesh, entries: Sequence[Entry], what: str, fix: 
 
 
 def value_digest(t: torch.Tensor) -> str:
-    """A short fingerprint of ``t``'s values (xor of their 64-bit patterns): equal values give
-    equal digests; differently initialised tensors differ with overwhelming probability."""
+    """A short fingerprint of ``t``'s values (xor of their bit patterns): equal values give
+    equal digests; differently initialised tensors differ with overwhelming probability (values
+    that only trade places are not told apart). One pass over ``t``, no copy of it."""
     if t.device.type == "meta" or t.numel() == 0 or type(t.detach()) is not torch.Tensor:
         return "-"  # no values yet, or a tensor subclass (refused elsewhere)
-    return f"{int(torch.hash_tensor(t.detach()).view(torch.int64)) & (2**64 - 1):016x}"
+    t = t.detach().contiguous()
+    bits = t.view(_BITS[t.element_size()])  # any dtype, float8 included
+    xor = int(torch.hash_tensor(bits).view(torch.int64)) & (2**64 - 1)
+    # xor cancels equal values in pairs (ones and twos of even count both give 0); a sum of the
+    # bit patterns does not, and integer sums do not depend on the order of the reduction
+    total = int(bits.sum(dtype=torch.int64)) & (2**64 - 1)
+    return f"{xor:016x}{total:016x}"
+
+
+_BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def _first_difference(a: list[Entry], b: list[Entry], rank_a: int, rank_b: int) -> str:
