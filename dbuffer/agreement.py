@@ -11,7 +11,10 @@ naming the first differing entry and the ranks. Nothing hangs and nothing crashe
 exchange has the same size on every rank whatever the entries are.
 
 Cost when the ranks agree: one all-gather of one int64 per mesh axis. Skipped on torch's fake
-process group (its collectives return no real data).
+process group (its collectives return no real data). Values are not compared on torch's threaded
+test group (:func:`values_comparable`): its ranks are threads of one process drawing from one
+shared random generator, so a model each thread builds differs by construction (FSDP2's own
+multi-thread tests do that), while real ranks with the same seed build the same values.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from dbuffer import collectives
 
-__all__ = ["RankMismatchError", "check_agreement", "value_digest"]
+__all__ = ["RankMismatchError", "check_agreement", "value_digest", "values_comparable"]
 
 Entry = tuple[str, str]
 
@@ -115,3 +118,9 @@ def _device(mesh: DeviceMesh) -> torch.device:
 
 def _is_fake(mesh: DeviceMesh) -> bool:
     return dist.get_backend(mesh.get_group(0)) == "fake"
+
+
+def values_comparable(mesh: DeviceMesh) -> bool:
+    """Whether ranks on ``mesh`` are expected to build equal values from equal seeds: not on the
+    threaded test group, whose ranks share one random generator (see the module docstring)."""
+    return dist.get_backend(mesh.get_group(0)) not in ("fake", "threaded")

@@ -22,7 +22,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
-from dbuffer.agreement import check_agreement, value_digest
+from dbuffer.agreement import check_agreement, value_digest, values_comparable
 from fsdp.bucket import Bucket, GroupSpec, plan_buckets
 from fsdp.chunked import ChunkedParameterGroup
 from fsdp.param_group import ParamInfo, ParameterGroup
@@ -447,7 +447,8 @@ def _check_ranks_agree(mesh: DeviceMesh, infos: list[ParamInfo], specs: list[Gro
     values: dict[int, tuple[DeviceMesh, list]] = {}
     for spec in specs:
         target = values.setdefault(id(spec.mesh), (spec.mesh, []))[1]
-        target += [(f"{infos[k].fqn} values", value_digest(infos[k].param)) for k in spec.members]
+        if values_comparable(spec.mesh):
+            target += [(f"{infos[k].fqn} values", value_digest(infos[k].param)) for k in spec.members]
     mesh_values = values.pop(id(mesh), (mesh, []))[1]
     check_agreement(mesh, structure + mesh_values, "fully_shard", fix)
     for other, entries in values.values():
