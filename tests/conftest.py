@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -21,5 +22,20 @@ def ranks():
     return run_ranks
 
 
-def pytest_sessionfinish(session, exitstatus):
-    shutdown_pools()
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Stop the gloo workers; a worker that did not exit 0 (a signal, an exit code, a hang at
+    exit, or death between tests) fails the run, named by rank and signal."""
+    bad = [e for e in shutdown_pools() if not e.clean]
+    if not bad:
+        return
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    lines = [str(e) for e in bad]  # e.g. "rank 1 of 2 (gloo) died with SIGABRT"
+    if reporter is not None:
+        reporter.ensure_newline()
+        reporter.write_sep("=", "gloo workers did not exit cleanly", red=True)
+        for line in lines:
+            reporter.write_line(line, red=True)
+    else:
+        print("gloo workers did not exit cleanly:", *lines, sep="\n", file=sys.stderr)
+    if session.exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

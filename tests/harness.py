@@ -15,29 +15,41 @@ One entry point, :func:`run_ranks`, with three backends:
 ``fn`` runs with the default process group initialised (``dist.get_rank()`` works) and receives
 ``*args``. For gloo it must be picklable by reference (a module-level function) and so must its
 arguments and result. An exception on any rank fails the call with that rank's traceback; a rank
-that does not finish within ``timeout`` seconds fails it with :class:`RankTimeout`.
+that does not finish within ``timeout`` seconds fails it with :class:`RankTimeout`; a gloo worker
+process that dies or exits during a call fails it with :class:`RankDied`, naming the rank and the
+signal or exit code.
+
+Gloo workers end through :func:`dbuffer.teardown.shutdown` (barrier, destroy, ``os._exit``), so a
+clean close exits 0. :func:`shutdown_pools` (``tests/conftest.py`` calls it at the end of the
+session, and fails the run on a bad exit) returns how each worker ended, and also reports workers
+found dead between calls.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import signal
 import socket
 import sys
 import threading
 import traceback
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import Any, Callable, NoReturn, Optional
 
 import torch
 import torch.distributed as dist
 
+from dbuffer.teardown import shutdown
+
 # Loopback only: tests never talk to another host.
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
-__all__ = ["RankError", "RankTimeout", "run_ranks", "shutdown_pools"]
+__all__ = ["RankDied", "RankError", "RankTimeout", "WorkerExit", "run_ranks", "shutdown_pools"]
 
 DEFAULT_TIMEOUT = 120.0
 _GRACE_AFTER_ERROR = 2.0  # other ranks get this long to finish once one rank has failed
+_EXIT_TIMEOUT = 30.0  # a worker told to stop must have exited by then
 
 
 class RankError(RuntimeError):
@@ -46,6 +58,36 @@ class RankError(RuntimeError):
 
 class RankTimeout(RankError):
     """Some ranks did not finish in time (a hang, or a peer that died inside a collective)."""
+
+
+class RankDied(RankError):
+    """A gloo worker process ended during a call: a crash, a signal, an ``os._exit``."""
+
+
+@dataclass(frozen=True)
+class WorkerExit:
+    """How one gloo worker process ended: ``exitcode`` as multiprocessing gives it (``-N``:
+    killed by signal N), or None when it did not exit within ``_EXIT_TIMEOUT`` of being told to."""
+
+    world_size: int
+    rank: int
+    exitcode: Optional[int]
+
+    @property
+    def clean(self) -> bool:
+        return self.exitcode == 0
+
+    def __str__(self) -> str:
+        if self.exitcode is None:
+            how = f"did not exit within {_EXIT_TIMEOUT:.0f} s of being told to stop (killed)"
+        elif self.exitcode < 0:
+            try:
+                how = f"died with {signal.Signals(-self.exitcode).name}"
+            except ValueError:
+                how = f"died with signal {-self.exitcode}"
+        else:
+            how = f"exited with code {self.exitcode}"
+        return f"rank {self.rank} of {self.world_size} (gloo) {how}"
 
 
 def run_ranks(
@@ -86,8 +128,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker_main(rank: int, world_size: int, port: int, conn, sys_path: list[str]) -> None:
-    """Body of one gloo worker: join the group once, then serve calls until told to stop."""
+def _worker_main(rank: int, world_size: int, port: int, conn, sys_path: list[str]) -> NoReturn:
+    """Body of one gloo worker: join the group once, serve calls until told to stop, then leave
+    through :func:`dbuffer.teardown.shutdown` (exit code 0 when told to stop, 1 when orphaned)."""
     sys.path[:] = sys_path
     torch.set_num_threads(1)
     dist.init_process_group(
@@ -97,7 +140,10 @@ def _worker_main(rank: int, world_size: int, port: int, conn, sys_path: list[str
         world_size=world_size,
     )
     while True:
-        message = conn.recv()
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):  # the test process is gone; peers may be too: no barrier
+            shutdown(1, barrier=False)
         if message is None:
             break
         fn, args = message
@@ -105,7 +151,7 @@ def _worker_main(rank: int, world_size: int, port: int, conn, sys_path: list[str
             conn.send(("ok", fn(*args)))
         except BaseException:  # report everything, including assertion failures
             conn.send(("error", traceback.format_exc()))
-    dist.destroy_process_group()
+    shutdown(0)  # every worker was told to stop: they meet at the barrier
 
 
 class _GlooPool:
@@ -131,6 +177,7 @@ class _GlooPool:
             conn.send((fn, args))
         results: dict[int, Any] = {}
         errors: dict[int, str] = {}
+        deaths: dict[int, WorkerExit] = {}
         deadline = _Deadline(timeout)
         pending = set(range(self.world_size))
         while pending:
@@ -142,15 +189,24 @@ class _GlooPool:
                 pending.discard(rank)
                 try:
                     status, value = conn.recv()
-                except EOFError:
-                    status, value = "error", f"worker process died (exit code {self.procs[rank].exitcode})"
+                except (EOFError, OSError):  # the process is gone: how?
+                    self.procs[rank].join(timeout=5)
+                    deaths[rank] = WorkerExit(self.world_size, rank, self.procs[rank].exitcode)
+                    deadline.shorten(_GRACE_AFTER_ERROR)
+                    continue
                 if status == "ok":
                     results[rank] = value
                 else:
                     errors[rank] = value
                     deadline.shorten(_GRACE_AFTER_ERROR)
-        if pending or errors:
+        if pending or errors or deaths:
             self.close(kill=True)
+        if deaths:
+            also = "".join(f"\nrank {r} raised:\n{errors[r]}" for r in sorted(errors))
+            raise RankDied(
+                f"{', '.join(str(deaths[r]) for r in sorted(deaths))} during "
+                f"{getattr(fn, '__name__', fn)!s}(); the worker pool was torn down and will be rebuilt{also}"
+            )
         if errors:
             _raise_first_error(errors, f"{self.world_size} (gloo)")
         if pending:
@@ -160,20 +216,35 @@ class _GlooPool:
             )
         return [results[r] for r in range(self.world_size)]
 
-    def close(self, kill: bool = False) -> None:
-        _POOLS.pop(self.world_size, None)
-        for conn, proc in zip(self.conns, self.procs):
-            if not kill:
+    def close(self, kill: bool = False) -> list[WorkerExit]:
+        """Stop the workers and return how they ended. ``kill``: at once, after a failed call (the
+        test has already failed: only workers that were already dead are returned). Otherwise tell
+        them to stop and return every worker's exit; if one is already dead, only it is returned
+        and the others are killed (their teardown's barrier would wait for it)."""
+        if _POOLS.get(self.world_size) is self:
+            del _POOLS[self.world_size]
+        exits = [WorkerExit(self.world_size, r, p.exitcode) for r, p in enumerate(self.procs) if not p.is_alive()]
+        kill = kill or bool(exits)
+        if not kill:
+            for conn in self.conns:
                 try:
                     conn.send(None)
                 except (BrokenPipeError, OSError):
                     pass
-        for proc in self.procs:
+        deadline = _Deadline(_EXIT_TIMEOUT)
+        for rank, proc in enumerate(self.procs):
             if kill:
                 proc.kill()
-            proc.join(timeout=10)
+            proc.join(timeout=deadline.left())
             if proc.is_alive():
                 proc.kill()
+                proc.join(timeout=5)
+                exits.append(WorkerExit(self.world_size, rank, None))
+            elif not kill:
+                exits.append(WorkerExit(self.world_size, rank, proc.exitcode))
+        for conn in self.conns:
+            conn.close()
+        return sorted(exits, key=lambda e: e.rank)
 
 
 class _Deadline:
@@ -191,21 +262,28 @@ class _Deadline:
 
 
 _POOLS: dict[int, _GlooPool] = {}
+_DIED_BETWEEN_CALLS: list[WorkerExit] = []  # reported by shutdown_pools
 
 
 def _gloo_pool(world_size: int) -> _GlooPool:
     pool = _POOLS.get(world_size)
-    if pool is None or not all(p.is_alive() for p in pool.procs):
-        if pool is not None:
-            pool.close(kill=True)
+    if pool is not None and not all(p.is_alive() for p in pool.procs):
+        _DIED_BETWEEN_CALLS.extend(e for e in pool.close() if not e.clean)
+        pool = None
+    if pool is None:
         pool = _POOLS[world_size] = _GlooPool(world_size)
     return pool
 
 
-def shutdown_pools() -> None:
-    """Stop every gloo worker (called at the end of the test session)."""
-    for pool in list(_POOLS.values()):
-        pool.close()
+def shutdown_pools(world_size: Optional[int] = None) -> list[WorkerExit]:
+    """Stop the gloo workers (of every pool, or of ``world_size``'s) and return how each ended,
+    by world size and rank, after any worker found dead between calls. Anything but exit code 0
+    is a failure: ``tests/conftest.py`` fails the session on it."""
+    chosen = [p for ws, p in sorted(_POOLS.items()) if world_size in (None, ws)]
+    earlier = [e for e in _DIED_BETWEEN_CALLS if world_size in (None, e.world_size)]
+    for e in earlier:
+        _DIED_BETWEEN_CALLS.remove(e)
+    return earlier + [e for pool in chosen for e in pool.close()]
 
 
 # ----------------------------------------------------------------------------- threads
@@ -233,6 +311,9 @@ def _run_threaded(fn: Callable[..., Any], world_size: int, args: tuple, timeout:
                 errors[rank] = traceback.format_exc()
             ProcessLocalGroup.exception_handle(exc)  # wake ranks blocked in a collective
         finally:
+            # Not dbuffer.teardown.shutdown: this rank's group is thread-local and has no worker
+            # threads, while shutdown is process-wide (it clears torch's caches under the other
+            # ranks' feet, and its barrier would wait for a rank that failed).
             if not abandoned.is_set():  # a thread released after a timeout must not touch
                 dist.destroy_process_group()  # whatever process group exists by then
 
@@ -279,5 +360,5 @@ def _run_fake(fn: Callable[..., Any], world_size: int, rank: int, args: tuple) -
     try:
         return fn(*args)
     finally:
-        dist.destroy_process_group()
+        shutdown(collect=False)  # drops torch's caches of the fake mesh; a fake group owns no threads
 

@@ -1,7 +1,10 @@
-"""The multi-rank harness itself: results per rank, error propagation, timeouts, three backends."""
+"""The multi-rank harness itself: results per rank, error propagation, timeouts, three backends,
+and how gloo workers end (a death during or between calls is named; a clean close exits 0)."""
 
 from __future__ import annotations
 
+import os
+import resource
 import threading
 import time
 
@@ -9,7 +12,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.harness import RankError, RankTimeout, run_ranks
+from tests import harness
+from tests.harness import RankDied, RankError, RankTimeout, WorkerExit, run_ranks, shutdown_pools
 
 _release_hung_thread = threading.Event()
 
@@ -31,6 +35,22 @@ def _hang_on_rank_one() -> None:
         _release_hung_thread.wait(600) if threading.current_thread().name.startswith("rank") else time.sleep(600)
     else:
         dist.all_reduce(torch.ones(1))  # waits for rank 1 until the harness gives up
+
+
+def _die_in_the_call() -> None:
+    """Both processes end in the middle of the call: rank 0 with an exit code, rank 1 aborts."""
+    if dist.get_rank() == 0:
+        os._exit(3)
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # no core file in the working tree
+    os.abort()  # SIGABRT, as "terminate called without an active exception" raises
+
+
+def _abort_rank_one_after_returning() -> int:
+    """Rank 1 replies, then its process dies between calls (a worker thread aborts it)."""
+    if dist.get_rank() == 1:
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        threading.Timer(0.2, os.abort).start()
+    return dist.get_rank()
 
 
 def _gather_shapes() -> tuple[tuple[int, ...], int]:
@@ -63,6 +83,28 @@ def test_hung_rank_is_cut_off_by_timeout(backend: str) -> None:
     assert time.monotonic() - start < 30
     assert run_ranks(_rank_and_sum, 2, backend=backend, timeout=30) == [(0, 3.0), (1, 3.0)]
     _release_hung_thread.set()
+
+
+def test_clean_pool_close_reports_exit_code_zero_for_every_worker() -> None:
+    assert run_ranks(_rank_and_sum, 2) == [(0, 3.0), (1, 3.0)]
+    assert shutdown_pools(2) == [WorkerExit(2, 0, 0), WorkerExit(2, 1, 0)]
+    assert shutdown_pools(2) == []  # nothing left to close; the next call starts a new pool
+
+
+def test_worker_dying_between_calls_is_reported_at_pool_close() -> None:
+    assert run_ranks(_abort_rank_one_after_returning, 2) == [0, 1]
+    rank_one = harness._POOLS[2].procs[1]
+    rank_one.join(timeout=30)  # dead before the pool is closed, not during its barrier
+    exits = shutdown_pools(2)
+    assert [str(e) for e in exits if not e.clean] == ["rank 1 of 2 (gloo) died with SIGABRT"]
+
+
+def test_workers_dying_mid_call_fail_it_naming_rank_and_signal() -> None:
+    expected = (r"^rank 0 of 2 \(gloo\) exited with code 3, rank 1 of 2 \(gloo\) died with SIGABRT "
+                r"during _die_in_the_call\(\)")
+    with pytest.raises(RankDied, match=expected):
+        run_ranks(_die_in_the_call, 2, timeout=60)
+    assert shutdown_pools(2) == []  # the failed call tore its pool down; nothing left to report
 
 
 def test_fake_backend_gives_shapes_of_a_huge_world() -> None:

@@ -85,7 +85,7 @@ import time
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NoReturn, Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
@@ -878,29 +878,37 @@ def write_plot(report: dict, path: str) -> str:
 # ----------------------------------------------------------------------------- launcher
 
 
-def _rank_main(rank: int, world: int, port: Optional[int], cfg: BenchConfig, args: argparse.Namespace) -> None:
+def _rank_main(rank: int, world: int, port: Optional[int], cfg: BenchConfig, args: argparse.Namespace) -> NoReturn:
+    from dbuffer.teardown import shutdown
+
     torch.set_num_threads(1)
     if port is None:  # torchrun: rendezvous from the environment
         dist.init_process_group("gloo")
     else:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        report = run_benchmark(cfg, progress=not args.quiet)
-        if dist.get_rank() == 0:
-            print(format_table(report), flush=True)
-            if args.json:
-                Path(args.json).write_text(json.dumps(report, indent=1))
-                print(f"results written to {args.json}")
-            if args.plot:
-                print(write_plot(report, args.plot))
-        if args.profile:
-            for mode in cfg.dtypes:
-                text = profile_method(args.profile, mode, cfg, steps=args.profile_steps)
-                if dist.get_rank() == 0:
-                    print(text, flush=True)
-    finally:
-        dist.barrier()
-        dist.destroy_process_group()
+        _bench_and_report(cfg, args)
+    except BaseException:
+        shutdown(barrier=False)  # a peer may be gone; the error goes on to the launcher
+        raise
+    shutdown(0)  # barrier, free the group, exit 0 without finalising (see dbuffer.teardown)
+
+
+def _bench_and_report(cfg: BenchConfig, args: argparse.Namespace) -> None:
+    """Every rank benchmarks; rank 0 prints (and writes) the results."""
+    report = run_benchmark(cfg, progress=not args.quiet)
+    if dist.get_rank() == 0:
+        print(format_table(report), flush=True)
+        if args.json:
+            Path(args.json).write_text(json.dumps(report, indent=1))
+            print(f"results written to {args.json}")
+        if args.plot:
+            print(write_plot(report, args.plot))
+    if args.profile:
+        for mode in cfg.dtypes:
+            text = profile_method(args.profile, mode, cfg, steps=args.profile_steps)
+            if dist.get_rank() == 0:
+                print(text, flush=True)
 
 
 def _free_port() -> int:

@@ -42,7 +42,7 @@ import socket
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import NoReturn, Optional, Sequence
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
@@ -345,27 +345,36 @@ def measure(shapes: Sequence[Shape]) -> dict:
     return {"stats": counter.stats, "predicted": muon_comm("measured", shapes, world), "same": same}
 
 
-def _measure_worker(rank: int, world: int, port: int, shapes) -> None:
+def _measure_worker(rank: int, world: int, port: int, shapes) -> NoReturn:
     import torch
     import torch.distributed as dist
+
+    from dbuffer.teardown import shutdown
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         result = measure(shapes)
-    finally:
-        dist.destroy_process_group()
-    if rank == 0:
-        stats, predicted = result["stats"], result["predicted"]
-        print(f"\nMeasured on {world} gloo ranks, MLP {list(shapes)}, one step after one warm-up (bytes rank 0 sends):\n")
-        print("| way | collectives | bytes sent | predicted | by kind |")
-        print("|---|---|---|---|---|")
-        for name, expect in (("owned", predicted.owned), ("gather", predicted.gather)):
-            s = stats[name]
-            kinds = ", ".join(f"{k} {v['calls']}x {_size(v['bytes_sent'])}" for k, v in sorted(s["by_kind"].items()))
-            print(f"| {name} | {s['ops']} | {_size(s['bytes_sent'])} | {_size(expect)} | {kinds} |")
-        ratio = stats["owned"]["bytes_sent"] / stats["gather"]["bytes_sent"]
-        print(f"owned / gather bytes: {ratio:.2f}; weights after 2 steps identical bit for bit: {result['same']}")
+        if rank == 0:
+            _print_measured(world, shapes, result)
+    except BaseException:
+        shutdown(barrier=False)  # a peer may be gone; the error goes on to the launcher
+        raise
+    shutdown(0)  # barrier, free the group, exit 0 without finalising (see dbuffer.teardown)
+
+
+def _print_measured(world: int, shapes, result: dict) -> None:
+    """Rank 0's table of the measured step."""
+    stats, predicted = result["stats"], result["predicted"]
+    print(f"\nMeasured on {world} gloo ranks, MLP {list(shapes)}, one step after one warm-up (bytes rank 0 sends):\n")
+    print("| way | collectives | bytes sent | predicted | by kind |")
+    print("|---|---|---|---|---|")
+    for name, expect in (("owned", predicted.owned), ("gather", predicted.gather)):
+        s = stats[name]
+        kinds = ", ".join(f"{k} {v['calls']}x {_size(v['bytes_sent'])}" for k, v in sorted(s["by_kind"].items()))
+        print(f"| {name} | {s['ops']} | {_size(s['bytes_sent'])} | {_size(expect)} | {kinds} |")
+    ratio = stats["owned"]["bytes_sent"] / stats["gather"]["bytes_sent"]
+    print(f"owned / gather bytes: {ratio:.2f}; weights after 2 steps identical bit for bit: {result['same']}")
 
 
 def main(argv: Optional[list[str]] = None) -> None:

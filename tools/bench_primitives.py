@@ -46,6 +46,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import NoReturn
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
@@ -335,22 +336,31 @@ def _bench_size(size_mib: float, world: int, reps: int, warmup: int, min_time: f
     return result
 
 
-def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
+def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace) -> NoReturn:
     import torch
     import torch.distributed as dist
 
+    from dbuffer.teardown import shutdown
+
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        _bench_and_report(rank, world, args)
+    except BaseException:
+        shutdown(barrier=False)  # a peer may be gone; the error goes on to the launcher
+        raise
+    shutdown(0)  # barrier, free the group, exit 0 without finalising (see dbuffer.teardown)
+
+
+def _bench_and_report(rank: int, world: int, args: argparse.Namespace) -> None:
+    import torch
+
     started = time.perf_counter()
     results = []
-    try:
-        for size in args.sizes:
-            results.append(_bench_size(size, world, args.reps, args.warmup, args.min_time))
-            if rank == 0:
-                print(f"  {size:g} MiB done ({time.perf_counter() - started:.1f} s)", file=sys.stderr, flush=True)
-    finally:
-        dist.barrier()
-        dist.destroy_process_group()
+    for size in args.sizes:
+        results.append(_bench_size(size, world, args.reps, args.warmup, args.min_time))
+        if rank == 0:
+            print(f"  {size:g} MiB done ({time.perf_counter() - started:.1f} s)", file=sys.stderr, flush=True)
     if rank == 0:
         report = {
             "world": world,

@@ -19,6 +19,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -30,6 +31,7 @@ from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.tensor import Partial, Replicate, Shard  # noqa: E402
 
 from dbuffer import DBuffer, distribute_tensors  # noqa: E402
+from dbuffer.teardown import shutdown  # noqa: E402
 
 
 def make_model() -> torch.nn.Sequential:
@@ -98,13 +100,20 @@ def train(steps: int, lr: float) -> None:
         print(f"max |weight - single-process reference| after {steps} steps: {gap:.2e}")
 
 
-def _worker(rank: int, world: int, port: int, steps: int, lr: float) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+def _run_rank(steps: int, lr: float) -> NoReturn:
+    """Train in the initialised group, then end the process through dbuffer.teardown.shutdown."""
     try:
         train(steps, lr)
-    finally:
-        dist.destroy_process_group()
+    except BaseException:
+        shutdown(barrier=False)  # a peer may be gone; the error goes on to the launcher
+        raise
+    shutdown(0)  # barrier, free the group, exit 0 without finalising
+
+
+def _worker(rank: int, world: int, port: int, steps: int, lr: float) -> NoReturn:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    _run_rank(steps, lr)
 
 
 def main() -> None:
@@ -115,11 +124,7 @@ def main() -> None:
     args = parser.parse_args()
     if "RANK" in os.environ:  # launched by torchrun
         dist.init_process_group("gloo")
-        try:
-            train(args.steps, args.lr)
-        finally:
-            dist.destroy_process_group()
-        return
+        _run_rank(args.steps, args.lr)
     import socket
 
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # our own ranks talk over loopback

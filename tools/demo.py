@@ -43,7 +43,7 @@ import socket
 import sys
 import time
 from pathlib import Path
-from typing import Optional
+from typing import NoReturn, Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
@@ -53,6 +53,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 
+from dbuffer.teardown import shutdown  # noqa: E402
 from fsdp import checkpoint as ckpt  # noqa: E402
 from fsdp import fully_shard  # noqa: E402
 from tools.bench_fsdp import CommCounter, StorageTracker, live_storages  # noqa: E402
@@ -236,8 +237,9 @@ def _measure_step(device: torch.device, before: dict):
 # ----------------------------------------------------------------------------- launching
 
 
-def _rank_main(args: argparse.Namespace) -> None:
-    """One rank, rendezvous from the environment (torchrun's, or the one :func:`_spawned` sets)."""
+def _rank_main(args: argparse.Namespace) -> NoReturn:
+    """One rank, rendezvous from the environment (torchrun's, or the one :func:`_spawned` sets);
+    it ends the process, exit code 0, through :func:`dbuffer.teardown.shutdown`."""
     cuda = use_cuda(args)
     if cuda:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
@@ -246,11 +248,13 @@ def _rank_main(args: argparse.Namespace) -> None:
     dist.init_process_group("nccl" if cuda else "gloo")
     try:
         train(args)
-    finally:
-        dist.destroy_process_group()
+    except BaseException:
+        shutdown(barrier=False)  # a peer may be gone; the error goes on to the launcher
+        raise
+    shutdown(0)  # barrier, free the groups, exit 0 without finalising (see dbuffer.teardown)
 
 
-def _spawned(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
+def _spawned(rank: int, world: int, port: int, args: argparse.Namespace) -> NoReturn:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     _rank_main(args)

@@ -96,6 +96,7 @@ from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E402
 from fsdp.policy import STRATEGIES, Strategy, parse_strategy  # noqa: E402
 from dbuffer import DBuffer  # noqa: E402
+from dbuffer.teardown import shutdown  # noqa: E402
 
 __all__ = ["Bytes", "Plan", "PRESETS", "OPTIMIZER_STATES", "plan", "main"]
 
@@ -385,8 +386,8 @@ def plan(
             states = [u._fsdp_state for u in units] + [root._fsdp_state]
             measured = _measure(states, OPTIMIZER_STATES[optimizer], schedule)
     finally:
-        if created:
-            dist.destroy_process_group()
+        if created:  # a fake group owns no threads: no need to collect garbage to see it freed
+            shutdown(collect=False)
     cats = {key: Bytes(measured.bytes[key], closed.bytes[key], measured.allowance[key]) for key, _ in CATEGORIES}
     return Plan(
         model=name, world=world, rank=rank, strategy=strategy.name, dtypes=_describe(mp_policy), optimizer=optimizer,
