@@ -33,6 +33,7 @@ What it cannot do: ``to_local()`` returns this rank's true rows (not ``torch.chu
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Optional, Sequence
 
 import torch
@@ -78,7 +79,13 @@ _NOT_ELEMENTWISE_FOREACH = ("_foreach_norm", "_foreach_max")
 
 def chunk_rows(num_rows: int, axis_sizes: Sequence[int]) -> tuple[int, ...]:
     """Rows per shard that DTensor assumes for ``Shard(0)`` on axes of ``axis_sizes`` (nested
-    ``torch.chunk``, outer axis first), in row-major shard order."""
+    ``torch.chunk``, outer axis first), in row-major shard order. Cached: the dispatch below asks
+    for every plain DTensor operand of every op (an optimizer's foreach step included)."""
+    return _chunk_rows(num_rows, tuple(axis_sizes))
+
+
+@functools.lru_cache(maxsize=4096)
+def _chunk_rows(num_rows: int, axis_sizes: tuple[int, ...]) -> tuple[int, ...]:
     pieces = [num_rows]
     for size in axis_sizes:
         nxt = []
@@ -149,24 +156,6 @@ class RowShardedDTensor(DTensor):
             )
         full = DTensor.from_local(self.full_tensor(), mesh, [Replicate()] * mesh.ndim, run_check=False)
         return full.redistribute(mesh, list(placements))
-
-    def like(self, t: DTensor) -> "RowShardedDTensor":
-        """``t`` (a DTensor with this one's global shape, placements and local shape, e.g. state
-        made by code that bypassed dispatch) as a RowShardedDTensor with these rows, sharing
-        ``t``'s local tensor."""
-        if isinstance(t, RowShardedDTensor):
-            return t
-        if (
-            not isinstance(t, DTensor)
-            or t.shape != self.shape
-            or t._local_tensor.shape != self._local_tensor.shape
-            or tuple(t.placements) != tuple(self.placements)
-        ):
-            raise ValueError(
-                f"like: {type(t).__name__} of shape {tuple(t.shape)} is not laid out like this "
-                f"RowShardedDTensor of shape {tuple(self.shape)} (local {tuple(self._local_tensor.shape)})"
-            )
-        return RowShardedDTensor.wrap(t._local_tensor, t._spec, self._rows_per_shard, self._row_start)
 
     # ------------------------------------------------------------------ compile / pickling
 
