@@ -53,6 +53,7 @@ Differences worth knowing:
 """
 
 from fsdp.api import FSDPModule, UnshardHandle, fully_shard, init_weights, register_fsdp_forward_method
+from fsdp.surface import DataParallelMeshDims, OffloadPolicy, share_comm_ctx
 from fsdp.bucket import Bucket
 from fsdp.muon import Muon
 from fsdp.param_group import ParameterGroup
@@ -60,13 +61,16 @@ from fsdp.policy import MixedPrecisionPolicy, Strategy
 
 __all__ = [
     "Bucket",
+    "DataParallelMeshDims",
     "FSDPModule",
     "MixedPrecisionPolicy",
     "Muon",
+    "OffloadPolicy",
     "ParameterGroup",
     "Strategy",
     "UnshardHandle",
     "fully_shard",
     "init_weights",
     "register_fsdp_forward_method",
+    "share_comm_ctx",
 ]

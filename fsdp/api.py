@@ -27,7 +27,9 @@ from fsdp.bucket import Bucket, GroupSpec, plan_buckets
 from fsdp.chunked import ChunkedParameterGroup
 from fsdp.param_group import ParamInfo, ParameterGroup
 from fsdp.policy import MixedPrecisionPolicy, Strategy, parse_strategy
+from fsdp import surface
 from fsdp.state import FSDPState, finish_grad_sync
+from fsdp.surface import ArgumentTypeError, DataParallelMeshDims, OffloadPolicy, share_comm_ctx
 
 __all__ = [
     "Bucket",
@@ -37,6 +39,7 @@ __all__ = [
     "fully_shard",
     "init_weights",
     "register_fsdp_forward_method",
+    "share_comm_ctx",
 ]
 
 # Attribute naming the unit that owns a parameter (set on the original and the sharded one).
@@ -87,10 +90,13 @@ class FSDPModule:
         for state in self._states(recurse):
             state.reshard_after_backward = reshard_after_backward
 
-    def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
-        """Explicit from now on (the root's default of not resharding no longer applies)."""
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
+        """Explicit from now on (the root's default of not resharding no longer applies). A bool
+        only, as in FSDP2 (whose error, ``ValueError``, this also is)."""
         if not isinstance(reshard_after_forward, bool):
-            raise TypeError(f"reshard_after_forward must be a bool, got {reshard_after_forward!r}")
+            raise ArgumentTypeError(
+                f"reshard_after_forward should be a bool, got {type(reshard_after_forward)}; pass True or False"
+            )
         for state in self._states(recurse):
             state.reshard_after_forward = reshard_after_forward
 
@@ -151,6 +157,28 @@ class FSDPModule:
             for module, name, param in reversed(hidden):
                 module._parameters[name] = param
 
+    # ---------------------------------------------------------------- FSDP2 knobs (fsdp/surface.py)
+
+    set_requires_all_reduce = surface.set_requires_all_reduce
+    set_all_reduce_hook = surface.set_all_reduce_hook
+    set_gradient_divide_factor = surface.set_gradient_divide_factor
+    set_reduce_scatter_divide_factor = surface.set_reduce_scatter_divide_factor
+    set_force_sum_reduction_for_comms = surface.set_force_sum_reduction_for_comms
+    set_unshard_in_backward = surface.set_unshard_in_backward
+    set_post_optim_event = surface.set_post_optim_event
+    set_custom_all_gather = surface.set_custom_all_gather
+    set_custom_reduce_scatter = surface.set_custom_reduce_scatter
+    set_reduce_scatter_unused_params = surface.set_reduce_scatter_unused_params
+    set_reduce_scatter_max_input_buffers = surface.set_reduce_scatter_max_input_buffers
+    set_separate_reduce_scatter_group = surface.set_separate_reduce_scatter_group
+    set_allocate_memory_from_process_group_for_comm = surface.set_allocate_memory_from_process_group_for_comm
+    set_symm_mem_for_comm = surface.set_symm_mem_for_comm
+    reset_iter_state = surface.reset_iter_state
+
+    def _get_fsdp_state(self) -> FSDPState:
+        """This unit's state (what ``fully_shard.state(self)`` returns)."""
+        return self._fsdp_state
+
     # ---------------------------------------------------------------- Megatron surface
 
     def zero_grad_buffer(self) -> None:
@@ -205,6 +233,8 @@ def fully_shard(
     buckets: Sequence[Bucket] = (),
     bucket_size: Optional[int] = None,
     shard_placement_fn: Optional[Callable[[nn.Parameter], Optional[Shard]]] = None,
+    offload_policy: OffloadPolicy = OffloadPolicy(),
+    dp_mesh_dims: Optional[DataParallelMeshDims] = None,
 ):
     """Shard ``module`` (or a list of modules forming one unit) over ``mesh``.
 
@@ -235,9 +265,18 @@ def fully_shard(
     exact ``Shard(0)`` pieces. Any other return value raises ``TypeError``, a dim the parameter
     lacks ``ValueError``, naming the parameter. With ``no_shard`` nothing is sharded and the
     function's answers have no effect.
+
+    ``dp_mesh_dims`` (FSDP2's :class:`DataParallelMeshDims`): ``mesh`` is a named mesh and these
+    of its dims are the data-parallel ones (``shard``, optionally ``replicate`` for HSDP; several
+    names are flattened into one dim); see :func:`fsdp.surface.data_parallel_mesh`.
+    ``offload_policy``: FSDP2's; ``OffloadPolicy()`` (no offload) is the default.
+
+    ``fully_shard.state(module)`` returns the unit's state, or None for a module not sharded.
     """
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
     strategy = parse_strategy(sharding_strategy)
+    surface.check_offload_policy(offload_policy)
+    mesh = surface.data_parallel_mesh(mesh, dp_mesh_dims)
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(f"mp_policy must be an fsdp.MixedPrecisionPolicy, got {type(mp_policy).__name__}")
     if reshard_after_forward is not None and not isinstance(reshard_after_forward, int):
@@ -365,6 +404,15 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     setattr(module, method_name, wrapped)
 
 
+def _state_of_module(module: nn.Module) -> Optional[FSDPState]:
+    """``fully_shard.state(module)``: the state of the unit ``module`` is a top module of (every
+    module of a ``fully_shard([a, b])`` unit gives the same one), None if it is not one."""
+    return module.__dict__.get("_fsdp_state") if isinstance(module, FSDPModule) else None
+
+
+fully_shard.state = _state_of_module  # type: ignore[attr-defined]  # as FSDP2's contract function
+
+
 def _fsdp_class(cls: type) -> type:
     if cls not in _CLASS_CACHE:
         _CLASS_CACHE[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
@@ -389,14 +437,25 @@ def _collect_params(modules: list[nn.Module], ignored: set[int]) -> list[ParamIn
                 fqn = prefix + name
                 if hasattr(p, _OWNER):
                     raise ValueError(
-                        f"parameter {fqn!r} is already owned by {getattr(p, _OWNER)}; a parameter (tied ones "
-                        f"included) must belong to one unit: shard a module that holds all its uses"
+                        f"parameter {fqn!r} is already owned by {getattr(p, _OWNER)} (already managed by another "
+                        f"FSDP unit); a parameter (tied ones included) must belong to one unit: shard a module "
+                        f"that holds all its uses, or fully_shard([module_a, module_b]) as one unit"
                     )
                 info = infos.setdefault(id(p), ParamInfo(fqn, p))
                 info.registrations.append((m, name))
             children = [(f"{prefix}{n}.", c) for n, c in m.named_children() if not isinstance(c, FSDPModule)]
             stack.extend(reversed(children))
     return list(infos.values())
+
+
+class MeshDimNamesError(ValueError, AssertionError):
+    """A 2-D mesh without dim names. A ``ValueError``; also an ``AssertionError``, which is what
+    torch FSDP2 raises for it."""
+
+
+class NonContiguousParameterError(ValueError, NotImplementedError):
+    """A non-contiguous parameter (e.g. channels_last). A ``ValueError``; also a
+    ``NotImplementedError``, which is what torch FSDP2 raises for it."""
 
 
 class ShardPlacementError(ValueError, AssertionError):
@@ -473,8 +532,15 @@ def _check_params(infos: list[ParamInfo], strategy: Strategy, policy: MixedPreci
             )
         if p.dim() == 0 and strategy.shard_optim:
             raise ValueError(
-                f"parameter {info.fqn!r} is 0-D, which cannot be sharded as a row range; "
-                f"reshape it to (1,) or use sharding_strategy='no_shard'"
+                f"fully_shard doesn't support scalar parameters: parameter {info.fqn!r} is 0-D, which cannot "
+                f"be sharded as a row range. Change {info.fqn} to a 1D tensor with numel equal to 1. (or use "
+                f"sharding_strategy='no_shard')"
+            )
+        if not p.is_contiguous():
+            raise NonContiguousParameterError(
+                f"FSDP does not support non-contiguous parameters yet: parameter {info.fqn!r} of shape "
+                f"{tuple(p.shape)} has strides {p.stride()} (e.g. channels_last); make it contiguous before "
+                f"fully_shard (module.to(memory_format=torch.contiguous_format))"
             )
 
 
@@ -505,8 +571,15 @@ def _check_mesh(mesh: Optional[DeviceMesh], infos: list[ParamInfo], what: str = 
         raise TypeError(f"{what} must be a torch DeviceMesh, got {type(mesh).__name__}")
     if mesh.ndim not in (1, 2):
         raise ValueError(
-            f"{what} must be 1-D (the data-parallel ranks) or 2-D (replicate, shard) for HSDP, "
-            f"got a {mesh.ndim}-D mesh {mesh}; slice it, e.g. mesh['dp_replicate', 'dp_shard']"
+            f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh} as {what}: 1-D (the data-parallel "
+            f"ranks) or 2-D (replicate, shard) for HSDP; slice it, e.g. mesh['dp_replicate', 'dp_shard'], "
+            f"or name its data-parallel dims with dp_mesh_dims="
+        )
+    if mesh.ndim == 2 and mesh.mesh_dim_names is None:
+        raise MeshDimNamesError(
+            f"Please init the 2D mesh for HSDP with mesh_dim_names specified ({what} {mesh}), e.g. "
+            f"init_device_mesh(..., mesh_dim_names=('replicate', 'shard')): the outer dim replicates, "
+            f"the inner one shards"
         )
     if infos and mesh.device_type != device_type:
         raise ValueError(f"{what} is for device type {mesh.device_type!r} but the parameters are on {device_type!r}")

@@ -40,6 +40,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from dbuffer import DBuffer, Owned, Pending
 from dbuffer.layout import OwnedLayout, compute_layout, compute_owned_layout
 from fsdp.policy import Dtypes, MixedPrecisionPolicy, Strategy
+from fsdp.reduction import ReduceSettings
 from fsdp.streams import CommStreams
 
 __all__ = ["ParamInfo", "ParameterGroup"]
@@ -98,8 +99,8 @@ class ParameterGroup:
         self.dtypes = dtypes
         self.policy = policy
         self.requires_grad = requires_grad
-        self.divide_factor = gradient_divide_factor
-        self.placements = GroupPlacements.for_mesh(mesh.ndim, shard, "avg" if gradient_divide_factor is None else "sum")
+        self.reduction = ReduceSettings(divide_factor=gradient_divide_factor)  # FSDP2's reduction knobs
+        self.placements = GroupPlacements.for_mesh(mesh.ndim, shard, self.reduction.op)
         device = infos[0].param.device
         meta = device.type == "meta"  # built on the meta device: allocate on the mesh's device
         shapes = [tuple(i.param.shape) for i in infos]
@@ -446,7 +447,11 @@ class ParameterGroup:
         self._seen: set[int] = set()  # params whose gradient arrived in this backward
         self._local: set[int] = set()  # params with gradients in grad_in, not yet reduced
         self._in_main: set[int] = set()  # params with gradients in main_grad
-        self._reduce: Optional[tuple[Pending, bool]] = None
+        self._reduce: Optional[tuple[Pending, Optional[bool]]] = None  # (pending, overwrite; None: partial)
+        # HSDP with set_requires_all_reduce(False): reduce-scattered, not yet all-reduced sums
+        # (placements Partial x Shard) and the parameters they hold gradients of.
+        self._partial: Optional[DBuffer] = None
+        self._partial_members: set[int] = set()
         self._gaps: Optional[list[tuple[int, int]]] = None  # padding of grad_in, found once
         # ``spread``: this group's gradients arrive interleaved with other groups' (a root unit
         # holding the embedding and the output head: the head's gradient comes first, the
@@ -542,29 +547,92 @@ class ParameterGroup:
         """Average ``grad_in`` over the ranks, asynchronously: reduce-scatter for sharded main
         grads, all-reduce otherwise; straight into ``main_grad`` when it is overwritten in the
         same dtype, else into a temporary (sharded, or ``grad_in`` itself) folded in by
-        :meth:`finish_reduce`."""
+        :meth:`finish_reduce`. On an HSDP mesh with ``reduction.all_reduce`` off, reduce-scatter
+        only and keep the partial sums for the next reduction that all-reduces (FSDP2's
+        ``set_requires_all_reduce(False)``)."""
         if not (self._local or self._held):
             return
         if self._reduce is not None:  # it may still be reading grad_in
             self.finish_reduce()
         self._pack_held()
         self._zero_unwritten()
+        target_pl = self.main_grad.placements
+        if self._defers_all_reduce():
+            partial_pl = self.placements.partial[:-1] + target_pl[-1:]
+            with self.streams.launch(self.streams.reduce_scatter):
+                pending = self.grad_in.redistribute(partial_pl, out=self._new(partial_pl, self.dtypes.reduce), async_op=True)
+            self._partial_members |= self._local
+            self._local = set()
+            self._reduce = (pending, None)
+            return
+        source, members = self.grad_in, self._local
+        if self._partial is not None:  # reduce-scatter now, add the deferred sums, all-reduce below
+            partial, self._partial = self._partial, None
+            source = self.grad_in.redistribute(partial.placements, out=self._new(partial.placements, self.dtypes.reduce))
+            source.local_buffer.add_(partial.local_buffer)
+            members = members | self._partial_members
+            self._partial_members = set()
         overwrite = self._overwrite_main_grad()
-        self._in_main = set(self._local) if overwrite else self._in_main | self._local
+        self._in_main = set(members) if overwrite else self._in_main | members
         direct = overwrite and self.dtypes.reduce == self.dtypes.main_grad
         if overwrite:
             self.main_grad.reallocate_storage()
-        target_pl = self.main_grad.placements
         with self.streams.launch(self.streams.reduce_scatter):
             if direct:
-                pending = self.grad_in.redistribute(target_pl, out=self.main_grad, async_op=True)
+                pending = source.redistribute(target_pl, out=self.main_grad, async_op=True)
             elif self.strategy.shard_grads:
                 target = self._new(target_pl, self.dtypes.reduce)
-                pending = self.grad_in.redistribute(target_pl, out=target, async_op=True)
+                pending = source.redistribute(target_pl, out=target, async_op=True)
             else:
                 pending = self._allreduce_in_place()
         self._local = set()
         self._reduce = (pending, overwrite)
+
+    def _defers_all_reduce(self) -> bool:
+        return self.mesh.ndim == 2 and not self.reduction.all_reduce and self.strategy.shard_grads
+
+    def set_reduction(self, **changes) -> None:
+        """Change :attr:`reduction` (field=value), between steps: a different reduce op rebuilds
+        the (then empty) gradient buffer with the new ``Partial`` placements. Raises, changing
+        nothing, while gradients of this group wait to be reduced or are being reduced."""
+        new = replace(self.reduction, **changes)
+        if not new.all_reduce and self.mesh.ndim == 2 and self.requires_grad and not self.strategy.shard_grads:
+            raise ValueError(
+                f"set_requires_all_reduce(False) defers the all-reduce across replicas of reduce-scattered "
+                f"gradients; parameters {self._names()} use sharding_strategy {self.strategy.name!r}, whose "
+                f"gradients are not reduce-scattered. Use set_requires_gradient_sync(False) instead"
+            )
+        if new.op != self.reduction.op and self.requires_grad:
+            if self._local or self._held or self._reduce is not None or self._partial is not None:
+                raise RuntimeError(
+                    f"cannot change how gradients of {self._names()} are reduced while some wait to be "
+                    f"reduced; change it before the backward (or after finish_grad_sync())"
+                )
+            shard = self.placements.sharded[-1]
+            self.placements = GroupPlacements.for_mesh(self.mesh.ndim, shard, new.op)
+            self.grad_in = self._new(self.placements.partial, self.dtypes.reduce, zero_fill=False)
+            self.grad_in.release_storage()
+            self._gaps = None
+        elif new.op != self.reduction.op:
+            shard = self.placements.sharded[-1]
+            self.placements = GroupPlacements.for_mesh(self.mesh.ndim, shard, new.op)
+        self.reduction = new
+
+    def discard_grads_in_flight(self) -> None:
+        """Drop every gradient not yet folded into ``main_grad`` (after a failed forward or
+        backward, FSDP2's ``reset_iter_state``): reductions in flight are waited for and their
+        results dropped, local and deferred gradients freed. ``main_grad`` keeps what earlier
+        steps reduced."""
+        if not self.requires_grad:
+            return
+        if self._reduce is not None:
+            self._reduce[0].wait()
+            self.streams.wait(self.streams.reduce_scatter)
+            self._reduce = None
+        self._local, self._held, self._seen = set(), {}, set()
+        self._partial, self._partial_members = None, set()
+        if not self.grad_in.is_storage_released():
+            self.grad_in.release_storage()
 
     @torch.no_grad()
     def _zero_unwritten(self) -> None:
@@ -631,8 +699,15 @@ class ParameterGroup:
         self._reduce = None
         result = pending.wait()
         self.streams.wait(self.streams.reduce_scatter)
-        if self.divide_factor is not None:
-            result.local_buffer.div_(self.divide_factor)
+        if overwrite is None:  # reduce-scattered only (HSDP, all-reduce deferred): keep the sums
+            if self._partial is None:
+                self._partial = result
+            else:
+                self._partial.local_buffer.add_(result.local_buffer)
+            if not self._local:
+                self.grad_in.release_storage()
+            return True
+        self.reduction.finish(result.local_buffer, self.mesh)
         if result is not self.main_grad:
             if overwrite:
                 self.main_grad.local_buffer.copy_(result.local_buffer)

@@ -52,6 +52,9 @@ class FSDPState:
         self.reshard_after_backward = True
         self.requires_grad_sync = True
         self.is_last_backward = True
+        self.unshard_in_backward = True  # False: backward never reads the weights (FSDP2's setter)
+        self.max_reductions_in_flight = MAX_REDUCTIONS_IN_FLIGHT  # root only
+        self.post_optim_event: Optional[Any] = None  # root only: waited for before the next gathers
         self.forward_prefetch: Optional[list[FSDPState]] = None  # None: the next unit run
         self.backward_prefetch: Optional[list[FSDPState]] = None  # None: the previous unit run
         self.root: Optional[FSDPState] = None
@@ -91,18 +94,33 @@ class FSDPState:
     # ------------------------------------------------------------------ setup
 
     def _lazy_init(self) -> None:
-        """The first unit to run forward is the root of every unit below it without one."""
+        """The first unit to run forward is the root of every unit below it. As in FSDP2 (same
+        errors), the root must be one module, and no unit below it may have run forward first:
+        it would have become a root of its own, with its own end-of-backward."""
         from fsdp.api import FSDPModule
 
-        self.root = self
+        if self.root is not None:
+            return
+        if len(self.modules) > 1:
+            raise RuntimeError(
+                f"FSDP requires a single root module but got {self.modules}: the first module run "
+                f"forward is the root; call fully_shard on a module that holds these ones and run that"
+            )
         seen: set[int] = set()
-        for top in self.modules:
-            for m in top.modules():
-                state = m._fsdp_state if isinstance(m, FSDPModule) else None
-                if state is not None and id(state) not in seen and (state.root is None or state is self):
-                    seen.add(id(state))
-                    state.root = self
-                    self.units.append(state)
+        for name, m in self.modules[0].named_modules():
+            state = m._fsdp_state if isinstance(m, FSDPModule) else None
+            if state is not None and state is not self and id(state) not in seen and state.root is not None:
+                raise RuntimeError(
+                    f"FSDP state has already been lazily initialized for {name}\nFSDP requires running "
+                    f"forward through the root module first"
+                )
+        self.root = self
+        for m in self.modules[0].modules():
+            state = m._fsdp_state if isinstance(m, FSDPModule) else None
+            if state is not None and id(state) not in seen:
+                seen.add(id(state))
+                state.root = self
+                self.units.append(state)
 
     # ------------------------------------------------------------------ unshard / reshard
 
@@ -140,6 +158,9 @@ class FSDPState:
         if self.root is None:
             self._lazy_init()
         root = self.root
+        if root is self and self.post_optim_event is not None:
+            self.streams_wait_event(self.post_optim_event)
+            self.post_optim_event = None
         if root is self and torch.is_grad_enabled():
             self._order_recorded = bool(self.forward_order)
         if not root._order_recorded and self not in root.forward_order:
@@ -191,7 +212,8 @@ class FSDPState:
         if self._pre_backward_done:
             return
         self._pre_backward_done = True
-        self.unshard()
+        if self.unshard_in_backward:
+            self.unshard()
         for prev in self._next_units(self.backward_prefetch, -1):
             prev.unshard(async_op=True)
 
@@ -222,7 +244,7 @@ class FSDPState:
             # Bound the reductions in flight: finishing older ones frees their unsharded gradient
             # buffers during backward, instead of all of them living until its end.
             root._in_flight.append(group)
-            while len(root._in_flight) > MAX_REDUCTIONS_IN_FLIGHT:
+            while len(root._in_flight) > root.max_reductions_in_flight:
                 root._in_flight.pop(0).finish_reduce()
         if self.reshard_after_backward:
             group.reshard()
@@ -257,6 +279,37 @@ class FSDPState:
         """Wait for every reduction of this tree and attach the gradients; with ``launch``, first
         reduce gradients still held locally (after ``set_requires_gradient_sync(False)``)."""
         finish_grad_sync(self.units or [self], launch)
+
+    def streams_wait_event(self, event: Any) -> None:
+        """The next gathers start after ``event`` (FSDP2's ``set_post_optim_event``): on CUDA the
+        all-gather stream waits for it (it also still waits for the current stream); elsewhere
+        the host waits for it."""
+        streams = next((g.streams for unit in (self.units or [self]) for g in unit.groups), None)
+        if streams is not None and streams.enabled:
+            streams.all_gather.wait_event(event)
+        else:
+            event.synchronize()
+
+    def reset_iter_state(self) -> None:
+        """Recover after a forward or backward raised (FSDP2's ``reset_iter_state``): wait for
+        gathers, drop every gradient not yet reduced into the main grads (the failed
+        iteration's, and those of microbatches accumulated without sync), reshard every unit and
+        forget the iteration's progress. Only the root may do it: it owns the end of backward."""
+        if self.root is not self:
+            raise RuntimeError(
+                "reset_iter_state() must be called on the root FSDP module (the one whose forward ran "
+                "first, normally the one fully_shard was applied to last)"
+            )
+        self._callback_queued = False
+        self._in_flight.clear()
+        self._filling.clear()
+        for unit in self.units or [self]:
+            for group in unit.groups:
+                group.wait_unshard()
+                group.discard_grads_in_flight()
+            unit.reshard()
+            unit._pre_backward_done = False
+        release_workspaces()
 
 
 def finish_grad_sync(units: list[FSDPState], launch: bool) -> None:

@@ -87,7 +87,7 @@ def _check_pieces(model, full: dict, fn, mesh, atol: float = 0.0) -> None:
 
 def _parity(models, batches, refs, hsdp: bool) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
-    mesh = init_device_mesh("cpu", (2, world // 2) if hsdp else (world,))
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard")) if hsdp else init_device_mesh("cpu", (world,))
     out = {}
     for (kind, model), ref in zip(models.items(), refs):
         for fn_name, fn in FNS.items():

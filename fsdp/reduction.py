@@ -1,0 +1,76 @@
+"""How a group's gradients are reduced: FSDP2's reduction knobs, as plain values.
+
+``FSDPModule.set_gradient_divide_factor`` / ``set_force_sum_reduction_for_comms`` /
+``set_requires_all_reduce`` / ``set_all_reduce_hook`` land here, one :class:`ReduceSettings` per
+:class:`~fsdp.param_group.ParameterGroup`. The group reads them when it builds its gradient
+buffer (the reduce op of its ``Partial`` placement) and when a reduction finishes
+(:meth:`ReduceSettings.finish`: divide, call the hook, divide). All communication stays in
+:mod:`dbuffer`; a hook is the user's own code and may communicate (e.g. a custom all-reduce
+across replicas), which is why it runs on every rank at the same point of the backward.
+
+What the hook sees, as in FSDP2: this rank's flat reduced gradient shard (1-D, padding included,
+in the reduce dtype) after the reduce-scatter on a 1-D mesh and after the all-reduce across
+replicas on an HSDP mesh; already divided unless sums are forced, in which case the division by
+``divide_factor`` (default: the number of data-parallel ranks) follows the hook. Changes the hook
+makes in place are what the gradient becomes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = ["ReduceSettings", "check_divide_factor"]
+
+
+@dataclass
+class ReduceSettings:
+    """``divide_factor``: divide the summed gradients by this instead of averaging over the
+    mesh (None: average). ``force_sum``: communicate with sum reductions only and divide after
+    (FSDP2's ``set_force_sum_reduction_for_comms``). ``all_reduce``: on an HSDP mesh, all-reduce
+    across replicas (False: reduce-scatter only, the partial sums wait for the next reduction
+    that all-reduces). ``hook`` / ``hook_stream``: see the module docstring."""
+
+    divide_factor: Optional[float] = None
+    force_sum: bool = False
+    all_reduce: bool = True
+    hook: Optional[Callable[[torch.Tensor], None]] = None
+    hook_stream: Optional[Any] = None
+
+    @property
+    def op(self) -> str:
+        """The reduce op of the gradient buffer's ``Partial`` placements."""
+        return "sum" if self.force_sum or self.divide_factor is not None else "avg"
+
+    def finish(self, reduced: torch.Tensor, mesh: DeviceMesh) -> None:
+        """Bring a finished reduction's output (in place) to the gradient FSDP2 would produce."""
+        if self.divide_factor is not None and not self.force_sum:
+            reduced.div_(self.divide_factor)
+        if self.hook is not None:
+            self._run_hook(reduced)
+        if self.force_sum:
+            factor = self.divide_factor if self.divide_factor is not None else float(mesh.size())
+            if factor != 1:
+                reduced.div_(factor)
+
+    def _run_hook(self, reduced: torch.Tensor) -> None:
+        if self.hook_stream is None:
+            self.hook(reduced)
+            return
+        device_module = torch.get_device_module(reduced.device.type)
+        if reduced.device.type == "cuda":  # the hook's stream must see the reduced values
+            self.hook_stream.wait_stream(torch.cuda.current_stream(reduced.device))
+        with device_module.stream(self.hook_stream):
+            self.hook(reduced)
+        if reduced.device.type == "cuda":  # and what follows must see the hook's changes
+            torch.cuda.current_stream(reduced.device).wait_stream(self.hook_stream)
+
+
+def check_divide_factor(factor: Any) -> float:
+    """A positive real number (bools refused), as a float."""
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
+        raise ValueError(f"the gradient divide factor must be a positive number, got {factor!r}")
+    return float(factor)

@@ -1,0 +1,296 @@
+"""The rest of torch FSDP2's public surface: ``FSDPModule``'s knobs, ``share_comm_ctx``,
+``dp_mesh_dims`` and ``offload_policy``, with FSDP2's semantics where fsdp has the mechanism, and
+a documented no-op or a clear error where FSDP2 tunes an internal fsdp does not have.
+
+The setters below become methods of :class:`fsdp.FSDPModule` (``self`` is the sharded module).
+Like FSDP2's, each runs locally (no collective), so calling it on some ranks only cannot hang,
+but a setting that changes what is communicated (divide factor, all-reduce) must be made on
+every rank, as in FSDP2. Settings that change the gradient buffer's reduce op apply between
+steps: while gradients wait to be reduced they raise, changing nothing.
+
+Real (same effect as FSDP2): ``set_all_reduce_hook``, ``set_gradient_divide_factor`` (and its
+deprecated alias), ``set_force_sum_reduction_for_comms``, ``set_requires_all_reduce``,
+``set_unshard_in_backward``, ``set_post_optim_event``, ``set_reduce_scatter_max_input_buffers``,
+``reset_iter_state``. Accepted, no effect (fsdp already behaves so, or has no such internal):
+``set_reduce_scatter_unused_params`` (unused parameters always reduce as zeros, so ranks that use
+different parameters never mismatch), ``set_separate_reduce_scatter_group`` (dbuffer owns the
+process groups), ``share_comm_ctx`` (units on one device always share their CUDA streams), the
+comm-memory setters on non-CUDA meshes. Refused with ``NotImplementedError`` naming why:
+``set_custom_all_gather`` / ``set_custom_reduce_scatter`` (FSDP2's comm objects allocate and run
+c10d calls on FSDP2's own flat buffers; fsdp's buffers and collectives are dbuffer's), and the
+comm-memory setters on CUDA meshes (dbuffer allocates its buffers with the caching allocator).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, Literal, Optional
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import DataParallelMeshDims, OffloadPolicy
+
+from fsdp.reduction import check_divide_factor
+
+if TYPE_CHECKING:
+    from fsdp.api import FSDPModule
+    from fsdp.state import FSDPState
+
+__all__ = [
+    "ArgumentTypeError",
+    "DataParallelMeshDims",
+    "OffloadPolicy",
+    "check_offload_policy",
+    "data_parallel_mesh",
+    "share_comm_ctx",
+]
+
+
+class ArgumentTypeError(TypeError, ValueError):
+    """An argument of the wrong type. A ``TypeError``; also a ``ValueError``, which is what
+    torch FSDP2 raises in the same places (e.g. ``set_reshard_after_forward(2)``)."""
+
+
+def _units(module: "FSDPModule", recurse: bool) -> list["FSDPState"]:
+    return module._states(recurse)
+
+
+def _set_reduction(module: "FSDPModule", recurse: bool, **changes: Any) -> None:
+    groups = [g for state in _units(module, recurse) for g in state.groups if g.requires_grad]
+    for group in groups:  # every group is checked before any changes
+        group.set_reduction(**changes)  # raises, changing nothing, mid-reduction
+
+
+# ---------------------------------------------------------------- gradient reduction
+
+
+def set_requires_all_reduce(self: "FSDPModule", requires_all_reduce: bool, *, recurse: bool = True) -> None:
+    """HSDP: False reduce-scatters each backward's gradients within the shard group but defers
+    the all-reduce across replicas; the reduce-scattered sums accumulate and are all-reduced by
+    the next reduction with it on (e.g. the last microbatch). ``param.grad`` is not updated by
+    a backward that defers. No effect on a 1-D mesh. Needs a strategy that reduce-scatters
+    gradients (``optim_grads``, ``optim_grads_params``)."""
+    if not isinstance(requires_all_reduce, bool):
+        raise ArgumentTypeError(f"requires_all_reduce must be a bool, got {requires_all_reduce!r}")
+    groups = [g for state in _units(self, recurse) for g in state.groups if g.requires_grad]
+    for group in groups:
+        if group.mesh.ndim == 2:
+            group.set_reduction(all_reduce=requires_all_reduce)
+
+
+def set_all_reduce_hook(
+    self: "FSDPModule", hook: Callable[[torch.Tensor], None], *, stream: Optional[Any] = None
+) -> None:
+    """Call ``hook(reduced)`` on this unit's reduced gradient shard of each reduction (not
+    recursive): after the reduce-scatter on a 1-D mesh (e.g. to all-reduce across groups you
+    manage yourself), after the all-reduce across replicas on an HSDP mesh. ``reduced`` is this
+    rank's flat shard (padding included) in the reduce dtype; change it in place. ``stream``
+    (1-D meshes only, as in FSDP2): run the hook on that stream. See :mod:`fsdp.reduction`."""
+    if not callable(hook):
+        raise ArgumentTypeError(f"hook must be a callable (torch.Tensor) -> None, got {hook!r}")
+    groups = [g for g in self._fsdp_state.groups if g.requires_grad]
+    if stream is not None and any(g.mesh.ndim == 2 for g in groups):
+        raise ValueError("stream cannot be set when using native HSDP")
+    for group in groups:
+        group.set_reduction(hook=hook, hook_stream=stream)
+
+
+def set_gradient_divide_factor(self: "FSDPModule", factor: float) -> None:
+    """Divide this unit's summed gradients by ``factor`` instead of averaging them over the
+    data-parallel ranks (not recursive). The gradient buffer then reduces with ``sum``."""
+    factor = check_divide_factor(factor)
+    _set_reduction(self, False, divide_factor=factor)
+
+
+def set_reduce_scatter_divide_factor(self: "FSDPModule", factor: float) -> None:
+    """Deprecated in FSDP2: :meth:`set_gradient_divide_factor`."""
+    set_gradient_divide_factor(self, factor)
+
+
+def set_force_sum_reduction_for_comms(self: "FSDPModule", enable: bool) -> None:
+    """True: this unit's collectives only sum (not recursive); the division by the divide factor
+    (default: the number of data-parallel ranks) runs after, and after the all-reduce hook, as
+    in FSDP2. The gradients are the same either way, up to rounding."""
+    if not isinstance(enable, bool):
+        raise ArgumentTypeError(f"enable must be a bool, got {enable!r}")
+    _set_reduction(self, False, force_sum=enable)
+
+
+def set_reduce_scatter_unused_params(
+    self: "FSDPModule", reduce_scatter_unused_params: bool, *, recurse: bool = True
+) -> None:
+    """Accepted; fsdp always behaves as True: a parameter without a gradient reduces as zeros in
+    its group's one collective, so ranks that use different parameters never mismatch (its
+    ``.grad`` stays None where no rank computed one)."""
+    if not isinstance(reduce_scatter_unused_params, bool):
+        raise ArgumentTypeError(f"reduce_scatter_unused_params must be a bool, got {reduce_scatter_unused_params!r}")
+
+
+def set_reduce_scatter_max_input_buffers(self: "FSDPModule", max_input_buffers: int, *, recurse: bool = True) -> None:
+    """How many gradient reductions may be in flight at once during backward (default 1: more
+    buys overlap only when reductions are slower than a unit's backward, and each costs an
+    unsharded gradient buffer at the peak). Set on the root (the tree's reductions are the
+    root's to bound); ``recurse`` is accepted for FSDP2's signature."""
+    if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
+        raise TypeError(f"max_input_buffers must be an int, got {type(max_input_buffers).__name__}")
+    if max_input_buffers < 1:
+        raise ValueError(f"max_input_buffers must be a positive int, got {max_input_buffers}")
+    for state in _units(self, recurse):
+        state.max_reductions_in_flight = max_input_buffers
+
+
+# ---------------------------------------------------------------- gathers, streams, iteration
+
+
+def set_unshard_in_backward(self: "FSDPModule", unshard_in_backward: bool) -> None:
+    """False: this unit's backward does not gather its weights again (not recursive), for units
+    whose backward never reads them (an embedding: its gradient needs only the indices). A
+    backward that does read them then reads freed storage, so only for such units."""
+    if not isinstance(unshard_in_backward, bool):
+        raise ArgumentTypeError(f"unshard_in_backward must be a bool, got {unshard_in_backward!r}")
+    self._fsdp_state.unshard_in_backward = unshard_in_backward
+
+
+def set_post_optim_event(self: "FSDPModule", event: Any) -> None:
+    """The root's next forward gathers only after ``event`` (recorded after the optimizer step);
+    used once, then dropped. On CUDA the all-gather stream waits for it; unlike FSDP2 it still
+    waits for the current stream too (fsdp's launch always orders after it), so the event adds
+    an ordering and removes none. Elsewhere the host waits for the event."""
+    if not hasattr(event, "synchronize"):
+        raise ArgumentTypeError(f"event must be a torch.Event (or torch.cuda.Event), got {event!r}")
+    self._fsdp_state.post_optim_event = event
+
+
+def reset_iter_state(self: "FSDPModule") -> None:
+    """After a forward or backward raised: call on the root, then train on. See
+    :meth:`fsdp.state.FSDPState.reset_iter_state` (the failed iteration's gradients are lost)."""
+    self._fsdp_state.reset_iter_state()
+
+
+# ---------------------------------------------------------------- FSDP2 internals fsdp lacks
+
+
+def set_custom_all_gather(self: "FSDPModule", comm: Any) -> None:
+    raise NotImplementedError(
+        "set_custom_all_gather: FSDP2's AllGather objects allocate FSDP2's own all-gather buffers and "
+        "run c10d calls on them; fsdp gathers with dbuffer's collectives into persistent flat buffers "
+        "(fsdp never calls c10d itself), so there is nothing such an object could replace"
+    )
+
+
+def set_custom_reduce_scatter(self: "FSDPModule", comm: Any) -> None:
+    raise NotImplementedError(
+        "set_custom_reduce_scatter: FSDP2's ReduceScatter objects allocate FSDP2's own reduce-scatter "
+        "buffers and run c10d calls on them; fsdp reduces with dbuffer's collectives (fsdp never calls "
+        "c10d itself). To change what a reduced gradient becomes, use set_all_reduce_hook"
+    )
+
+
+def set_separate_reduce_scatter_group(self: "FSDPModule", enable: bool = True, *, recurse: bool = True) -> None:
+    """Accepted, no effect: dbuffer owns the process groups its collectives run on, and fsdp has
+    at most one reduction in flight while the next unit's gather runs."""
+    if not isinstance(enable, bool):
+        raise ArgumentTypeError(f"enable must be a bool, got {enable!r}")
+
+
+def _comm_memory(self: "FSDPModule", what: str, enable: bool) -> None:
+    cuda = [g for state in self._states(True) for g in state.groups if g.main.device.type == "cuda"]
+    if enable and cuda:
+        raise NotImplementedError(
+            f"{what}: dbuffer allocates its communication buffers (persistent, reused every step) with "
+            f"the caching allocator, not from the process group or symmetric memory; leave it off"
+        )
+
+
+def set_allocate_memory_from_process_group_for_comm(self: "FSDPModule", enable: bool) -> None:
+    """No effect off CUDA (gloo has no allocator of its own); on a CUDA mesh True raises
+    ``NotImplementedError`` (not supported yet; see :mod:`fsdp.surface`)."""
+    if not isinstance(enable, bool):
+        raise ArgumentTypeError(f"enable must be a bool, got {enable!r}")
+    _comm_memory(self, "set_allocate_memory_from_process_group_for_comm", enable)
+
+
+def set_symm_mem_for_comm(self: "FSDPModule", backend: Literal["NCCL"] = "NCCL") -> None:
+    """No effect off CUDA; on a CUDA mesh raises ``NotImplementedError`` (not supported yet)."""
+    if backend != "NCCL":
+        raise ValueError(f"set_symm_mem_for_comm: only backend='NCCL' exists, got {backend!r}")
+    _comm_memory(self, "set_symm_mem_for_comm", True)
+
+
+def share_comm_ctx(modules: list["FSDPModule"]) -> None:
+    """FSDP2 (pipeline parallelism): make several roots share their CUDA streams. fsdp's units
+    on one device always share them (one set per device), so this only checks its argument."""
+    from fsdp.api import FSDPModule
+
+    for module in modules:
+        if not isinstance(module, FSDPModule):
+            raise ValueError(f"Expects list of FSDPModules but got {module}")
+
+
+# ---------------------------------------------------------------- fully_shard arguments
+
+
+def check_offload_policy(offload_policy: Any) -> None:
+    """FSDP2's ``offload_policy``: ``OffloadPolicy()`` (no offload) is accepted. The place where
+    CPU offload (``CPUOffloadPolicy``) plugs in; until then it raises."""
+    if not isinstance(offload_policy, OffloadPolicy):
+        raise ArgumentTypeError(
+            f"offload_policy must be a torch.distributed.fsdp.OffloadPolicy, got {type(offload_policy).__name__}"
+        )
+    if type(offload_policy) is not OffloadPolicy:
+        raise NotImplementedError(
+            f"offload_policy={offload_policy!r}: CPU offload is not supported yet; the shards live on "
+            f"the mesh's device"
+        )
+
+
+def data_parallel_mesh(mesh: Optional[DeviceMesh], dp_mesh_dims: Optional[DataParallelMeshDims]) -> Optional[DeviceMesh]:
+    """``mesh`` as fsdp shards over it: unchanged without ``dp_mesh_dims``; with it, the
+    data-parallel submesh of a named mesh: ``shard`` alone gives a 1-D mesh, ``shard`` and
+    ``replicate`` a 2-D ``(replicate, shard)`` HSDP mesh, several names of one role are flattened
+    into one dim (as FSDP2 does). Every dim of ``mesh`` must be named there: the other dims of an
+    SPMD mesh (tensor parallel) need parameters that are DTensors on it, which fully_shard does not
+    take yet (it raises, naming them). ``replicate`` alone (FSDP2's DDP) is refused: use
+    ``sharding_strategy='no_shard'`` on a 1-D mesh."""
+    if dp_mesh_dims is None:
+        return mesh
+    if not isinstance(dp_mesh_dims, DataParallelMeshDims):
+        raise ArgumentTypeError(
+            f"dp_mesh_dims must be a torch.distributed.fsdp.DataParallelMeshDims, got {type(dp_mesh_dims).__name__}"
+        )
+    if not isinstance(mesh, DeviceMesh):
+        raise ValueError("dp_mesh_dims names dims of mesh=; pass the (named) DeviceMesh too")
+    names = mesh.mesh_dim_names
+    if names is None:
+        raise ValueError("mesh must have mesh_dim_names when dp_mesh_dims is provided")
+    shard, replicate = dp_mesh_dims.shard_names, dp_mesh_dims.replicate_names
+    for name in shard + replicate:
+        if name not in names:
+            raise ValueError(f"Mesh dim name '{name}' not found in mesh.mesh_dim_names {names}")
+    if len(set(shard + replicate)) != len(shard + replicate):
+        raise ValueError(f"dp_mesh_dims names a mesh dim twice: shard={shard}, replicate={replicate}")
+    if not shard:
+        raise ValueError(
+            f"dp_mesh_dims with replicate={replicate} only (FSDP2's DDP mode) is not supported; pass "
+            f"dp_mesh_dims=DataParallelMeshDims(shard=...) with sharding_strategy='no_shard' instead"
+        )
+    others = [n for n in names if n not in shard + replicate]
+    if others:
+        raise ValueError(
+            f"dp_mesh_dims leaves mesh dims {others} of {mesh} to other parallelisms, whose parameters would "
+            f"be DTensors on this mesh; fully_shard shards plain parameters only (for now): pass the "
+            f"data-parallel submesh, mesh[{tuple(shard + replicate)!r}]"
+        )
+
+    def submesh(dims: tuple[str, ...]) -> DeviceMesh:
+        return mesh[dims[0]] if len(dims) == 1 else mesh[dims]._flatten("_".join(dims))
+
+    if not replicate:
+        return submesh(shard)
+    if len(shard) == 1 and len(replicate) == 1:
+        return mesh[(replicate[0], shard[0])]
+    return _concatenate(submesh(replicate), submesh(shard))
+
+
+def _concatenate(replicate: DeviceMesh, shard: DeviceMesh) -> DeviceMesh:
+    return DeviceMesh._concatenate([replicate, shard])
