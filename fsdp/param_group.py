@@ -626,9 +626,15 @@ class ParameterGroup:
         if not self.requires_grad:
             return
         if self._reduce is not None:
-            self._reduce[0].wait()
-            self.streams.wait(self.streams.reduce_scatter)
+            pending, overwrite = self._reduce
             self._reduce = None
+            pending.wait()
+            self.streams.wait(self.streams.reduce_scatter)
+            if overwrite:  # it wrote main_grad, which held nothing live: it holds nothing again
+                self._main_grad_has_data = False
+                self._in_main = set()
+                if not self._grads_attached:
+                    self.main_grad.release_storage()
         self._local, self._held, self._seen = set(), {}, set()
         self._partial, self._partial_members = None, set()
         if not self.grad_in.is_storage_released():
