@@ -8,6 +8,9 @@ and the module methods ``unshard(async_op=)``, ``reshard()``, ``set_requires_gra
 ``set_reshard_after_forward()``, ``set_reshard_after_backward()``, ``set_is_last_backward()``,
 ``set_modules_to_forward_prefetch()``, ``set_modules_to_backward_prefetch()`` behave alike;
 ``module.parameters()`` are DTensors, so torch optimizers, ``clip_grad_norm_`` and DCP work.
+The rest of FSDP2's surface (``set_all_reduce_hook``, ``set_gradient_divide_factor``,
+``set_requires_all_reduce``, ``reset_iter_state``, ``fully_shard.state``, ``dp_mesh_dims``, ...)
+is in :mod:`fsdp.surface`, which says which setters act, which have no effect and which raise.
 
 From Megatron-FSDP: ``sharding_strategy`` in ``no_shard | optim | optim_grads |
 optim_grads_params`` (ZeRO-0..3, default ZeRO-3); ``MixedPrecisionPolicy(main_params_dtype=

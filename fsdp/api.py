@@ -280,7 +280,7 @@ def fully_shard(
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(f"mp_policy must be an fsdp.MixedPrecisionPolicy, got {type(mp_policy).__name__}")
     if reshard_after_forward is not None and not isinstance(reshard_after_forward, int):
-        raise TypeError(f"reshard_after_forward must be a bool, an int or None, got {reshard_after_forward!r}")
+        raise ArgumentTypeError(f"reshard_after_forward must be a bool, an int or None, got {reshard_after_forward!r}")
     for m in modules:
         if not isinstance(m, nn.Module):
             raise TypeError(f"fully_shard expects nn.Module(s), got {type(m).__name__}")

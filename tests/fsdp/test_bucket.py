@@ -102,7 +102,7 @@ def _misuse() -> dict:
     from dbuffer import Owned
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    mesh2d = init_device_mesh("cpu", (1, dist.get_world_size()))  # every rank: it makes groups
+    mesh2d = init_device_mesh("cpu", (1, dist.get_world_size()), mesh_dim_names=("replicate", "shard"))  # every rank: it makes groups
     out: dict = {}
     if dist.get_rank() == 0:  # only rank 0 calls: any collective would hang the test
         _misuse_alone(out, mesh, mesh2d)
