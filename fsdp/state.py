@@ -295,9 +295,9 @@ class FSDPState:
         gathers, drop every gradient not yet reduced into the main grads (the failed
         iteration's, and those of microbatches accumulated without sync), reshard every unit and
         forget the iteration's progress. Only the root may do it: it owns the end of backward."""
-        if self.root is not self:
+        if self.root is not None and self.root is not self:  # never run: nothing to reset but itself
             raise RuntimeError(
-                "reset_iter_state() must be called on the root FSDP module (the one whose forward ran "
+                "reset_iter_state must be called on the root FSDP module (the one whose forward ran "
                 "first, normally the one fully_shard was applied to last)"
             )
         self._callback_queued = False

@@ -163,10 +163,11 @@ def _reduction_knobs(model, x, y, ref) -> dict:
     return out
 
 
-def test_divide_factor_force_sum_and_all_reduce_hook_change_gradients_as_fsdp2() -> None:
+@pytest.mark.parametrize("backend", ["threaded", "gloo"])
+def test_divide_factor_force_sum_and_all_reduce_hook_change_gradients_as_fsdp2(backend) -> None:
     model, (x, y) = make_model(), make_batches(1)[0]
     ref = _reference_grads(model, x, y)
-    results = run_ranks(_reduction_knobs, WORLD, model, x, y, ref, backend="threaded", timeout=120)
+    results = run_ranks(_reduction_knobs, WORLD, model, x, y, ref, backend=backend, timeout=120)
     r = results[0]
     for key, value in r.items():
         if "hook calls" in key:
@@ -225,10 +226,11 @@ def _deferred_all_reduce(model, x, y, ref) -> dict:
     return out
 
 
-def test_requires_all_reduce_false_defers_the_replica_all_reduce() -> None:
+@pytest.mark.parametrize("backend", ["threaded", "gloo"])
+def test_requires_all_reduce_false_defers_the_replica_all_reduce(backend) -> None:
     model, (x, y) = make_model(), make_batches(1)[0]
     ref = _reference_grads(model, x, y, micro=4)
-    results = run_ranks(_deferred_all_reduce, WORLD, model, x, y, ref, backend="threaded", timeout=60)
+    results = run_ranks(_deferred_all_reduce, WORLD, model, x, y, ref, backend=backend, timeout=60)
     for r in results:
         assert r["replicas differ"] and r["no grad yet"] and r["optim refused"], r
         assert r["grads"] < 1e-5, r
