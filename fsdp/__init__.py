@@ -28,10 +28,13 @@ Checkpoints and meta-device init:
   publish, CRC32 per file, errors naming the key or file) and a ``set_state_dict`` that also loads
   full state dicts (``full_state_dict=True``, ``broadcast_from_rank0=True``), which torch's cuts
   where ``torch.chunk`` would, not where fsdp's row-atomic layout does.
-* Build under ``torch.device("meta")``, ``fully_shard`` (the shards are allocated on the mesh's
-  device), ``module.to_empty(device=...)`` for the buffers, then :func:`init_weights` runs each
-  module's ``reset_parameters()`` (or your function) one unit at a time and keeps each rank's rows.
-  A forward on meta-built weights that were neither initialised nor loaded raises.
+* Build under ``torch.device("meta")`` and ``fully_shard``: as in FSDP2 the sharded parameters
+  stay on meta until ``module.to_empty(device=...)`` allocates each rank's shards; then
+  :func:`init_weights` runs each module's ``reset_parameters()`` (or your function) one unit at a
+  time and keeps each rank's rows (the eager build's values), or ``reset_parameters()`` on the
+  sharded modules (FSDP2's recipe), or a checkpoint load. DTensors assigned before the first
+  forward (``load_state_dict(sd, assign=True)``) become the parameters. A forward on parameters
+  still on meta raises FSDP2's error.
 
 Differences worth knowing:
 

@@ -106,11 +106,19 @@ class FSDPModule:
         self._fsdp_state.backward_prefetch = [_state_of(m) for m in modules]
 
     def to_empty(self, *, device, recurse: bool = True):
-        """``nn.Module.to_empty`` for the rest of the module (buffers, ignored parameters): the
-        sharded parameters keep their storage, which ``fully_shard`` allocated on the mesh's
-        device (``device`` must be that device). Then call :func:`init_weights`."""
+        """``nn.Module.to_empty``, as in FSDP2: a unit built under ``torch.device("meta")`` keeps
+        its sharded parameters on meta until now; here each rank allocates only its shards on
+        ``device`` (the parameter objects keep their identity). Then initialise them on the
+        sharded model (``reset_parameters()`` of each module, ``module.apply(init_fn)``, or
+        :func:`init_weights`, which matches an unsharded build under the same seed) or load a
+        checkpoint. ``device`` must be of the mesh's device type. Buffers and ignored
+        parameters go through ``nn.Module.to_empty``."""
         device = torch.device(device)
-        for state in self._states(True):
+        if device.type != "meta":
+            for state in self._states(recurse):
+                for group in state.groups:
+                    group.materialize(device)
+        for state in self._states(recurse):
             for group in state.groups:
                 have = group.main.device
                 if have.type != device.type or (device.index is not None and have.index != device.index):

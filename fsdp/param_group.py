@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import Placement
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
@@ -101,13 +101,13 @@ class ParameterGroup:
         self.divide_factor = gradient_divide_factor
         self.placements = GroupPlacements.for_mesh(mesh.ndim, shard, "avg" if gradient_divide_factor is None else "sum")
         device = infos[0].param.device
-        meta = device.type == "meta"  # built on the meta device: allocate on the mesh's device
+        meta = device.type == "meta"  # built on meta: so are the shards, until to_empty (FSDP2)
         shapes = [tuple(i.param.shape) for i in infos]
         pl = self.placements
         main_pl = pl.sharded if strategy.shard_optim else pl.replicated
         buffer_shapes, layout = self._main_layout(shapes, shard)
         self.main = DBuffer(
-            mesh, main_pl, buffer_shapes, dtypes.main, None if meta else device, layout=layout, check_ranks=False
+            mesh, main_pl, buffer_shapes, dtypes.main, device, layout=layout, check_ranks=False
         )  # fully_shard checked that every rank builds the same unit
         self.streams = CommStreams.for_device(self.main.device)
         if not meta:
@@ -124,8 +124,6 @@ class ParameterGroup:
         if requires_grad:
             self._init_grads()
         self._init_buffer: Optional[DBuffer] = None  # full main-dtype weights during init_weights
-        # Meta-built weights are zeros until initialised or loaded: refuse to run on them.
-        self._uninitialised_version = self.weights_version() if meta else None
 
     def _main_layout(self, shapes: list[tuple[int, ...]], shard: Placement):
         """The shapes the buffers hold and their layout (None: DBuffer's packed default)."""
@@ -203,6 +201,8 @@ class ParameterGroup:
         version = self.weights_version()
         if not self._stale and version == self._weights_version:
             return
+        if self.is_meta:  # nothing to cast or gather until to_empty
+            return
         if self.model is not self.main:
             self.main.cast(self.dtypes.model, out=self.model)
         if self.strategy.shard_optim and not self.strategy.shard_params:
@@ -214,8 +214,8 @@ class ParameterGroup:
 
     def unshard(self, async_op: bool = False) -> None:
         """Make the unsharded weights current: all-gather (ZeRO-3) into the reused buffer."""
-        if self._uninitialised_version is not None:
-            self._check_initialised()
+        if self.is_meta:
+            raise RuntimeError(meta_error([i.fqn for i in self.infos]))
         if self._gather_pending is not None:  # prefetched: its source was refreshed at launch
             if not async_op:
                 self.wait_unshard()
@@ -304,17 +304,10 @@ class ParameterGroup:
         dtypes = self.dtypes_after_to(dtype)
         if dtypes == self.dtypes:
             return False
-        for p in self.sharded_params:
-            if weakref.getweakrefs(p):
-                raise RuntimeError(
-                    f"cannot convert parameter {self._names()}: something holds a weak reference to it, "
-                    f"which swapping its contents would break"
-                )
+        self._check_swappable()
         if self._init_buffer is not None:
             raise RuntimeError("convert() inside init_weights: convert the module before or after")
         self.wait_unshard()
-        # initialised since being built on meta (init_weights, a load) unless the version is the same
-        uninitialised = self._uninitialised_version == self.weights_version()
         self.dtypes = dtypes
         self.main = _converted(self.main, dtypes.main)
         self._build_compute_buffers()
@@ -334,16 +327,9 @@ class ParameterGroup:
             self._held = {k: g.to(dtypes.model) for k, g in self._held.items()}
             if self._grad_callbacks is not None:
                 self._hook_unsharded_params()
-        for old, new in zip(self.sharded_params, self._new_sharded_params()):
-            old.grad = None  # attached again below; a reference would block the swap
-            for key, value in vars(old).items():  # attributes set on the parameter stay
-                if key not in vars(new) and key != "main_grad":
-                    setattr(new, key, value)
-            torch.utils.swap_tensors(old, new)
+        self._swap_in(self._new_sharded_params())
         if self.requires_grad and self._grads_attached:
             self._point_grads()
-        # still never initialised: keep refusing to run on it (the versions start afresh)
-        self._uninitialised_version = self.weights_version() if uninitialised else None
         return True
 
     def _names(self) -> str:
@@ -351,19 +337,124 @@ class ParameterGroup:
 
     # ------------------------------------------------------------------ initialisation
 
-    def _check_initialised(self) -> None:
-        if self.weights_version() == self._uninitialised_version:
-            names = ", ".join(repr(i.fqn) for i in self.infos[:3]) + (", ..." if len(self.infos) > 3 else "")
-            raise RuntimeError(
-                f"parameters {names} were built on the meta device and never initialised; call "
-                f"fsdp.init_weights(model) (after model.to_empty(device=...)) or load a checkpoint first"
+    @property
+    def is_meta(self) -> bool:
+        """Built under ``torch.device("meta")`` and not yet given storage (:meth:`materialize`)."""
+        return self.main.device.type == "meta"
+
+    @torch.no_grad()
+    def materialize(self, device: torch.device) -> None:
+        """``to_empty`` for a meta-built group: every buffer gets (zeroed) storage on ``device``,
+        this rank's device of the mesh; the sharded parameters keep their identity (their
+        contents are swapped, so references and optimizers built on meta stay valid) and become
+        views of the new main weights. Values are meaningless until initialised (``reset_parameters``
+        on the sharded modules, :func:`fsdp.init_weights`) or loaded, exactly as ``to_empty``."""
+        if not self.is_meta:
+            return
+        device = torch.device(device)
+        if device.type != self.mesh.device_type:
+            raise ValueError(
+                f"to_empty(device={device}): the mesh of parameters {self._names()} is for "
+                f"{self.mesh.device_type!r}; pass a {self.mesh.device_type} device (or build the mesh for {device.type!r})"
             )
-        self._uninitialised_version = None
+        self._check_swappable()
+        main = self.main
+        self.main = DBuffer(
+            self.mesh, main.placements, main.shapes, main.dtype, device, layout=main.layout, check_ranks=False
+        )
+        self.streams = CommStreams.for_device(device)
+        self._build_compute_buffers()
+        if self.requires_grad:
+            self._init_grads()
+            if self._grad_callbacks is not None:
+                self._hook_unsharded_params()
+        self._swap_in(self._new_sharded_params())
+        self._gathered = None
+        self.mark_stale()
+
+    def _check_swappable(self) -> None:
+        for p in self.sharded_params:
+            if weakref.getweakrefs(p):
+                raise RuntimeError(
+                    f"cannot rebuild parameter {self._names()}: something holds a weak reference to it, "
+                    f"which swapping its contents (keeping its identity) would break"
+                )
+
+    def _swap_in(self, new_params: list[nn.Parameter]) -> None:
+        """Give the current sharded parameter objects the contents of ``new_params`` (attributes
+        set on the old ones stay), as ``nn.Module._apply`` does for DTensor parameters."""
+        for old, new in zip(self.sharded_params, new_params):
+            old.grad = None  # attached again by the caller; a reference would block the swap
+            for key, value in vars(old).items():
+                if key not in vars(new) and key != "main_grad":
+                    setattr(new, key, value)
+            torch.utils.swap_tensors(old, new)
+
+    @torch.no_grad()
+    def adopt_assigned(self) -> bool:
+        """Take over parameters assigned to the modules since ``fully_shard`` and before the first
+        forward, as FSDP2's lazy init does (``module.weight = nn.Parameter(dtensor)``,
+        ``load_state_dict(sharded_sd, assign=True)``): a DTensor of the parameter's shape on the
+        group's mesh. Its values are copied into the main weights (materialising a meta-built
+        group on the DTensor's device first) and the assigned object *becomes* fsdp's sharded
+        parameter (contents swapped, identity kept), so an optimizer built on it trains the model.
+        Collective when its layout differs from fsdp's (a ``full_tensor()``): every rank of the
+        mesh adopts the same parameters. Anything else assigned raises, see :meth:`check_registered`.
+        Returns whether anything was adopted."""
+        if self._registered is not self.sharded_params:
+            return False
+        adopted = False
+        for k, info in enumerate(self.infos):
+            want = self.sharded_params[k]
+            found = [m._parameters.get(n) for m, n in info.registrations]
+            assigned = [a for a in found if a is not want and _adoptable(a, want, self.mesh)]
+            if not assigned:
+                continue
+            have = assigned[0]  # tied registrations loaded separately hold equal values
+            for other in assigned[1:]:
+                if other is not have:  # no longer registered: an optimizer holding it is refused
+                    other._fsdp_owner = getattr(want, "_fsdp_owner", "its fsdp unit")
+            if have.device.type != "meta":
+                if self.is_meta:
+                    self.materialize(have.device)
+                self._copy_into_main(k, have)
+            self._swap_in_one(k, have)
+            adopted = True
+        if adopted:
+            self.mark_stale()
+        return adopted
+
+    def _copy_into_main(self, k: int, src: DTensor) -> None:
+        """This rank's part of parameter ``k`` from a DTensor of its full shape. Whether this
+        communicates depends only on types and placements, so every rank decides alike."""
+        target = self.sharded_params[k]
+        local = target.to_local()
+        if type(target) is DTensor and type(src) is DTensor and src.placements == target.placements:
+            local.copy_(src.to_local())  # both DTensor's own pieces: no communication
+        elif type(target) is DTensor:
+            local.copy_(distribute_tensor(src.full_tensor(), self.mesh, target.placements).to_local())
+        else:
+            local.copy_(_rows_of(src.full_tensor(), self.main, k, local))
+
+    def _swap_in_one(self, k: int, assigned: nn.Parameter) -> None:
+        """The assigned object becomes fsdp's sharded parameter ``k``; fsdp's old object gets the
+        assigned contents and is marked, so an optimizer still holding it is refused."""
+        ours = self.sharded_params[k]
+        assigned.grad = ours.grad = None
+        torch.utils.swap_tensors(assigned, ours)
+        ours._fsdp_owner = getattr(assigned, "_fsdp_owner", "its fsdp unit")  # no _fsdp_group: refused
+        self.sharded_params[k] = assigned
+        for m, n in self.infos[k].registrations:
+            m._parameters[n] = assigned
+        global _REGISTRATIONS
+        _REGISTRATIONS += 1  # optimizers are checked again
 
     def begin_init(self) -> None:
         """Register full plain parameters in the main dtype for an init function to fill: the
         main weights themselves when they are replicated (``no_shard``), otherwise a temporary
         replicated buffer of this group only, never of the whole model."""
+        if self.is_meta:  # init_weights without to_empty: the mesh's device
+            self.materialize(_mesh_device(self.mesh))
         if self.strategy.shard_optim:
             self._init_buffer = self._init_target()
         target = self._init_buffer if self._init_buffer is not None else self.main
@@ -685,6 +776,40 @@ class ParameterGroup:
                 p.grad.zero_()
         self._seen.clear()
         self._main_grad_has_data = False
+
+
+def meta_error(fqns: list[str]) -> str:
+    """FSDP2's message (tests match it) for running on parameters still on the meta device."""
+    return (
+        f"FSDP parameters should be materialized from meta device before training, but the following "
+        f"were still on meta device: {fqns}. Call model.to_empty(device=...) and then initialise "
+        f"(reset_parameters() on the sharded modules, fsdp.init_weights(model)) or load a checkpoint."
+    )
+
+
+def _adoptable(assigned, ours: DTensor, mesh: DeviceMesh) -> bool:
+    """An assigned parameter fsdp can take over: a DTensor of the same shape on the same mesh."""
+    return (
+        isinstance(assigned, nn.Parameter)
+        and isinstance(assigned, DTensor)
+        and assigned.shape == ours.shape
+        and assigned.device_mesh == mesh
+        and not weakref.getweakrefs(assigned)
+    )
+
+
+def _rows_of(full: torch.Tensor, main: DBuffer, k: int, local: torch.Tensor) -> torch.Tensor:
+    """This rank's rows of tensor ``k`` of ``main`` cut out of its full value."""
+    r0, r1 = main.local_rows(k)
+    piece = full if main.num_shards == 1 else full[r0:r1]
+    return piece.reshape(local.shape)
+
+
+def _mesh_device(mesh: DeviceMesh) -> torch.device:
+    if mesh.device_type == "cpu":
+        return torch.device("cpu")
+    module = torch.get_device_module(mesh.device_type)
+    return torch.device(mesh.device_type, module.current_device())
 
 
 def _converted(buf: DBuffer, dtype: torch.dtype) -> DBuffer:

@@ -26,7 +26,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from dbuffer.collectives import release_workspaces
-from fsdp.param_group import ParameterGroup
+from fsdp.param_group import ParameterGroup, meta_error
 from fsdp.policy import MixedPrecisionPolicy
 
 __all__ = ["FSDPState", "finish_grad_sync"]
@@ -83,26 +83,45 @@ class FSDPState:
         for module in holders.values():
             module.register_state_dict_pre_hook(self._reshard_hook)
             module.register_load_state_dict_pre_hook(self._reshard_hook)
+            module.register_load_state_dict_post_hook(self._adopt_hook)
 
     def _reshard_hook(self, module: nn.Module, *args) -> None:
         if self._unsharded:
             self.reshard()
 
+    def _adopt_hook(self, module: nn.Module, incompatible_keys) -> None:
+        """``load_state_dict(sharded_sd, assign=True)`` put the caller's DTensors on the modules:
+        they become this unit's sharded parameters now (see ``ParameterGroup.adopt_assigned``),
+        so the model right after the load already holds fsdp's layout."""
+        for group in self.groups:
+            group.adopt_assigned()
+
     # ------------------------------------------------------------------ setup
 
     def _lazy_init(self) -> None:
-        """The first unit to run forward is the root of every unit below it without one."""
+        """The first unit to run forward is the root of every unit below it without one. As in
+        FSDP2, parameters assigned since ``fully_shard`` (``load_state_dict(..., assign=True)``
+        of sharded DTensors) are adopted now, and parameters still on the meta device raise."""
         from fsdp.api import FSDPModule
 
-        self.root = self
-        seen: set[int] = set()
+        units: list[FSDPState] = []
         for top in self.modules:
             for m in top.modules():
                 state = m._fsdp_state if isinstance(m, FSDPModule) else None
-                if state is not None and id(state) not in seen and (state.root is None or state is self):
-                    seen.add(id(state))
-                    state.root = self
-                    self.units.append(state)
+                if state is not None and state not in units and (state.root is None or state is self):
+                    units.append(state)
+        for state in units:
+            for group in state.groups:
+                group.adopt_assigned()
+        names = {id(p): n for top in self.modules for n, p in top.named_parameters(remove_duplicate=False)}
+        for state in units:
+            on_meta = [p for g in state.groups if g.is_meta for p in g.sharded_params]
+            if on_meta:
+                raise RuntimeError(meta_error([names.get(id(p), "?") for p in on_meta]))
+        self.root = self
+        for state in units:
+            state.root = self
+        self.units = units
 
     # ------------------------------------------------------------------ unshard / reshard
 
