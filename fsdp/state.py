@@ -156,6 +156,9 @@ class FSDPState:
     # ------------------------------------------------------------------ forward
 
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict):
+        if _in_backward():  # activation checkpointing recomputes this unit's forward
+            self._prepare_backward(recompute=True)
+            return self._cast_inputs(args, kwargs)
         if self.root is None:
             self._lazy_init()
         root = self.root
@@ -169,6 +172,9 @@ class FSDPState:
         self._use_unsharded()
         for nxt in self._next_units(self.forward_prefetch, +1):
             nxt.unshard(async_op=True)
+        return self._cast_inputs(args, kwargs)
+
+    def _cast_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if self.policy.param_dtype is not None and self.policy.cast_forward_inputs:
             args, kwargs = _cast_floats((args, kwargs), self.policy.param_dtype)
         return args, kwargs
@@ -180,6 +186,8 @@ class FSDPState:
         return self.reshard_after_forward
 
     def _post_forward(self, module: nn.Module, args: tuple, output: Any):
+        if _in_backward():  # a recomputation: its backward runs next, on these weights
+            return self._cast_output(output)
         grad = torch.is_grad_enabled()
         if self.reshards_after_forward():
             self.reshard()
@@ -190,6 +198,9 @@ class FSDPState:
             for t in tree_flatten(output)[0]:
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     t.register_hook(self._pre_backward)
+        return self._cast_output(output)
+
+    def _cast_output(self, output: Any) -> Any:
         if self.policy.output_dtype is not None:
             output = _cast_floats(output, self.policy.output_dtype)
         return output
@@ -207,10 +218,24 @@ class FSDPState:
 
     def _pre_backward(self, grad: torch.Tensor) -> None:
         self.root._queue_final_callback()
+        self._prepare_backward(recompute=False)
+
+    def _prepare_backward(self, recompute: bool) -> None:
+        """Gather and register the unsharded parameters for this unit's backward, and start
+        gathering the unit before it (once per backward).
+
+        Registering matters for activation checkpointing: a recomputation reads the module's
+        parameters, which must be the unsharded ones its backward differentiates (not the
+        sharded DTensors). A recomputation (``recompute``: this unit's forward hooks run inside
+        backward) always gathers again if the weights were freed since, e.g. a unit resharding
+        after forward, or recomputed twice."""
+        if self._pre_backward_done and not recompute:
+            return
+        self.unshard()
+        self._use_unsharded()
         if self._pre_backward_done:
             return
         self._pre_backward_done = True
-        self.unshard()
         for prev in self._next_units(self.backward_prefetch, -1):
             prev.unshard(async_op=True)
 
@@ -286,6 +311,13 @@ def finish_grad_sync(units: list[FSDPState], launch: bool) -> None:
     for group in groups:
         group.finish_reduce()
         group.attach_grads()
+
+
+def _in_backward() -> bool:
+    """Whether this thread is running autograd's backward: a forward there is activation
+    checkpointing's recomputation (``torch.utils.checkpoint``, reentrant or not, HF's
+    ``gradient_checkpointing``), not a new step."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
