@@ -233,3 +233,105 @@ def test_fsdp_tp_training_matches_single_process_and_fsdp2() -> None:
 def test_hsdp_tp_training_matches_single_process() -> None:
     """(replicate 2, shard 2) HSDP x tp 2 on 8 ranks (2 steps: world 8 threads are slow here)."""
     _check_training((2, 2, TP), steps=2, compare_fsdp2=False)
+
+
+# ----------------------------------------------------------------------------- misuse
+
+
+def _misuse(case: str) -> str:
+    mesh = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    block = Block()
+    if case == "dp mesh not a sub-mesh":
+        parallelize_module(block, mesh["tp"], TP_PLAN)
+        dp_mesh = init_device_mesh("cpu", (DP * TP,))  # every rank: overlaps tp, other root
+    elif case == "tp on the dp axis":
+        parallelize_module(block, mesh["dp"], TP_PLAN)
+        dp_mesh = mesh["dp"]
+    else:  # a Partial parameter
+        w = block.feed_forward.w1.weight
+        block.feed_forward.w1.weight = nn.Parameter(DTensor.from_local(w.detach(), mesh["tp"], [Partial()]))
+        dp_mesh = mesh["dp"]
+    try:
+        fully_shard(block, mesh=dp_mesh)
+    except ValueError as e:
+        assert not isinstance(block, fsdp.FSDPModule)  # nothing was built
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.parametrize(
+    "case, words",
+    [
+        ("dp mesh not a sub-mesh", ["not a sub-mesh", "mesh['dp']"]),
+        ("tp on the dp axis", ["['dp']", "also the data-parallel", "different axes"]),
+        ("partial", ["Partial placement", "Redistribute it"]),
+    ],
+)
+def test_misuse_raises_before_any_collective(case: str, words: list[str]) -> None:
+    """Every rank raises the same clear ValueError (a collective on some ranks only would hang
+    the threaded world until the harness's timeout)."""
+    messages = run_ranks(_misuse, DP * TP, case, backend="threaded", timeout=60)
+    assert len(set(messages)) == 1, messages
+    for word in words:
+        assert word in messages[0], messages[0]
+
+
+# ----------------------------------------------------------------------------- expert parallelism
+
+EXPERTS, EP = 4, 2
+
+
+class Experts(nn.Module):
+    """Every token through every expert, summed (dense, so the single-process model is simple);
+    under expert parallelism each rank applies its experts and the sum is reduced over ep."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w_in = nn.Parameter(torch.randn(EXPERTS, DIM, HIDDEN) / DIM**0.5)
+        self.w_out = nn.Parameter(torch.randn(EXPERTS, HIDDEN, DIM) / HIDDEN**0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w_in, w_out = self.w_in, self.w_out
+        if isinstance(w_in, DTensor):  # x replicated on ep, experts sharded: a Partial sum over ep
+            x = DTensor.from_local(x, w_in.device_mesh, [Replicate()])
+        h = F.silu(torch.einsum("btd,edh->ebth", x, w_in))
+        out = torch.einsum("ebth,ehd->btd", h, w_out)
+        return out.redistribute(placements=[Replicate()]).to_local() if isinstance(out, DTensor) else out
+
+
+class MoE(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.experts = Experts()
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        return self.head(x + self.experts(x))
+
+
+def _ep_training(ref: nn.Module, batches):
+    mesh = init_device_mesh("cpu", (DP, EP), mesh_dim_names=("dp", "ep"))
+    model = copy.deepcopy(ref)
+    for name in ("w_in", "w_out"):  # experts sharded over ep by whole experts (dim 0)
+        full = getattr(model.experts, name)
+        setattr(model.experts, name, nn.Parameter(distribute_tensor(full.detach(), mesh["ep"], [Shard(0)], src_data_rank=None)))
+    fully_shard(model.experts, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    placements = {n: tuple(p.placements) for n, p in model.named_parameters()}
+    local_numel = model.experts.w_in.to_local().numel()
+    _train(model, batches, dp=DP, dp_rank=mesh["dp"].get_local_rank(), micro=1, clip=1e9, clip_fn=fsdp.clip_grad_norm_)
+    return placements, local_numel, {n: _full(p) for n, p in model.named_parameters()}
+
+
+def test_expert_parallel_weights_match_single_process() -> None:
+    torch.manual_seed(0)
+    model, batches = MoE(), make_batches(3)
+    want, _ = _reference(model, batches, DP, 1, 1e9)
+    for placements, local_numel, after in run_ranks(_ep_training, DP * EP, model, batches, backend="threaded"):
+        assert placements["experts.w_in"] == (_StridedShard(0, split_factor=EP), Shard(0))
+        assert local_numel == EXPERTS * DIM * HIDDEN // (DP * EP)  # one expert per rank
+        assert _max_diff(after, want) <= 1e-5, _max_diff(after, want)
+        assert float((after["experts.w_out"] - model.experts.w_out).abs().max()) > 1e-3  # trained
