@@ -17,7 +17,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 from torch.distributed.tensor.placement_types import _StridedShard
 
 import fsdp
@@ -103,6 +109,24 @@ TP_PLAN = {
 }
 
 
+# Sequence parallelism (Megatron-SP, torchtitan's plan): norms run on sequence shards with their
+# weights replicated over tp (gradients arrive Partial), embedding and head parallel too.
+SP_BLOCK_PLAN = {
+    "attention_norm": SequenceParallel(),
+    "attention": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+    **{k: v for k, v in TP_PLAN.items() if not k.endswith(("wo", "w2"))},
+    "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+    "ffn_norm": SequenceParallel(),
+    "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+    "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+}
+SP_ROOT_PLAN = {
+    "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+    "norm": SequenceParallel(),
+    "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+}
+
+
 def make_model(seed: int = 0) -> Llama:
     torch.manual_seed(seed)
     return Llama()
@@ -166,21 +190,23 @@ def _dp_rank(dp_mesh) -> int:
     return rank
 
 
-def _shard(model: nn.Module, mesh, dp_mesh, shard_fn) -> None:
+def _shard(model: nn.Module, mesh, dp_mesh, shard_fn, sequence_parallel: bool = False) -> None:
+    if sequence_parallel:
+        parallelize_module(model, mesh["tp"], SP_ROOT_PLAN)
     for layer in model.layers:
-        parallelize_module(layer, mesh["tp"], TP_PLAN)
+        parallelize_module(layer, mesh["tp"], SP_BLOCK_PLAN if sequence_parallel else TP_PLAN)
         shard_fn(layer, mesh=dp_mesh)
     shard_fn(model, mesh=dp_mesh)
 
 
-def _tp_training(ref: nn.Module, batches, micro: int, clip: float, impl: str, shape=(DP, TP)):
+def _tp_training(ref: nn.Module, batches, micro: int, clip: float, impl: str, shape=(DP, TP), sp: bool = False):
     mesh, dp_mesh = _mesh(shape)
     model = copy.deepcopy(ref)
     if impl == "fsdp":
         shard_fn = fully_shard
     else:
         from torch.distributed.fsdp import fully_shard as shard_fn
-    _shard(model, mesh, dp_mesh, shard_fn)
+    _shard(model, mesh, dp_mesh, shard_fn, sp)
     placements = {n: (tuple(p.placements), p.device_mesh.mesh_dim_names) for n, p in model.named_parameters()}
     before = {n: _full(p) for n, p in model.named_parameters()}
     dp = dp_mesh.size()
@@ -194,13 +220,13 @@ def _max_diff(a: dict, b: dict) -> float:
     return max(float((a[k] - b[k]).detach().abs().max()) for k in a)
 
 
-def _check_training(shape, steps: int, compare_fsdp2: bool) -> None:
+def _check_training(shape, steps: int, compare_fsdp2: bool, sp: bool = False) -> None:
     model, batches = make_model(), make_batches(steps)
     micro, clip, world, dp = 2, 0.5, math.prod(shape), math.prod(shape[:-1])
     want, want_norms = _reference(model, batches, dp, micro, clip)
-    ours = run_ranks(_tp_training, world, model, batches, micro, clip, "fsdp", shape, backend="threaded")
+    ours = run_ranks(_tp_training, world, model, batches, micro, clip, "fsdp", shape, sp, backend="threaded")
     if compare_fsdp2:
-        theirs = run_ranks(_tp_training, world, model, batches, micro, clip, "torch", shape, backend="threaded")
+        theirs = run_ranks(_tp_training, world, model, batches, micro, clip, "torch", shape, sp, backend="threaded")
     lead = (Replicate(),) * (len(shape) - 2)
     dp_names = ("dp",) if len(shape) == 2 else ("replicate", "shard")
     for rank in range(world):
@@ -209,7 +235,10 @@ def _check_training(shape, steps: int, compare_fsdp2: bool) -> None:
         assert placements["layers.0.attention.wq.weight"] == (lead + (_StridedShard(0, split_factor=TP), Shard(0)), dp_names + ("tp",))
         assert placements["layers.0.attention.wo.weight"] == (lead + (Shard(0), Shard(1)), dp_names + ("tp",))
         assert placements["layers.0.attention.wo.bias"] == (lead + (Shard(0), Replicate()), dp_names + ("tp",))
-        assert placements["norm.weight"] == (lead + (Shard(0),), dp_names)
+        if sp:  # replicated over tp: sharded on dp within the joint mesh
+            assert placements["norm.weight"] == (lead + (Shard(0), Replicate()), dp_names + ("tp",))
+        else:  # a plain parameter: on the dp mesh only
+            assert placements["norm.weight"] == (lead + (Shard(0),), dp_names)
         # full_tensor() of every sharded parameter is the single-process weight, exactly
         assert _max_diff(before, dict(model.named_parameters())) == 0.0
         assert _max_diff(after, before) > 1e-3  # trained
@@ -228,6 +257,12 @@ def test_fsdp_tp_training_matches_single_process_and_fsdp2() -> None:
     deviation, 1e-5) of single-process training on the global batch, FSDP2's placements, the
     clip norm within 1e-6 relative of torch's single-process one."""
     _check_training((DP, TP), steps=4, compare_fsdp2=True)
+
+
+def test_sequence_parallel_training_matches_single_process_and_fsdp2() -> None:
+    """Every parameter tensor-parallel (SequenceParallel norms with Partial gradients,
+    row-parallel embedding, column-parallel head); 2 steps."""
+    _check_training((DP, TP), steps=2, compare_fsdp2=True, sp=True)
 
 
 def test_hsdp_tp_training_matches_single_process() -> None:
@@ -423,3 +458,43 @@ def test_checkpoint_saved_with_tp_resumes_on_tp_and_on_plain_fsdp(tmp_path) -> N
     # a full (plain) state dict loads into FSDP x TP parameters exactly (fsdp.checkpoint.set_state_dict)
     for got in run_ranks(_full_import, DP * TP, other, dict(model.state_dict()), backend="threaded"):
         assert _max_diff(got, dict(model.named_parameters())) == 0.0
+
+
+# ----------------------------------------------------------------------------- meta-device build
+
+
+def _meta_build(ref: nn.Module):
+    mesh, dp_mesh = _mesh((DP, TP))
+    with torch.device("meta"):
+        model = Llama()
+    _shard(model, mesh, dp_mesh, fully_shard)  # on meta: nothing allocated until to_empty
+    model.to_empty(device="cpu")
+    x, y = make_batches(1)[0]
+    try:
+        loss_fn(model, x, y)
+        refused = ""
+    except RuntimeError as e:
+        refused = str(e)
+    values = dict(ref.named_parameters())
+
+    def copy_in(m: nn.Module) -> None:
+        # init_weights registers each unit's TP-local tensors (DTensors on the tp mesh) in full
+        for name, p in m.named_parameters(recurse=False):
+            full = values[prefix[id(m)] + name].detach()
+            assert isinstance(p, DTensor) == ("layers." in prefix[id(m)] and "norm" not in prefix[id(m)])
+            p.copy_(distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None) if isinstance(p, DTensor) else full)
+
+    prefix = {id(m): (n + "." if n else "") for n, m in model.named_modules()}
+    fsdp.init_weights(model, copy_in)
+    return refused, {n: _full(p) for n, p in model.named_parameters()}, float(loss_fn(model, x, y))
+
+
+def test_meta_device_build_then_init_weights() -> None:
+    model = make_model()
+    x, y = make_batches(1)[0]
+    with torch.no_grad():
+        want_loss = float(loss_fn(model, x, y))
+    for refused, got, loss in run_ranks(_meta_build, DP * TP, model, backend="threaded"):
+        assert "never initialised" in refused
+        assert _max_diff(got, dict(model.named_parameters())) == 0.0
+        assert math.isclose(loss, want_loss, rel_tol=1e-6)
