@@ -60,6 +60,7 @@ from fsdp.bucket import Bucket
 from fsdp.muon import Muon
 from fsdp.param_group import ParameterGroup
 from fsdp.policy import MixedPrecisionPolicy, Strategy
+from fsdp.tensor_parallel import clip_grad_norm_
 
 __all__ = [
     "Bucket",
@@ -69,6 +70,7 @@ __all__ = [
     "ParameterGroup",
     "Strategy",
     "UnshardHandle",
+    "clip_grad_norm_",
     "fully_shard",
     "init_weights",
     "register_fsdp_forward_method",

@@ -28,6 +28,7 @@ from fsdp.chunked import ChunkedParameterGroup
 from fsdp.param_group import ParamInfo, ParameterGroup
 from fsdp.policy import MixedPrecisionPolicy, Strategy, parse_strategy
 from fsdp.state import FSDPState, finish_grad_sync
+from fsdp.tensor_parallel import TensorParallelGroup, check_params as _check_tensor_parallel, local_of
 
 __all__ = [
     "Bucket",
@@ -278,6 +279,7 @@ def fully_shard(
         if spec.mesh is not mesh:
             _check_mesh(spec.mesh, infos, what="a bucket's mesh")
         _check_params([infos[k] for k in spec.members], spec.strategy, spec.policy)
+        _check_tensor_parallel([infos[k] for k in spec.members], spec.mesh, spec.dims, spec.strategy)
     # The arguments are valid here; now the one collective: do all ranks shard the same thing?
     _check_ranks_agree(mesh, infos, specs, config)
 
@@ -414,15 +416,16 @@ class ShardPlacementError(ValueError, AssertionError):
 
 def _shard_dims(infos: list[ParamInfo], fn) -> Optional[list[Optional[int]]]:
     """``shard_placement_fn``'s answer for every parameter: a dim (normalised) or None."""
-    if fn is None:
+    tensor_parallel = any(isinstance(i.param, DTensor) for i in infos)
+    if fn is None and not tensor_parallel:
         return None
-    if not callable(fn):
+    if fn is not None and not callable(fn):
         raise TypeError(f"shard_placement_fn must be a callable (nn.Parameter) -> Shard | None, got {fn!r}")
     dims: list[Optional[int]] = []
     for info in infos:
-        placement = fn(info.param)
-        if placement is None:
-            dims.append(None)
+        placement = fn(info.param) if fn is not None else None
+        if placement is None:  # DTensor parameters: exact torch.chunk pieces (fsdp.tensor_parallel)
+            dims.append(0 if isinstance(info.param, DTensor) and info.param.dim() else None)
             continue
         if not isinstance(placement, Shard):
             raise TypeError(
@@ -456,7 +459,7 @@ def _check_ranks_agree(mesh: DeviceMesh, infos: list[ParamInfo], specs: list[Gro
     for spec in specs:
         target = values.setdefault(id(spec.mesh), (spec.mesh, []))[1]
         if values_comparable(spec.mesh):
-            target += [(f"{infos[k].fqn} values", value_digest(infos[k].param)) for k in spec.members]
+            target += [(f"{infos[k].fqn} values", value_digest(local_of(infos[k].param))) for k in spec.members]
     mesh_values = values.pop(id(mesh), (mesh, []))[1]
     check_agreement(mesh, structure + mesh_values, "fully_shard", fix)
     for other, entries in values.values():
@@ -472,8 +475,6 @@ def _check_devices(infos: list[ParamInfo]) -> None:
 def _check_params(infos: list[ParamInfo], strategy: Strategy, policy: MixedPrecisionPolicy) -> None:
     for info in infos:
         p = info.param
-        if isinstance(p, DTensor):
-            raise ValueError(f"parameter {info.fqn!r} is already a DTensor; shard plain modules only")
         if not p.is_floating_point() and (policy.param_dtype is not None or policy.main_grads_dtype is not None):
             raise ValueError(
                 f"parameter {info.fqn!r} has non-floating dtype {p.dtype} but the policy casts "
@@ -530,7 +531,9 @@ def _build_groups(infos: list[ParamInfo], specs: list[GroupSpec]) -> list[Parame
         first = members[0].param
         kw = dict(gradient_divide_factor=spec.gradient_divide_factor, policy=spec.policy)
         args = (members, spec.mesh, spec.strategy, spec.policy.dtypes_for(first.dtype), first.requires_grad)
-        if spec.dims is not None:
+        if spec.dims is not None and isinstance(first, DTensor):
+            groups.append(TensorParallelGroup(*args, dims=spec.dims, **kw))
+        elif spec.dims is not None:
             groups.append(ChunkedParameterGroup(*args, dims=spec.dims, **kw))
         else:
             groups.append(ParameterGroup(*args, shard=spec.placement, **kw))

@@ -26,6 +26,7 @@ from torch.distributed.tensor import Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from fsdp.policy import MixedPrecisionPolicy, Strategy, parse_strategy
+from fsdp.tensor_parallel import mesh_key
 
 __all__ = ["Bucket", "GroupSpec", "plan_buckets"]
 
@@ -181,9 +182,9 @@ def _default(members, params, mesh, strategy, policy, bucket_size) -> list[Group
 
 
 def _by_dtype(members: list[int], params: list[torch.Tensor]) -> list[list[int]]:
-    groups: dict[tuple[torch.dtype, bool], list[int]] = {}
-    for k in members:
-        groups.setdefault((params[k].dtype, params[k].requires_grad), []).append(k)
+    groups: dict[tuple, list[int]] = {}
+    for k in members:  # DTensor (tensor-parallel) parameters: one group per TP mesh
+        groups.setdefault((params[k].dtype, params[k].requires_grad, mesh_key(params[k])), []).append(k)
     return list(groups.values())
 
 

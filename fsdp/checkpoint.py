@@ -56,7 +56,8 @@ from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMe
 from torch.distributed.checkpoint.planner import SavePlanner
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.distributed.checkpoint.storage import WriteResult
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import _StridedShard
 from torch.futures import Future
 
 from dbuffer import debug
@@ -519,6 +520,9 @@ def _copy_rows(leaf: torch.Tensor, value: torch.Tensor) -> None:
         local = leaf._local_tensor
         if leaf.dim() == 0:
             local.copy_(value)
+        elif any(isinstance(p, _StridedShard) for p in leaf.placements):  # FSDP x TP (fsdp.tensor_parallel)
+            # DTensor's own split of the full value, on this rank alone (no communication)
+            local.copy_(distribute_tensor(value, leaf.device_mesh, leaf.placements, src_data_rank=None)._local_tensor)
         elif any(isinstance(p, Shard) and p.dim != 0 for p in leaf.placements):
             local.copy_(_chunk_piece(leaf, value))  # a plain DTensor (shard_placement_fn's)
         else:

@@ -113,10 +113,7 @@ class ChunkedParameterGroup(ParameterGroup):
         self.gathered = self._new(self.placements.replicated, d.model, zero_fill=False)
         self.gathered.release_storage()
         self.unsharded = self._full_buffer(d.model, zero_fill=not self.strategy.shard_params)
-        self.unsharded_params = [
-            torch.nn.Parameter(self.unsharded.get_local_tensor(k), requires_grad=self.requires_grad)
-            for k in range(len(self.infos))
-        ]
+        self.unsharded_params = [self._module_param(k, self.unsharded.get_local_tensor(k)) for k in range(len(self.infos))]
         if self.strategy.shard_params:
             self.unsharded.release_storage()
 

@@ -142,12 +142,15 @@ class ParameterGroup:
             self.unsharded = self.model  # no_shard: the replicated model weights are the full ones
         else:
             self.unsharded = self._new(self.placements.replicated, d.model, zero_fill=not strategy.shard_params)
-        self.unsharded_params = [
-            nn.Parameter(self.unsharded.get_local_tensor(k), requires_grad=self.requires_grad)
-            for k in range(len(self.infos))
-        ]
+        self.unsharded_params = [self._module_param(k, self.unsharded.get_local_tensor(k)) for k in range(len(self.infos))]
         if strategy.shard_params:  # gathered before each use (its views exist now)
             self.unsharded.release_storage()
+
+    def _module_param(self, k: int, full: torch.Tensor) -> nn.Parameter:
+        """What modules compute with for parameter ``k`` whose whole values are ``full`` (a view
+        of a buffer): the view itself here; a DTensor on the parameter's tensor-parallel mesh
+        around it in :mod:`fsdp.tensor_parallel`, whose "whole" tensors are TP-local ones."""
+        return nn.Parameter(full, requires_grad=self.requires_grad)
 
     def _new_sharded_params(self) -> list[nn.Parameter]:
         params = [
@@ -458,9 +461,7 @@ class ParameterGroup:
         if self.strategy.shard_optim:
             self._init_buffer = self._init_target()
         target = self._init_buffer if self._init_buffer is not None else self.main
-        params = [
-            nn.Parameter(target.get_local_tensor(k), requires_grad=self.requires_grad) for k in range(len(self.infos))
-        ]
+        params = [self._module_param(k, target.get_local_tensor(k)) for k in range(len(self.infos))]
         self._register(params)
 
     @torch.no_grad()
