@@ -326,6 +326,8 @@ def init_weights(module: nn.Module, init_fn: Optional[Callable[[nn.Module], None
             for sub in _own_modules(m._fsdp_state):
                 owner.setdefault(id(sub), m._fsdp_state)
     last = {id(owner[id(m)]): i for i, m in enumerate(order) if id(m) in owner}
+    for state in {id(s): s for s in owner.values()}.values():
+        state.reshard()  # a forward may have left unsharded parameters registered
     active: dict[int, FSDPState] = {}
     fn = init_fn or _reset_parameters
     try:
