@@ -203,6 +203,9 @@ class ParameterGroup:
         version = self.weights_version()
         if not self._stale and version == self._weights_version:
             return
+        from fsdp.extensions import check_no_late_extension  # (imports this module)
+
+        check_no_late_extension(self)
         if self.model is not self.main:
             self.main.cast(self.dtypes.model, out=self.model)
         if self.strategy.shard_optim and not self.strategy.shard_params:

@@ -1,0 +1,177 @@
+"""All-gather extensions (fsdp/extensions.py): tensor-subclass parameters with FSDP2's
+fsdp_pre_all_gather / fsdp_post_all_gather protocol train exactly like one process on the global
+batch; the sharded parameters keep their subclass; post_all_gather reuses its output in place;
+HSDP passes the 1-D shard mesh; a float8 all-gather casts once per optimizer step (FSDP2, in the
+same test, casts on every gather); misuse raises naming the parameter, before any collective."""
+
+from __future__ import annotations
+
+import copy
+import threading
+from typing import Any, Optional
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.testing._internal.two_tensor import TwoTensor
+
+import fsdp
+from tests.harness import run_ranks
+from tools.float8_weight import Float8RowwiseWeight, float8_weights, reference_float8_model
+
+DIM, ROWS_PER_RANK, STEPS = 8, 2, 3
+
+
+class MLP(nn.Module):
+    """``mid=5``: a weight torch.chunk splits unevenly over 4 ranks (5 rows: 2, 2, 1, 0)."""
+
+    def __init__(self, dim: int = DIM, mid: int = 5) -> None:
+        super().__init__()
+        self.up = nn.Linear(dim, 12, bias=False)
+        self.down = nn.Linear(12, mid, bias=False)
+        self.out = nn.Linear(mid, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.relu(self.down(torch.relu(self.up(x)))))
+
+
+def make_plain(seed: int = 0, mid: int = 5) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(MLP(mid=mid), MLP(mid=mid))
+
+
+def as_two_tensor(model: nn.Module) -> nn.Module:
+    """The same model with every weight a TwoTensor of two copies of it."""
+    model = copy.deepcopy(model)
+    for m in model.modules():
+        if isinstance(m, nn.Linear):
+            m.weight = nn.Parameter(TwoTensor(m.weight.detach().clone(), m.weight.detach().clone()))
+    return model
+
+
+def batches(world: int, seed: int = 1) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(world * ROWS_PER_RANK, DIM, generator=g) for _ in range(STEPS)]
+
+
+def train_reference(model: nn.Module, data: list[torch.Tensor]) -> nn.Module:
+    """One process, the global batch: the independent reference."""
+    model = copy.deepcopy(model)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for x in data:
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return model
+
+
+def local_rows(full: torch.Tensor, mesh) -> torch.Tensor:
+    """This rank's torch.chunk piece of ``full`` along dim 0 over the shard axis."""
+    world, rank = mesh.shape[-1], mesh.get_coordinate()[-1]
+    chunks = torch.chunk(full, world, 0)
+    return chunks[rank] if rank < len(chunks) else full[:0]
+
+
+# ----------------------------------------------------------------- TwoTensor with the protocol
+
+CALLS: dict[str, list] = {"pre": [], "post": [], "post_out": []}
+_LOCK = threading.Lock()
+
+
+def pre_v1(self, mesh):
+    """The old signature: cannot know the padded size, so only for evenly sharded weights."""
+    with _LOCK:
+        CALLS["pre"].append(("v1", mesh.ndim, mesh.size()))
+    return (self.a, self.b), None
+
+
+def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    return t if t.shape[0] == rows else torch.cat([t, t.new_zeros((rows - t.shape[0], *t.shape[1:]))])
+
+
+def pre_v2(self, mesh, outer_size, outer_stride, module, mp_policy):
+    """Pads a short (or empty) piece to the padded piece's rows, as the protocol requires."""
+    with _LOCK:
+        CALLS["pre"].append(("v2", mesh.ndim, mesh.size(), tuple(outer_size), tuple(outer_stride), type(module)))
+    rows = -(-outer_size[0] // mesh.size())
+    return (_pad_rows(self.a, rows), _pad_rows(self.b, rows)), tuple(outer_size)
+
+
+def post(self, outputs, metadata, param_dtype, *, out=None):
+    a, b = outputs
+    if out is not None:
+        # in-place reuse: the unsharded parameter already aliases the (refilled) outputs
+        assert isinstance(out, TwoTensor) and out.a.untyped_storage().data_ptr() == a.untyped_storage().data_ptr()
+        with _LOCK:
+            CALLS["post_out"].append(metadata)
+        return None
+    with _LOCK:
+        CALLS["post"].append(metadata)
+    return TwoTensor(a, b), (a, b)
+
+
+def _two_tensor_parity(model, reference, data, hsdp: bool, reshard_after_forward: bool) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = copy.deepcopy(model)  # threads: one copy per rank
+    if hsdp:
+        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh("cpu", (world,))
+    for block in model:
+        fsdp.fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    fsdp.fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    for name, p in model.named_parameters():  # the sharded parameter keeps its subclass
+        assert type(p) is DTensor and type(p._local_tensor) is TwoTensor, (name, type(p), type(p._local_tensor))
+        assert tuple(p.placements) == ((Replicate(), Shard(0)) if hsdp else (Shard(0),))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for x in data:
+        mine = x.chunk(world)[rank]
+        model(mine).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    worst = 0.0
+    ref = dict(reference.named_parameters())
+    for name, p in model.named_parameters():
+        want = local_rows(ref[name].detach(), mesh)
+        local = p._local_tensor
+        worst = max(worst, (local.a - want).abs().max().item() if want.numel() else 0.0)
+        worst = max(worst, (local.b - want).abs().max().item() if want.numel() else 0.0)
+    return {"worst": worst}
+
+
+@pytest.mark.parametrize("version", ["v1", "v2"])
+@pytest.mark.parametrize("hsdp,reshard", [(False, True), (False, False), (True, True)])
+def test_two_tensor_extension_trains_like_one_process(version, hsdp, reshard) -> None:
+    world = 4
+    plain = make_plain(mid=4 if version == "v1" else 5)
+    data = batches(world)
+    reference = train_reference(plain, data)
+    moved = max((a - b).abs().max().item() for a, b in zip(reference.parameters(), plain.parameters()))
+    assert moved > 1e-3  # the comparison below is not between untrained weights
+    for key in CALLS:
+        CALLS[key].clear()
+    TwoTensor.fsdp_pre_all_gather = pre_v1 if version == "v1" else pre_v2
+    TwoTensor.fsdp_post_all_gather = post
+    try:
+        results = run_ranks(_two_tensor_parity, world, as_two_tensor(plain), reference, data, hsdp, reshard, backend="threaded", timeout=120)
+    finally:
+        del TwoTensor.fsdp_pre_all_gather, TwoTensor.fsdp_post_all_gather
+    assert max(r["worst"] for r in results) <= 1e-6, results
+    weights, units = 6, 3  # 2 blocks x 3 weights; the root owns none
+    # Each weight is prepared once per optimizer step, on every rank, with the 1-D shard mesh.
+    assert len(CALLS["pre"]) == weights * STEPS * world, len(CALLS["pre"])
+    shard = world // 2 if hsdp else world
+    assert {c[1:3] for c in CALLS["pre"]} == {(1, shard)}
+    assert {c[0] for c in CALLS["pre"]} == {version}
+    if version == "v2":
+        sizes = {c[3] for c in CALLS["pre"]}
+        assert sizes == {(12, DIM), (5, 12), (DIM, 5)}
+        assert {c[4] for c in CALLS["pre"]} == {(DIM, 1), (12, 1), (5, 1)}
+        assert {c[5] for c in CALLS["pre"]} == {nn.Linear}
+    # The unsharded parameter is built once per weight and rank, then refilled in place.
+    assert len(CALLS["post"]) == weights * world
+    assert len(CALLS["post_out"]) >= weights * world * (STEPS - 1)
+    del units
