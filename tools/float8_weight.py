@@ -12,7 +12,7 @@ Row-wise scales need no communication, so one process quantising the whole matri
 values: :class:`STEFloat8Linear` is that single-process reference (straight-through estimator),
 used by tests/fsdp/test_extensions.py and tools/bench_fp8_gather.py.
 
-``Float8RowwiseWeight.casts`` counts pre-all-gather calls in this process: ``fsdp.fully_shard``
+:func:`cast_count` counts this thread's pre-all-gather calls: ``fsdp.fully_shard``
 casts once per optimizer step (the float8 shard is kept until the weights change), torch FSDP2
 on every all-gather.
 """
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import math
+import threading
 from typing import Any, Optional
 
 import torch
@@ -28,7 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils._pytree as pytree
 
-__all__ = ["Float8RowwiseWeight", "STEFloat8Linear", "float8_weights", "quantize_dequantize", "reference_float8_model"]
+__all__ = ["Float8RowwiseWeight", "cast_count", "STEFloat8Linear", "float8_weights", "quantize_dequantize", "reference_float8_model"]
 
 FLOAT8 = torch.float8_e4m3fn
 FLOAT8_MAX = torch.finfo(FLOAT8).max  # 448
@@ -49,8 +50,15 @@ def quantize_dequantize(w: torch.Tensor, dtype: Optional[torch.dtype] = None) ->
     return dequantize(*quantize_rowwise(w), dtype or w.dtype)
 
 
+_CASTS = threading.local()  # per thread: test worlds may run their ranks as threads
+
+
+def cast_count() -> int:
+    """fsdp_pre_all_gather calls (one float8 cast of a shard each) made by this thread so far."""
+    return getattr(_CASTS, "n", 0)
+
+
 class Float8RowwiseWeight(torch.Tensor):
-    casts = 0  # fsdp_pre_all_gather calls in this process (one float8 cast of a shard each)
 
     @staticmethod
     def __new__(cls, data: torch.Tensor):
@@ -79,7 +87,7 @@ class Float8RowwiseWeight(torch.Tensor):
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy) -> tuple[tuple[torch.Tensor, ...], Any]:
         """This rank's rows in float8 plus their scales, padded to the padded piece's rows (the
         protocol's rule for unevenly sharded parameters: every rank sends the same shapes)."""
-        type(self).casts += 1
+        _CASTS.n = cast_count() + 1
         rows = math.ceil(outer_size[0] / mesh.size())
         data, scale = quantize_rowwise(self._data)
         if data.shape[0] != rows:
