@@ -60,7 +60,6 @@ from fsdp.chunked import ChunkedParameterGroup, _stride
 __all__ = [
     "ExtensionParameterGroup",
     "check_extension_params",
-    "check_no_late_extension",
     "is_extension_param",
     "split_extension_members",
 ]
@@ -111,20 +110,6 @@ def split_extension_members(spec, params: Sequence[torch.Tensor]) -> tuple[list[
     """(extension members, other members) of a bucket spec, each in registration order."""
     ext = [k for k in spec.members if is_extension_param(params[k])]
     return ext, [k for k in spec.members if k not in set(ext)]
-
-
-def check_no_late_extension(group) -> None:
-    """A plain parameter's local tensor was given ``fsdp_pre_all_gather`` after ``fully_shard``
-    (FSDP2 honours that; here its rows are the row-atomic layout's, not FSDP2's padded piece, so
-    the protocol's shapes would not hold): raise instead of silently gathering plain values."""
-    for info, p in zip(group.infos, group.sharded_params):
-        local = p._local_tensor if isinstance(p, DTensor) else p
-        if hasattr(local, PRE) or hasattr(local, POST):
-            raise TypeError(
-                f"parameter {info.fqn!r}: its local tensor got {PRE}/{POST} after fully_shard, but it was "
-                f"sharded as a plain tensor (row-atomic layout), so the extension cannot be honoured. Make "
-                f"the parameter a tensor subclass defining both methods before fully_shard"
-            )
 
 
 @dataclass(frozen=True)

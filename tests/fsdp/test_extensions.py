@@ -244,3 +244,130 @@ def test_float8_gather_trains_like_one_process_and_casts_once_per_step() -> None
         # once per weight and optimizer step, however many gathers; torch FSDP2 casts at each gather
         assert r["fsdp_casts"] == r["weights"] * STEPS, r
         assert r["torch_casts"] == r["weights"] * STEPS * MICRO * 2, r
+
+
+# ----------------------------------------------------------------- meta init, late patches, misuse
+
+
+def _meta_init_and_patch(plain, reference, data) -> dict:
+    """Built on meta, initialised by fsdp.init_weights (full TwoTensors, one unit at a time),
+    then trained: the same weights as one process. Then a bf16 pre/post pair monkey-patched on
+    the local tensors (after fully_shard, as FSDP2 allows) is used from the next step on."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    with torch.device("meta"):
+        model = as_two_tensor(make_plain(mid=4))
+    for block in model:
+        fsdp.fully_shard(block)
+    fsdp.fully_shard(model)
+    weights = dict(plain.named_parameters())
+    names = {id(m): n for n, m in model.named_modules()}
+
+    def init(m: nn.Module) -> None:
+        if isinstance(m, nn.Linear):
+            w = weights[names[id(m)] + ".weight"].detach()
+            assert type(m.weight) is TwoTensor and m.weight.shape == w.shape  # full, its own type
+            m.weight.copy_(TwoTensor(w, w))
+
+    fsdp.init_weights(model, init)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for x in data:
+        model(x.chunk(world)[rank]).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    ref = dict(reference.named_parameters())
+    mesh = next(model.parameters()).device_mesh
+    worst = max(
+        (p._local_tensor.a - local_rows(ref[n].detach(), mesh)).abs().max().item()
+        for n, p in model.named_parameters()
+        if local_rows(ref[n], mesh).numel()
+    )
+    seen = []
+
+    def pre(self, mesh):
+        seen.append(self.dtype)
+        return (self.a.to(torch.bfloat16),), None
+
+    def post(self, outputs, metadata, param_dtype, *, out=None):
+        if out is not None:
+            out.copy_(outputs[0])
+            return None
+        upcast = outputs[0].to(param_dtype)
+        return upcast, (outputs[0], upcast)
+
+    for p in model.parameters():
+        p._local_tensor.fsdp_pre_all_gather = pre.__get__(p._local_tensor)
+        p._local_tensor.fsdp_post_all_gather = post.__get__(p._local_tensor)
+    model(data[0].chunk(world)[rank]).square().mean().backward()
+    gathered = model[0].up.weight  # (the root's forward left nothing registered unsharded)
+    return {"worst": worst, "patched_calls": len(seen), "sharded_type": type(gathered._local_tensor).__name__}
+
+
+def test_meta_init_weights_and_late_monkey_patch() -> None:
+    world = 4
+    plain = make_plain(mid=4)
+    data = batches(world)
+    reference = train_reference(plain, data)
+    for r in run_ranks(_meta_init_and_patch, world, plain, reference, data, backend="threaded", timeout=120):
+        assert r["worst"] <= 1e-6, r
+        assert r["patched_calls"] == 6 and r["sharded_type"] == "TwoTensor", r
+
+
+class PreOnly(TwoTensor):
+    def fsdp_pre_all_gather(self, mesh):
+        return (self.a,), None
+
+
+def _errors(plain) -> dict:
+    out = {}
+    cases = {
+        "pre without post": (lambda m: _swap(m, PreOnly), {}, ValueError),
+        "no_shard": (as_two_tensor, {"sharding_strategy": "no_shard"}, ValueError),
+        "shard dim 1": (as_two_tensor, {"shard_placement_fn": lambda p: Shard(1)}, ValueError),
+    }
+    for case, (convert, kw, error) in cases.items():
+        model = convert(plain)
+        with pytest.raises(error) as info:
+            fsdp.fully_shard(model, **kw)
+        out[case] = str(info.value)
+        assert not isinstance(model, fsdp.FSDPModule)  # nothing changed
+    # a plain model whose local tensors get the methods after fully_shard: refused at the next use
+    model = fsdp.fully_shard(copy.deepcopy(plain))
+    p = model[0].up.weight
+    p._local_tensor.fsdp_pre_all_gather = lambda mesh: ((p._local_tensor,), None)
+    p._local_tensor.fsdp_post_all_gather = lambda *a, **k: None
+    with pytest.raises(TypeError) as info:
+        model(torch.randn(2, DIM))
+    out["late on plain"] = str(info.value)
+    # a pre-all-gather that returns a bare tensor
+    model = fsdp.fully_shard(as_two_tensor(plain))
+    for q in model.parameters():
+        q._local_tensor.fsdp_pre_all_gather = (lambda t: lambda mesh: (t.a, None))(q._local_tensor)
+        q._local_tensor.fsdp_post_all_gather = post.__get__(q._local_tensor)
+    with pytest.raises(TypeError) as info:
+        model(torch.randn(2, DIM))
+    out["bare tensor"] = str(info.value)
+    with pytest.raises(ValueError) as info:
+        model.to(torch.float64)
+    out["to float64"] = str(info.value)
+    return out
+
+
+def _swap(model: nn.Module, cls: type) -> nn.Module:
+    model = as_two_tensor(model)
+    for m in model.modules():
+        if isinstance(m, nn.Linear):
+            w = m.weight
+            m.weight = nn.Parameter(cls(w.a.detach(), w.b.detach()))
+    return model
+
+
+def test_misuse_raises_naming_the_parameter() -> None:
+    results = run_ranks(_errors, 2, make_plain(), backend="threaded", timeout=60)
+    assert results[0] == results[1]
+    msgs = results[0]
+    assert "'0.up.weight'" in msgs["pre without post"] and "fsdp_post_all_gather" in msgs["pre without post"]
+    assert "'0.up.weight'" in msgs["no_shard"] and "no_shard" in msgs["no_shard"]
+    assert "'0.up.weight'" in msgs["shard dim 1"] and "Shard(1)" in msgs["shard dim 1"]
+    assert "'0.up.weight'" in msgs["late on plain"] and "before fully_shard" in msgs["late on plain"]
+    assert "'0.up.weight'" in msgs["bare tensor"] and "tuple of tensors" in msgs["bare tensor"]
+    assert "float64" in msgs["to float64"] and "before sharding" in msgs["to float64"]
