@@ -113,16 +113,17 @@ def post(self, outputs, metadata, param_dtype, *, out=None):
     return TwoTensor(a, b), (a, b)
 
 
-def _two_tensor_parity(model, reference, data, hsdp: bool, reshard_after_forward: bool) -> dict:
+def _two_tensor_parity(model, reference, data, hsdp: bool, reshard_after_forward: bool, strategy: str) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     model = copy.deepcopy(model)  # threads: one copy per rank
     if hsdp:
         mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
     else:
         mesh = init_device_mesh("cpu", (world,))
+    kw = dict(mesh=mesh, reshard_after_forward=reshard_after_forward, sharding_strategy=strategy)
     for block in model:
-        fsdp.fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
-    fsdp.fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
+        fsdp.fully_shard(block, **kw)
+    fsdp.fully_shard(model, **kw)
     for name, p in model.named_parameters():  # the sharded parameter keeps its subclass
         assert type(p) is DTensor and type(p._local_tensor) is TwoTensor, (name, type(p), type(p._local_tensor))
         assert tuple(p.placements) == ((Replicate(), Shard(0)) if hsdp else (Shard(0),))
@@ -143,8 +144,12 @@ def _two_tensor_parity(model, reference, data, hsdp: bool, reshard_after_forward
 
 
 @pytest.mark.parametrize("version", ["v1", "v2"])
-@pytest.mark.parametrize("hsdp,reshard", [(False, True), (False, False), (True, True)])
-def test_two_tensor_extension_trains_like_one_process(version, hsdp, reshard) -> None:
+@pytest.mark.parametrize(
+    "hsdp,reshard,strategy",
+    [(False, True, "optim_grads_params"), (False, False, "optim_grads_params"), (True, True, "optim_grads_params"),
+     (False, True, "optim_grads")],
+)
+def test_two_tensor_extension_trains_like_one_process(version, hsdp, reshard, strategy) -> None:
     world = 4
     plain = make_plain(mid=4 if version == "v1" else 5)
     data = batches(world)
@@ -156,7 +161,10 @@ def test_two_tensor_extension_trains_like_one_process(version, hsdp, reshard) ->
     TwoTensor.fsdp_pre_all_gather = pre_v1 if version == "v1" else pre_v2
     TwoTensor.fsdp_post_all_gather = post
     try:
-        results = run_ranks(_two_tensor_parity, world, as_two_tensor(plain), reference, data, hsdp, reshard, backend="threaded", timeout=120)
+        results = run_ranks(
+            _two_tensor_parity, world, as_two_tensor(plain), reference, data, hsdp, reshard, strategy,
+            backend="threaded", timeout=120,
+        )
     finally:
         del TwoTensor.fsdp_pre_all_gather, TwoTensor.fsdp_post_all_gather
     assert max(r["worst"] for r in results) <= 1e-6, results
@@ -171,10 +179,45 @@ def test_two_tensor_extension_trains_like_one_process(version, hsdp, reshard) ->
         assert sizes == {(12, DIM), (5, 12), (DIM, 5)}
         assert {c[4] for c in CALLS["pre"]} == {(DIM, 1), (12, 1), (5, 1)}
         assert {c[5] for c in CALLS["pre"]} == {nn.Linear}
-    # The unsharded parameter is built once per weight and rank, then refilled in place.
+    # The unsharded parameter is built once per weight and rank, then refilled in place: ZeRO-3
+    # regathers in backward and every step, ZeRO-2 (optim_grads) once per step
     assert len(CALLS["post"]) == weights * world
-    assert len(CALLS["post_out"]) >= weights * world * (STEPS - 1)
+    regathers = weights * world * (STEPS - 1 if strategy == "optim_grads" or not reshard else 2 * STEPS - 1)
+    assert len(CALLS["post_out"]) == regathers, (len(CALLS["post_out"]), regathers)
     del units
+
+
+def _plain_subclass_parity(model, reference, data) -> dict:
+    """A subclass without the methods: gathered as its values, plain unsharded parameters."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = copy.deepcopy(model)
+    for block in model:
+        fsdp.fully_shard(block)
+    fsdp.fully_shard(model)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    kinds = set()
+    model[0].up.register_forward_pre_hook(lambda m, a: kinds.add(type(m.weight).__name__))
+    for x in data:
+        model(x.chunk(world)[rank]).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    mesh = next(model.parameters()).device_mesh
+    ref = dict(reference.named_parameters())
+    worst = max(
+        (p._local_tensor.b - local_rows(ref[n].detach(), mesh)).abs().max().item()
+        for n, p in model.named_parameters()
+        if local_rows(ref[n], mesh).numel()
+    )
+    return {"worst": worst, "kinds": kinds, "local": {type(p._local_tensor).__name__ for p in model.parameters()}}
+
+
+def test_subclass_without_the_methods_trains_like_one_process() -> None:
+    world = 4
+    plain = make_plain()
+    data = batches(world)
+    reference = train_reference(plain, data)
+    for r in run_ranks(_plain_subclass_parity, world, as_two_tensor(plain), reference, data, backend="threaded", timeout=120):
+        assert r["worst"] <= 1e-6 and r["kinds"] == {"Parameter"} and r["local"] == {"TwoTensor"}, r
 
 
 # ----------------------------------------------------------------- float8 all-gather
