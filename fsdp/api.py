@@ -14,6 +14,7 @@ shards the same parameters with the same values (:mod:`dbuffer.agreement`).
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 from typing import Callable, Iterable, Optional, Sequence, Union
 
 import torch
@@ -25,6 +26,7 @@ from torch.distributed.tensor import DTensor, Shard
 from dbuffer.agreement import check_agreement, value_digest, values_comparable
 from fsdp.bucket import Bucket, GroupSpec, plan_buckets
 from fsdp.chunked import ChunkedParameterGroup
+from fsdp.extensions import ExtensionParameterGroup, check_extension_params, split_extension_members
 from fsdp.param_group import ParamInfo, ParameterGroup
 from fsdp.policy import MixedPrecisionPolicy, Strategy, parse_strategy
 from fsdp.state import FSDPState, finish_grad_sync
@@ -280,6 +282,7 @@ def fully_shard(
             _check_mesh(spec.mesh, infos, what="a bucket's mesh")
         _check_params([infos[k] for k in spec.members], spec.strategy, spec.policy)
         _check_tensor_parallel([infos[k] for k in spec.members], spec.mesh, spec.dims, spec.strategy)
+    check_extension_params([i.fqn for i in infos], [i.param for i in infos], specs)
     # The arguments are valid here; now the one collective: do all ranks shard the same thing?
     _check_ranks_agree(mesh, infos, specs, config)
 
@@ -528,18 +531,31 @@ def _check_mesh(mesh: Optional[DeviceMesh], infos: list[ParamInfo], what: str = 
 
 def _build_groups(infos: list[ParamInfo], specs: list[GroupSpec]) -> list[ParameterGroup]:
     groups = []
-    for spec in specs:
-        members = [infos[k] for k in spec.members]
-        first = members[0].param
-        kw = dict(gradient_divide_factor=spec.gradient_divide_factor, policy=spec.policy)
-        args = (members, spec.mesh, spec.strategy, spec.policy.dtypes_for(first.dtype), first.requires_grad)
-        if spec.dims is not None and isinstance(first, DTensor):
-            groups.append(TensorParallelGroup(*args, dims=spec.dims, **kw))
-        elif spec.dims is not None:
-            groups.append(ChunkedParameterGroup(*args, dims=spec.dims, **kw))
-        else:
-            groups.append(ParameterGroup(*args, shard=spec.placement, **kw))
+    for whole in specs:
+        extension, rest = split_extension_members(whole, [i.param for i in infos])
+        for members_k, ext in ((extension, True), (rest, False)):  # tensor subclasses: fsdp.extensions
+            if not members_k:
+                continue
+            spec = replace(whole, members=members_k, dims=_dims_of(whole, members_k))
+            members = [infos[k] for k in spec.members]
+            first = members[0].param
+            kw = dict(gradient_divide_factor=spec.gradient_divide_factor, policy=spec.policy)
+            args = (members, spec.mesh, spec.strategy, spec.policy.dtypes_for(first.dtype), first.requires_grad)
+            if ext:
+                groups.append(ExtensionParameterGroup(*args, **kw))
+            elif spec.dims is not None and isinstance(first, DTensor):
+                groups.append(TensorParallelGroup(*args, dims=spec.dims, **kw))
+            elif spec.dims is not None:
+                groups.append(ChunkedParameterGroup(*args, dims=spec.dims, **kw))
+            else:
+                groups.append(ParameterGroup(*args, shard=spec.placement, **kw))
     return groups
+
+
+def _dims_of(spec: GroupSpec, members: list[int]) -> Optional[list[int]]:
+    if spec.dims is None:
+        return None
+    return [d for k, d in zip(spec.members, spec.dims) if k in set(members)]
 
 
 def _sharded_of(groups: list[ParameterGroup]):

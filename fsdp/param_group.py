@@ -201,6 +201,7 @@ class ParameterGroup:
         ``optim``/``optim_grads`` are then all-gathered from it. ``optim_grads_params`` gathers
         at the next :meth:`unshard` instead.
         """
+        check_no_late_extension(self)
         version = self.weights_version()
         if not self._stale and version == self._weights_version:
             return
@@ -811,6 +812,22 @@ def _mesh_device(mesh: DeviceMesh) -> torch.device:
         return torch.device("cpu")
     module = torch.get_device_module(mesh.device_type)
     return torch.device(mesh.device_type, module.current_device())
+
+
+def check_no_late_extension(group: "ParameterGroup") -> None:
+    """A plain parameter whose local tensor was given FSDP2's ``fsdp_pre_all_gather`` (or
+    ``fsdp_post_all_gather``) after ``fully_shard``: its shard is the row-atomic layout's rows,
+    not the padded ``torch.chunk`` piece the protocol assumes, so raise (before any gather)
+    rather than silently gather plain values. Tensor subclasses get the protocol: see
+    :mod:`fsdp.extensions`. Checked at every refresh (a few attribute lookups per parameter)."""
+    for info, p in zip(group.infos, group.sharded_params):
+        local = getattr(p, "_local_tensor", p)
+        if hasattr(local, "fsdp_pre_all_gather") or hasattr(local, "fsdp_post_all_gather"):
+            raise TypeError(
+                f"parameter {info.fqn!r}: its local tensor got fsdp_pre_all_gather/fsdp_post_all_gather after "
+                f"fully_shard, but it was sharded as a plain tensor (row-atomic layout), so the extension "
+                f"cannot be honoured. Make the parameter a tensor subclass defining both methods before fully_shard"
+            )
 
 
 def _converted(buf: DBuffer, dtype: torch.dtype) -> DBuffer:
