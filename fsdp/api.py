@@ -408,16 +408,15 @@ class ShardPlacementError(ValueError, AssertionError):
 
 def _shard_dims(infos: list[ParamInfo], fn) -> Optional[list[Optional[int]]]:
     """``shard_placement_fn``'s answer for every parameter: a dim (normalised) or None."""
-    tensor_parallel = any(isinstance(i.param, DTensor) for i in infos)
-    if fn is None and not tensor_parallel:
+    if fn is None:
         return None
-    if fn is not None and not callable(fn):
+    if not callable(fn):
         raise TypeError(f"shard_placement_fn must be a callable (nn.Parameter) -> Shard | None, got {fn!r}")
     dims: list[Optional[int]] = []
     for info in infos:
-        placement = fn(info.param) if fn is not None else None
-        if placement is None:  # DTensor parameters: exact torch.chunk pieces (fsdp.tensor_parallel)
-            dims.append(0 if isinstance(info.param, DTensor) and info.param.dim() else None)
+        placement = fn(info.param)
+        if placement is None:
+            dims.append(None)
             continue
         if not isinstance(placement, Shard):
             raise TypeError(

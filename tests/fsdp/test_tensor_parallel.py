@@ -283,12 +283,18 @@ def _misuse(case: str) -> str:
     elif case == "tp on the dp axis":
         parallelize_module(block, mesh["dp"], TP_PLAN)
         dp_mesh = mesh["dp"]
-    else:  # a Partial parameter
+    elif case == "partial":
         w = block.feed_forward.w1.weight
         block.feed_forward.w1.weight = nn.Parameter(DTensor.from_local(w.detach(), mesh["tp"], [Partial()]))
         dp_mesh = mesh["dp"]
+    else:  # "no_shard" / "bucket": DTensor parameters need the chunked layout of a sharding strategy
+        parallelize_module(block, mesh["tp"], TP_PLAN)
+        dp_mesh = mesh["dp"]
+    kw = {"sharding_strategy": "no_shard"} if case == "no_shard" else {}
+    if case == "bucket":
+        kw["buckets"] = [fsdp.Bucket("attention.*")]
     try:
-        fully_shard(block, mesh=dp_mesh)
+        fully_shard(block, mesh=dp_mesh, **kw)
     except ValueError as e:
         assert not isinstance(block, fsdp.FSDPModule)  # nothing was built
         return str(e)
@@ -301,6 +307,8 @@ def _misuse(case: str) -> str:
         ("dp mesh not a sub-mesh", ["not a sub-mesh", "mesh['dp']"]),
         ("tp on the dp axis", ["['dp']", "also the data-parallel", "different axes"]),
         ("partial", ["Partial placement", "Redistribute it"]),
+        ("no_shard", ["'attention.wq.weight'", "sharding_strategy 'optim'"]),
+        ("bucket", ["'attention.wq.weight'", "out of explicit Buckets"]),
     ],
 )
 def test_misuse_raises_before_any_collective(case: str, words: list[str]) -> None:
