@@ -236,6 +236,12 @@ def fully_shard(
     exact ``Shard(0)`` pieces. Any other return value raises ``TypeError``, a dim the parameter
     lacks ``ValueError``, naming the parameter. With ``no_shard`` nothing is sharded and the
     function's answers have no effect.
+
+    Parameters that are already DTensors (tensor or expert parallelism on other axes of the same
+    root mesh, e.g. ``parallelize_module(m, mesh["tp"], plan)`` then ``mesh=mesh["dp"]``) are
+    sharded as FSDP2 does: their TP-local tensors in torch.chunk pieces over ``mesh`` (dim 0, or
+    ``shard_placement_fn``'s), registered as DTensors on the joint ``(dp, tp)`` mesh; see
+    :mod:`fsdp.tensor_parallel`.
     """
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
     strategy = parse_strategy(sharding_strategy)
