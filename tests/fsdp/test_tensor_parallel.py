@@ -562,3 +562,39 @@ def test_clip_grad_norm_of_plain_tensors_equals_torch(norm_type: float) -> None:
         assert (p.grad is None) == (q.grad is None)
         if q.grad is not None:
             torch.testing.assert_close(p.grad, q.grad)
+
+
+# ----------------------------------------------------------------------------- DTensor ops
+
+
+_OPS = {
+    "p * 2": lambda p: p * 2,
+    "zeros_like": torch.zeros_like,
+    "detach().clone()": lambda p: p.detach().clone(),
+    "sum": lambda p: p.sum(),
+    "mean": lambda p: p.mean(),
+    "norm": lambda p: p.norm(),
+    "ema": lambda p: p.detach().clone().lerp_(p * 3, 0.1),
+    "p @ p.T": lambda p: p @ p.transpose(0, -1) if p.dim() == 2 else p.sum(),
+    "redistribute": lambda p: p.redistribute(placements=[Replicate()] * p.device_mesh.ndim) if isinstance(p, DTensor) else p,
+}
+
+
+def _ops_on_tp_params(ref: nn.Module, sp: bool) -> list[str]:
+    mesh, dp_mesh = _mesh((DP, TP))
+    model = copy.deepcopy(ref)
+    _shard(model, mesh, dp_mesh, fully_shard, sp)
+    done = []
+    with torch.no_grad():
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            for op_name, op in _OPS.items():
+                torch.testing.assert_close(_full(op(p)), op(q), msg=lambda m: f"{name} {op_name}: {m}")
+            done.append(name)
+    return done
+
+
+def test_every_op_on_sharded_tp_parameters_matches_single_process() -> None:
+    """The sharded parameters (_StridedShard / Shard / Replicate on (dp, tp)) are exact DTensors."""
+    model = make_model()
+    for done in run_ranks(_ops_on_tp_params, DP * TP, model, True, backend="threaded"):
+        assert len(done) == len(list(model.parameters()))
