@@ -48,7 +48,8 @@ Differences worth knowing:
 * The model weights are refreshed after any ``torch.optim`` optimizer step (a global step hook)
   or any in-place change autograd's version counter sees (``load_state_dict``); after another
   kind of update call ``group.mark_stale()`` on the unit's groups.
-* Meshes are 1-D, or 2-D ``(replicate, shard)`` for HSDP; 0-D parameters only with ``no_shard``;
+* Meshes are 1-D, or 2-D ``(replicate, shard)`` for HSDP (tensor/expert-parallel DTensor
+  parameters add their own axes: :mod:`fsdp.tensor_parallel`); 0-D parameters only with ``no_shard``;
   a parameter tied across two units is an error (put both users in one unit).
 * ``reshard_after_forward`` as an int (FSDP2: reshard to a smaller group) reshards fully; the
   shards live on the mesh's device, so ``module.to(device)`` accepts that device only (no CPU

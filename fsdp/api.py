@@ -246,6 +246,12 @@ def fully_shard(
     exact ``Shard(0)`` pieces. Any other return value raises ``TypeError``, a dim the parameter
     lacks ``ValueError``, naming the parameter. With ``no_shard`` nothing is sharded and the
     function's answers have no effect.
+
+    Parameters that are already DTensors (tensor or expert parallelism on other axes of the same
+    root mesh, e.g. ``parallelize_module(m, mesh["tp"], plan)`` then ``mesh=mesh["dp"]``) are
+    sharded as FSDP2 does: their TP-local tensors in torch.chunk pieces over ``mesh`` (dim 0, or
+    ``shard_placement_fn``'s), registered as DTensors on the joint ``(dp, tp)`` mesh; see
+    :mod:`fsdp.tensor_parallel`.
     """
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
     strategy = parse_strategy(sharding_strategy)
@@ -421,16 +427,15 @@ class ShardPlacementError(ValueError, AssertionError):
 
 def _shard_dims(infos: list[ParamInfo], fn) -> Optional[list[Optional[int]]]:
     """``shard_placement_fn``'s answer for every parameter: a dim (normalised) or None."""
-    tensor_parallel = any(isinstance(i.param, DTensor) for i in infos)
-    if fn is None and not tensor_parallel:
+    if fn is None:
         return None
-    if fn is not None and not callable(fn):
+    if not callable(fn):
         raise TypeError(f"shard_placement_fn must be a callable (nn.Parameter) -> Shard | None, got {fn!r}")
     dims: list[Optional[int]] = []
     for info in infos:
-        placement = fn(info.param) if fn is not None else None
-        if placement is None:  # DTensor parameters: exact torch.chunk pieces (fsdp.tensor_parallel)
-            dims.append(0 if isinstance(info.param, DTensor) and info.param.dim() else None)
+        placement = fn(info.param)
+        if placement is None:
+            dims.append(None)
             continue
         if not isinstance(placement, Shard):
             raise TypeError(

@@ -125,6 +125,9 @@ def plan_buckets(
                 f"returned Shard({dims[k]}) for it; a bucket sets its own placement: return None for it"
             )
     rest = [k for k in range(len(names)) if k not in owner]
+    for k in rest:  # DTensor (tensor-parallel) parameters: exact torch.chunk pieces, dim 0 by default
+        if dims[k] is None and mesh_key(params[k]) is not None and params[k].dim():
+            dims[k] = 0
     chunked = [k for k in rest if dims[k] is not None] if strategy.shard_optim else []
     specs.extend(_default([k for k in rest if k not in chunked], params, mesh, strategy, policy, bucket_size))
     for spec in _default(chunked, params, mesh, strategy, policy, bucket_size):

@@ -128,7 +128,12 @@ def check_params(infos: list[ParamInfo], dp_mesh: DeviceMesh, dims: Optional[lis
                 f"both from one mesh, e.g. mesh = init_device_mesh(..., mesh_dim_names=('dp', 'tp')), "
                 f"parallelize_module(..., mesh['tp']), fully_shard(..., mesh=mesh['dp'])"
             )
-        shared = set(dp_mesh.mesh_dim_names or ()) & set(tp_mesh.mesh_dim_names or ())
+        if dp_mesh.mesh_dim_names is None or tp_mesh.mesh_dim_names is None:
+            raise ValueError(
+                f"{where}: the dp mesh and the parameter's mesh must have axis names (the sharded parameter "
+                f"lives on their concatenation); build the mesh with init_device_mesh(..., mesh_dim_names=('dp', 'tp'))"
+            )
+        shared = set(dp_mesh.mesh_dim_names) & set(tp_mesh.mesh_dim_names)
         if shared:
             raise ValueError(
                 f"{where} is tensor-parallel over mesh axis {sorted(shared)}, which is also the data-parallel "
