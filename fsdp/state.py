@@ -19,7 +19,7 @@ Life of a step, per unit (ZeRO-3 shown; the other strategies skip the gathers an
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn as nn
@@ -35,6 +35,17 @@ __all__ = ["FSDPState", "finish_grad_sync"]
 # longer than reducing its shard, so a second one in flight buys no overlap and costs a whole
 # unsharded gradient buffer at the step's memory peak (measured: 13 MiB of 419 on the benchmark).
 MAX_REDUCTIONS_IN_FLIGHT = 1
+
+
+def _run_eagerly(hook: Callable) -> Callable:
+    """``hook`` marked so that torch.compile calls it as it is instead of tracing it.
+
+    ``module.compile()`` compiles ``nn.Module._call_impl``, which runs the forward hooks: traced,
+    every gather, wait, storage resize and parameter registration in them would break the graph
+    (FSDP2 marks its hooks the same way). The marked function is registered as the hook itself,
+    so dynamo finds no frame of ours to trace around it: it skips ``_call_impl``'s frames, calls
+    the hooks eagerly and compiles the module's ``forward`` into one graph between them."""
+    return torch.compiler.disable(hook, recursive=True, reason="fsdp's hooks communicate and register parameters")
 
 
 class FSDPState:
@@ -71,9 +82,10 @@ class FSDPState:
                 group.register_grad_hooks(
                     self._on_group_grads_done, self._on_group_grads_start, self._on_group_first_grad
                 )
+        self._pre_backward_hook = _run_eagerly(self._pre_backward)
         for module in self.modules:
-            module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
-            module.register_forward_hook(self._post_forward)
+            module.register_forward_pre_hook(_run_eagerly(self._pre_forward), prepend=True, with_kwargs=True)
+            module.register_forward_hook(_run_eagerly(self._post_forward))
         # Like FSDP2: state dicts see (and load into) the sharded parameters even when a forward
         # left the unsharded ones registered.
         holders = {id(m): m for m in self.modules}
@@ -197,7 +209,7 @@ class FSDPState:
             self._pre_backward_done = False
             for t in tree_flatten(output)[0]:
                 if isinstance(t, torch.Tensor) and t.requires_grad:
-                    t.register_hook(self._pre_backward)
+                    t.register_hook(self._pre_backward_hook)
         return self._cast_output(output)
 
     def _cast_output(self, output: Any) -> Any:
@@ -274,7 +286,7 @@ class FSDPState:
     def _queue_final_callback(self) -> None:
         if not self._callback_queued:
             self._callback_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._final_callback)
+            torch.autograd.Variable._execution_engine.queue_callback(_run_eagerly(self._final_callback))
 
     def _final_callback(self) -> None:
         self._callback_queued = False
