@@ -75,6 +75,8 @@ class ParameterGroup:
 
     # The parameters fsdp last registered on the modules (None: not yet, the originals are there).
     _registered: Optional[list[nn.Parameter]] = None
+    # weights_version() when fsdp.optim last wrote the model shard with the main weights.
+    _written_version: Optional[int] = None
 
     def __init__(
         self,
@@ -188,9 +190,13 @@ class ParameterGroup:
         called after every ``torch.optim`` optimizer step."""
         return sum(p._version for p in self.sharded_params) + self.main.local_buffer._version
 
-    def mark_stale(self) -> None:
-        """The main weights changed: refresh the model weights before the next use."""
+    def mark_stale(self, model_written: bool = False) -> None:
+        """The main weights changed: refresh the model weights before the next use.
+        ``model_written``: the caller also wrote the model shard from them (:mod:`fsdp.optim`
+        does, in the optimizer's pass), so the refresh skips the cast unless the weights change
+        again before it."""
         self._stale = True
+        self._written_version = self.weights_version() if model_written else None
 
     @torch.no_grad()
     def refresh(self) -> None:
@@ -203,8 +209,9 @@ class ParameterGroup:
         version = self.weights_version()
         if not self._stale and version == self._weights_version:
             return
-        if self.model is not self.main:
+        if self.model is not self.main and version != self._written_version:
             self.main.cast(self.dtypes.model, out=self.model)
+        self._written_version = None
         if self.strategy.shard_optim and not self.strategy.shard_params:
             self.model.redistribute(self.placements.replicated, out=self._gather_target())
             self._end_gather()
@@ -457,6 +464,9 @@ class ParameterGroup:
         self._held: dict[int, torch.Tensor] = {}
         self._main_grad_has_data = False  # False: the next reduction overwrites main_grad
         self._grads_attached = False  # main_grad's storage: allocated by the first reduction
+        # Whether ``param.grad`` gets a cast copy when main grads are in another dtype than the
+        # main weights; fsdp.optim's flat optimizers turn it off (they upcast chunk by chunk).
+        self.cast_grads = True
 
     def _main_grad_views(self) -> list[DTensor]:
         """``param.grad`` / ``param.main_grad`` of each parameter: DTensor views of ``main_grad``."""
@@ -612,10 +622,23 @@ class ParameterGroup:
         """The optimizer dropped every ``.grad`` we attached: main_grad's values are dead, so its
         storage goes until the next reduction rewrites it."""
         if self._grads_attached and all(p.grad is None for p in self.sharded_params):
-            self._main_grad_has_data = False
-            self._grads_attached = False
-            if self._reduce is None and not self.main_grad.is_storage_released():
-                self.main_grad.release_storage()
+            self.drop_main_grads()
+
+    def drop_main_grads(self) -> None:
+        """Forget the reduced gradients (``zero_grad()`` with set_to_none, or :mod:`fsdp.optim`'s):
+        the next reduction overwrites ``main_grad``, whose storage goes until then."""
+        for p in self.sharded_params:
+            p.grad = None
+        self._main_grad_has_data = False
+        self._grads_attached = False
+        if self._reduce is None and not self.main_grad.is_storage_released():
+            self.main_grad.release_storage()
+
+    def params_with_grads(self) -> list[int]:
+        """Indices of the parameters whose reduced gradients ``main_grad`` holds, in order."""
+        if not self.requires_grad or not self._main_grad_has_data:
+            return []
+        return sorted(self._in_main)
 
     def release_dropped_grads(self) -> None:
         """Called before forward: free main_grad if ``zero_grad()`` dropped the gradients."""
@@ -664,9 +687,11 @@ class ParameterGroup:
             if view.dtype == p.dtype:
                 if p.grad is not view:
                     p.grad = view
-            else:
+            elif self.cast_grads:
                 p.grad = view.to(p.dtype)
-        self._grads_attached = True
+            else:  # fsdp.optim reads main_grad itself and zeroes it with drop_main_grads()
+                continue
+            self._grads_attached = True
 
     @torch.no_grad()
     def zero_grad_buffer(self) -> None:
