@@ -340,6 +340,8 @@ def _param_specs(params) -> list[tuple[dict, list[ParameterGroup]]]:
             chosen.add(id(p))
             if group not in groups:
                 groups.append(group)
+        specs.append(({k: v for k, v in spec.items() if k != "params"}, groups, chosen))
+    for i, (_, groups, chosen) in enumerate(specs):
         for group in groups:
             missing = [info.fqn for info, p in zip(group.infos, group.sharded_params) if id(p) not in chosen]
             if missing:
@@ -347,13 +349,12 @@ def _param_specs(params) -> list[tuple[dict, list[ParameterGroup]]]:
                     f"FlatOptimizer: param group {i} holds part of an fsdp group; missing {missing[:3]}. The flat "
                     f"step updates whole groups: pass all their parameters (or separate them with fsdp.Bucket)"
                 )
-        specs.append(({k: v for k, v in spec.items() if k != "params"}, groups))
-    if not any(groups for _, groups in specs):
+    if not any(groups for _, groups, _ in specs):
         raise ValueError(
             "FlatOptimizer: none of the parameters is trainable and sharded by fsdp.fully_shard; shard the module "
             "first and pass model.parameters()"
         )
-    return [(opts, groups) for opts, groups in specs if groups]
+    return [(opts, groups) for opts, groups, _ in specs if groups]
 
 
 def _group_of(p: torch.Tensor) -> Optional[ParameterGroup]:
