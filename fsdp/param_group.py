@@ -142,6 +142,7 @@ class ParameterGroup:
         ``dtypes``; their values come from the next :meth:`refresh` / :meth:`unshard`."""
         d, strategy = self.dtypes, self.strategy
         self.model = self.main if d.model == d.main else self._new(self.main.placements, d.model)
+        self._release_lean_model()
         if not strategy.shard_optim:
             self.unsharded = self.model  # no_shard: the replicated model weights are the full ones
         else:
@@ -152,6 +153,27 @@ class ParameterGroup:
         ]
         if strategy.shard_params:  # gathered before each use (its views exist now)
             self.unsharded.release_storage()
+
+    @property
+    def lean_model(self) -> bool:
+        """Whether the model shard is a temporary cast before each gather (the policy's
+        ``persistent_param_shard=False``) rather than a copy kept between steps."""
+        return (
+            self.policy is not None
+            and not self.policy.persistent_param_shard
+            and self.model is not self.main
+            and self.strategy.shard_optim
+        )
+
+    def _release_lean_model(self) -> None:
+        if self.lean_model:
+            self.model.release_storage()
+
+    def _cast_model(self) -> None:
+        """Cast the main shard into the model shard (allocated first when lean)."""
+        if self.lean_model:
+            self.model.reallocate_storage()
+        self.main.cast(self.dtypes.model, out=self.model)
 
     def _new_sharded_params(self) -> list[nn.Parameter]:
         params = [
@@ -209,12 +231,16 @@ class ParameterGroup:
         version = self.weights_version()
         if not self._stale and version == self._weights_version:
             return
-        if self.model is not self.main and version != self._written_version:
+        lean = self.lean_model
+        if self.model is not self.main and version != self._written_version and not lean:
             self.main.cast(self.dtypes.model, out=self.model)
         self._written_version = None
         if self.strategy.shard_optim and not self.strategy.shard_params:
+            if lean:
+                self._cast_model()
             self.model.redistribute(self.placements.replicated, out=self._gather_target())
             self._end_gather()
+            self._release_lean_model()
         self._weights_version = version
         self._stale = False
         self._refreshes += 1
@@ -235,6 +261,8 @@ class ParameterGroup:
         self._version_before_gather = self.unsharded.local_buffer._version
         self.unsharded.reallocate_storage()
         target = self._gather_target()
+        if self.lean_model:
+            self._cast_model()
         with self.streams.launch(self.streams.all_gather):
             self._gather_pending = self.model.redistribute(self.placements.replicated, out=target, async_op=True)
         if not async_op:
@@ -252,6 +280,7 @@ class ParameterGroup:
             self._gather_pending.wait()
             self.streams.wait(self.streams.all_gather)
             self._gather_pending = None
+            self._release_lean_model()
             self._end_gather()
             self._gathered = self._refreshes
             # A regather restores values autograd saved in forward; it is not a modification.
