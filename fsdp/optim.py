@@ -49,11 +49,8 @@ from torch.optim.sgd import sgd as _sgd
 
 from fsdp.param_group import ParameterGroup
 
-__all__ = ["DEFAULT_CHUNK_NUMEL", "FlatAdam", "FlatAdamW", "FlatOptimizer", "FlatSGD", "flat_optimizer"]
+__all__ = ["FlatAdam", "FlatAdamW", "FlatOptimizer", "FlatSGD", "flat_optimizer"]
 
-# Elements per kernel call: bounds the FP32 temporaries of a step (the upcast gradient and the
-# kernel's own, e.g. Adam's denominator) to a few MiB, whatever the shard size.
-DEFAULT_CHUNK_NUMEL = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -82,7 +79,9 @@ class FlatOptimizer(torch.optim.Optimizer):
 
     ``params``: a sharded module, its parameters, or param-group dicts (``{"params": [...],
     "lr": ...}``) each holding whole fsdp groups. Options are ``optimizer_class``'s, validated by
-    it. ``chunk_numel``: elements per kernel call (bounds the FP32 temporaries of a step).
+    it. ``chunk_numel``: elements per kernel call, which bounds the temporaries of a step (the
+    upcast gradient and the kernel's own, e.g. Adam's denominator); default: the largest local
+    piece of one parameter, so they never exceed what torch.optim's per-parameter step makes.
     ``param_groups`` are one per dict, with ``params`` the groups' flat main-weight buffers, so
     LR schedulers work unchanged.
     """
@@ -92,7 +91,7 @@ class FlatOptimizer(torch.optim.Optimizer):
         params: Union[nn.Module, Iterable[Any]],
         optimizer_class: type = torch.optim.AdamW,
         *,
-        chunk_numel: int = DEFAULT_CHUNK_NUMEL,
+        chunk_numel: Optional[int] = None,
         **options: Any,
     ) -> None:
         kernel = _KERNELS.get(optimizer_class)
@@ -102,14 +101,15 @@ class FlatOptimizer(torch.optim.Optimizer):
                 f"got {getattr(optimizer_class, '__name__', optimizer_class)!r}; for another optimizer use it "
                 f"on model.parameters() (torch.optim works on fsdp's DTensor parameters)"
             )
-        if not isinstance(chunk_numel, int) or isinstance(chunk_numel, bool) or chunk_numel < 1:
+        if chunk_numel is not None and (
+            not isinstance(chunk_numel, int) or isinstance(chunk_numel, bool) or chunk_numel < 1
+        ):
             raise ValueError(f"FlatOptimizer: chunk_numel must be a positive int, got {chunk_numel!r}")
         # optimizer_class validates the options and fills in its defaults
         probe = optimizer_class([torch.zeros(1)], **options)
         defaults = dict(probe.defaults)
         specs = _param_specs(params)
         self._kernel = kernel
-        self._chunk_numel = chunk_numel
         self._groups: dict[int, ParameterGroup] = {}  # id(flat main buffer) -> its group
         self._layouts: dict[int, tuple] = {}  # id(flat) -> (main, main_grad, model, spans)
         flat_groups = []
@@ -122,6 +122,9 @@ class FlatOptimizer(torch.optim.Optimizer):
                 flats.append(flat)
             flat_groups.append({**options_of_dict, "params": flats})
         super().__init__(flat_groups, defaults)
+        if chunk_numel is None:
+            chunk_numel = max((span.numel for spans in self._layouts.values() for span in spans), default=1)
+        self._chunk_numel = max(chunk_numel, 1)
         for g in self._groups.values():
             g.cast_grads = False  # no full-size cast copy in param.grad: step() upcasts by chunks
 
@@ -134,7 +137,8 @@ class FlatOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         plans = [(opts, self._plan(flat)) for opts in self.param_groups for flat in opts["params"]]
-        workspace = _Workspace()
+        longest = max((run.end - run.start for _, (_, _, runs) in plans for run in runs), default=0)
+        workspace = _Workspace(min(self._chunk_numel, longest))
         for opts, (flat, group, runs) in plans:
             if not runs:
                 continue
@@ -194,7 +198,7 @@ class FlatOptimizer(torch.optim.Optimizer):
             weights = flat[pos:end]
             grad = grads[run.grad_start + (pos - run.start) : run.grad_start + (end - run.start)]
             if grad.dtype != weights.dtype:
-                grad = workspace.upcast(grad, weights.dtype, chunk)
+                grad = workspace.upcast(grad, weights.dtype)
             states = {name: state[name][pos:end] for name in self._kernel.state_names(opts)}
             self._kernel.step(weights, grad, states, run.count, opts)
             if model is not None:
@@ -212,14 +216,16 @@ class FlatOptimizer(torch.optim.Optimizer):
 
 
 class _Workspace:
-    """One FP32 buffer for the upcast gradient chunk, alive for one step."""
+    """One buffer for the upcast gradient chunk (no longer than the longest run), alive for one
+    step, allocated by the first upcast."""
 
-    def __init__(self) -> None:
+    def __init__(self, numel: int) -> None:
+        self.numel = numel
         self.buffer: Optional[torch.Tensor] = None
 
-    def upcast(self, grad: torch.Tensor, dtype: torch.dtype, chunk: int) -> torch.Tensor:
+    def upcast(self, grad: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         if self.buffer is None or self.buffer.dtype != dtype or self.buffer.device != grad.device:
-            self.buffer = torch.empty(chunk, dtype=dtype, device=grad.device)
+            self.buffer = torch.empty(self.numel, dtype=dtype, device=grad.device)
         out = self.buffer[: grad.numel()]
         out.copy_(grad)
         return out

@@ -690,6 +690,8 @@ class ParameterGroup:
                 self.main_grad.local_buffer.copy_(result.local_buffer)
             else:
                 self.main_grad.local_buffer.add_(result.local_buffer)
+            if result is not self.grad_in:  # a sharded temporary: free it now, not at the next gc
+                result.release_storage()  # (the collective's handle and the buffer refer to each other)
         if not self._local:
             self.grad_in.release_storage()
         return True

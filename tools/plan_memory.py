@@ -37,7 +37,8 @@ Categories (bytes on this rank):
 * grad copies: when the main-grads dtype differs from the main dtype, ``param.grad`` is a cast
   copy of this rank's rows of ``param.main_grad`` in the main dtype (what the optimizer reads).
   0 with ``fsdp.FlatAdamW`` & co. (``--flat-optimizer``: ``flat_optimizer=True``), which upcast
-  ``fsdp.optim.DEFAULT_CHUNK_NUMEL`` elements at a time (that workspace is not counted).
+  one parameter's local piece at a time (that workspace, like the kernels' temporaries, is not
+  counted).
 * optimizer state: closed form, because torch optimizers allocate lazily: AdamW/Adam keep two
   tensors per parameter, SGD with momentum one, each like the parameter's local piece (this rank's
   rows, no padding), in the main dtype. The per-parameter ``step`` scalars are not counted.
