@@ -206,6 +206,42 @@ class FlatOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ gradients
 
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over the gradients this optimizer steps, read where
+        the reduction left them (BF16 main grads upcast chunk by chunk; ``param.grad`` may be None
+        here, so torch's function would see nothing). Returns the total norm (a plain tensor, the
+        same on every rank). ``norm_type``: 2.0 or ``inf``. The pieces of every group are summed
+        (max for ``inf``) across its mesh's shard axis through DTensor: one small reduction per
+        group."""
+        if norm_type not in (2.0, float("inf")):
+            raise ValueError(f"FlatOptimizer.clip_grad_norm_: norm_type must be 2.0 or inf, got {norm_type!r}")
+        inf = norm_type == float("inf")
+        total = None
+        for opts in self.param_groups:
+            for flat in opts["params"]:
+                _, group, runs = self._plan(flat)
+                local = torch.zeros((), dtype=torch.float32, device=flat.device)
+                grads = group.main_grad.local_buffer
+                for run in runs:
+                    for pos in range(run.grad_start, run.grad_start + run.end - run.start, self._chunk_numel):
+                        end = min(pos + self._chunk_numel, run.grad_start + run.end - run.start)
+                        piece = grads[pos:end].float()
+                        local = torch.maximum(local, piece.abs().max()) if inf else local + piece.pow(2).sum()
+                reduced = _reduce_over_mesh(local, group, "max" if inf else "sum")
+                total = reduced if total is None else (torch.maximum(total, reduced) if inf else total + reduced)
+        if total is None:
+            return torch.zeros(())
+        norm = total if inf else total.sqrt()
+        if error_if_nonfinite and not torch.isfinite(norm):
+            raise RuntimeError(f"FlatOptimizer.clip_grad_norm_: the total gradient norm is {float(norm)}")
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for group in self._groups.values():
+            if group.params_with_grads() and not group.main_grad.is_storage_released():
+                buf = group.main_grad.local_buffer
+                buf.mul_(coef)  # as torch: the fp32 coefficient applied in the gradients' dtype
+        return norm
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop (``set_to_none``) or zero every group's reduced gradients."""
         for group in self._groups.values():
@@ -362,6 +398,17 @@ def _param_specs(params) -> list[tuple[dict, list[ParameterGroup]]]:
             "first and pass model.parameters()"
         )
     return [(opts, groups) for opts, groups, _ in specs if groups]
+
+
+def _reduce_over_mesh(local: torch.Tensor, group: ParameterGroup, op: str) -> torch.Tensor:
+    """``local`` (this rank's share) combined over the axes where ``group``'s main weights are
+    sharded (replicated axes hold copies: counted once), as DTensor does for a Partial."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    placements = [Replicate() if isinstance(p, Replicate) else Partial(op) for p in group.main.placements]
+    if all(isinstance(p, Replicate) for p in placements):
+        return local
+    return DTensor.from_local(local, group.mesh, placements, run_check=False).full_tensor()
 
 
 def _group_of(p: torch.Tensor) -> Optional[ParameterGroup]:

@@ -323,3 +323,40 @@ def test_bad_arguments_raise_naming_the_fix() -> None:
     assert len(caught) == len(expected)
     for got, want in zip(caught, expected):
         assert got.startswith(want), (got, want)
+
+
+def _clipped(model, batches, policy) -> dict:
+    """FlatAdamW + its clip_grad_norm_ against torch.optim.AdamW + torch's clip_grad_norm_ on
+    the same fsdp model (whose .grad are FP32: views, or cast copies of BF16 main grads)."""
+    from tests.fsdp.models import loss_fn
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    results = {}
+    for kind in ("flat", "torch"):
+        m = shard(copy.deepcopy(model), mp_policy=policy)
+        params = list(m.parameters())
+        opt = fsdp.FlatAdamW(params, lr=LR) if kind == "flat" else torch.optim.AdamW(params, lr=LR)
+        norms = []
+        for x, y in batches:
+            per = x.shape[0] // world
+            loss_fn(m, x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]).backward()
+            if kind == "flat":
+                norm = opt.clip_grad_norm_(0.05)
+            else:
+                norm = torch.nn.utils.clip_grad_norm_(params, 0.05).full_tensor()
+            norms.append(float(norm))
+            opt.step()
+            opt.zero_grad()
+        results[kind] = (norms, full_state(m))
+    (flat_norms, flat), (torch_norms, ref) = results["flat"], results["torch"]
+    return {"norms": max(abs(a - b) / b for a, b in zip(flat_norms, torch_norms)), "weights": max_diff(flat, ref),
+            "clipped": min(torch_norms) > 0.05}
+
+
+@pytest.mark.parametrize("policy", [fsdp.MixedPrecisionPolicy(), BF16_GRADS], ids=["fp32", "bf16-main-grads"])
+def test_clip_grad_norm_matches_torch(policy) -> None:
+    out = run_ranks(_clipped, 2, make_model(), make_batches(3), policy, backend="gloo")[0]
+    print(out)
+    assert out["clipped"]  # every step was clipped: the scaling is exercised
+    assert out["norms"] <= 1e-5
+    assert out["weights"] <= (1e-6 if policy == fsdp.MixedPrecisionPolicy() else 1e-3)  # bf16: the scale rounds in bf16
