@@ -59,6 +59,7 @@ Differences worth knowing:
 from fsdp.api import FSDPModule, UnshardHandle, fully_shard, init_weights, register_fsdp_forward_method
 from fsdp.bucket import Bucket
 from fsdp.muon import Muon
+from fsdp.optim import FlatAdam, FlatAdamW, FlatOptimizer, FlatSGD, flat_optimizer
 from fsdp.param_group import ParameterGroup
 from fsdp.policy import MixedPrecisionPolicy, Strategy
 from fsdp.tensor_parallel import clip_grad_norm_
@@ -66,12 +67,17 @@ from fsdp.tensor_parallel import clip_grad_norm_
 __all__ = [
     "Bucket",
     "FSDPModule",
+    "FlatAdam",
+    "FlatAdamW",
+    "FlatOptimizer",
+    "FlatSGD",
     "MixedPrecisionPolicy",
     "Muon",
     "ParameterGroup",
     "Strategy",
     "UnshardHandle",
     "clip_grad_norm_",
+    "flat_optimizer",
     "fully_shard",
     "init_weights",
     "register_fsdp_forward_method",

@@ -110,6 +110,7 @@ class ChunkedParameterGroup(ParameterGroup):
         storage only while a gather lands; ``unsharded``: the full parameters, in their shapes."""
         d = self.dtypes
         self.model = self.main if d.model == d.main else self._new(self.main.placements, d.model)
+        self._release_lean_model()
         self.gathered = self._new(self.placements.replicated, d.model, zero_fill=False)
         self.gathered.release_storage()
         self.unsharded = self._full_buffer(d.model, zero_fill=not self.strategy.shard_params)

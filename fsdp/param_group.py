@@ -75,6 +75,8 @@ class ParameterGroup:
 
     # The parameters fsdp last registered on the modules (None: not yet, the originals are there).
     _registered: Optional[list[nn.Parameter]] = None
+    # weights_version() when fsdp.optim last wrote the model shard with the main weights.
+    _written_version: Optional[int] = None
 
     def __init__(
         self,
@@ -138,6 +140,7 @@ class ParameterGroup:
         ``dtypes``; their values come from the next :meth:`refresh` / :meth:`unshard`."""
         d, strategy = self.dtypes, self.strategy
         self.model = self.main if d.model == d.main else self._new(self.main.placements, d.model)
+        self._release_lean_model()
         if not strategy.shard_optim:
             self.unsharded = self.model  # no_shard: the replicated model weights are the full ones
         else:
@@ -151,6 +154,27 @@ class ParameterGroup:
         of a buffer): the view itself here; a DTensor on the parameter's tensor-parallel mesh
         around it in :mod:`fsdp.tensor_parallel`, whose "whole" tensors are TP-local ones."""
         return nn.Parameter(full, requires_grad=self.requires_grad)
+
+    @property
+    def lean_model(self) -> bool:
+        """Whether the model shard is a temporary cast before each gather (the policy's
+        ``persistent_param_shard=False``) rather than a copy kept between steps."""
+        return (
+            self.policy is not None
+            and not self.policy.persistent_param_shard
+            and self.model is not self.main
+            and self.strategy.shard_optim
+        )
+
+    def _release_lean_model(self) -> None:
+        if self.lean_model:
+            self.model.release_storage()
+
+    def _cast_model(self) -> None:
+        """Cast the main shard into the model shard (allocated first when lean)."""
+        if self.lean_model:
+            self.model.reallocate_storage()
+        self.main.cast(self.dtypes.model, out=self.model)
 
     def _new_sharded_params(self) -> list[nn.Parameter]:
         params = [
@@ -189,9 +213,13 @@ class ParameterGroup:
         called after every ``torch.optim`` optimizer step."""
         return sum(p._version for p in self.sharded_params) + self.main.local_buffer._version
 
-    def mark_stale(self) -> None:
-        """The main weights changed: refresh the model weights before the next use."""
+    def mark_stale(self, model_written: bool = False) -> None:
+        """The main weights changed: refresh the model weights before the next use.
+        ``model_written``: the caller also wrote the model shard from them (:mod:`fsdp.optim`
+        does, in the optimizer's pass), so the refresh skips the cast unless the weights change
+        again before it."""
         self._stale = True
+        self._written_version = self.weights_version() if model_written else None
 
     @torch.no_grad()
     def refresh(self) -> None:
@@ -207,11 +235,16 @@ class ParameterGroup:
             return
         if self.is_meta:  # nothing to cast or gather until to_empty
             return
-        if self.model is not self.main:
+        lean = self.lean_model
+        if self.model is not self.main and version != self._written_version and not lean:
             self.main.cast(self.dtypes.model, out=self.model)
+        self._written_version = None
         if self.strategy.shard_optim and not self.strategy.shard_params:
+            if lean:
+                self._cast_model()
             self.model.redistribute(self.placements.replicated, out=self._gather_target())
             self._end_gather()
+            self._release_lean_model()
         self._weights_version = version
         self._stale = False
         self._refreshes += 1
@@ -232,6 +265,8 @@ class ParameterGroup:
         self._version_before_gather = self.unsharded.local_buffer._version
         self.unsharded.reallocate_storage()
         target = self._gather_target()
+        if self.lean_model:
+            self._cast_model()
         with self.streams.launch(self.streams.all_gather):
             self._gather_pending = self.model.redistribute(self.placements.replicated, out=target, async_op=True)
         if not async_op:
@@ -249,6 +284,7 @@ class ParameterGroup:
             self._gather_pending.wait()
             self.streams.wait(self.streams.all_gather)
             self._gather_pending = None
+            self._release_lean_model()
             self._end_gather()
             self._gathered = self._refreshes
             # A regather restores values autograd saved in forward; it is not a modification.
@@ -550,6 +586,9 @@ class ParameterGroup:
         self._held: dict[int, torch.Tensor] = {}
         self._main_grad_has_data = False  # False: the next reduction overwrites main_grad
         self._grads_attached = False  # main_grad's storage: allocated by the first reduction
+        # Whether ``param.grad`` gets a cast copy when main grads are in another dtype than the
+        # main weights; fsdp.optim's flat optimizers turn it off (they upcast chunk by chunk).
+        self.cast_grads = True
 
     def _main_grad_views(self) -> list[DTensor]:
         """``param.grad`` / ``param.main_grad`` of each parameter: DTensor views of ``main_grad``."""
@@ -705,10 +744,23 @@ class ParameterGroup:
         """The optimizer dropped every ``.grad`` we attached: main_grad's values are dead, so its
         storage goes until the next reduction rewrites it."""
         if self._grads_attached and all(p.grad is None for p in self.sharded_params):
-            self._main_grad_has_data = False
-            self._grads_attached = False
-            if self._reduce is None and not self.main_grad.is_storage_released():
-                self.main_grad.release_storage()
+            self.drop_main_grads()
+
+    def drop_main_grads(self) -> None:
+        """Forget the reduced gradients (``zero_grad()`` with set_to_none, or :mod:`fsdp.optim`'s):
+        the next reduction overwrites ``main_grad``, whose storage goes until then."""
+        for p in self.sharded_params:
+            p.grad = None
+        self._main_grad_has_data = False
+        self._grads_attached = False
+        if self._reduce is None and not self.main_grad.is_storage_released():
+            self.main_grad.release_storage()
+
+    def params_with_grads(self) -> list[int]:
+        """Indices of the parameters whose reduced gradients ``main_grad`` holds, in order."""
+        if not self.requires_grad or not self._main_grad_has_data:
+            return []
+        return sorted(self._in_main)
 
     def release_dropped_grads(self) -> None:
         """Called before forward: free main_grad if ``zero_grad()`` dropped the gradients."""
@@ -731,6 +783,8 @@ class ParameterGroup:
                 self.main_grad.local_buffer.copy_(result.local_buffer)
             else:
                 self.main_grad.local_buffer.add_(result.local_buffer)
+            if result is not self.grad_in:  # a sharded temporary: free it now, not at the next gc
+                result.release_storage()  # (the collective's handle and the buffer refer to each other)
         if not self._local:
             self.grad_in.release_storage()
         return True
@@ -757,9 +811,11 @@ class ParameterGroup:
             if view.dtype == p.dtype:
                 if p.grad is not view:
                     p.grad = view
-            else:
+            elif self.cast_grads:
                 p.grad = view.to(p.dtype)
-        self._grads_attached = True
+            else:  # fsdp.optim reads main_grad itself and zeroes it with drop_main_grads()
+                continue
+            self._grads_attached = True
 
     @torch.no_grad()
     def zero_grad_buffer(self) -> None:
