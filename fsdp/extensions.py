@@ -56,6 +56,7 @@ from dbuffer import DBuffer
 from dbuffer.agreement import check_agreement
 from dbuffer.layout import compute_layout
 from fsdp.chunked import ChunkedParameterGroup, _stride
+from fsdp.param_group import mesh_device, meta_error
 
 __all__ = [
     "ExtensionParameterGroup",
@@ -172,6 +173,12 @@ class ExtensionParameterGroup(ChunkedParameterGroup):
     @torch.no_grad()
     def _fill_main(self, params: list[torch.Tensor]) -> None:
         self._make_pieces(params, fill=True)
+
+    def materialize(self, device: torch.device) -> None:
+        """``to_empty``: the pieces (of the parameters' own type) get zeroed storage on ``device``."""
+        if self.is_meta and self._pieces is not None:
+            self._pieces = [p.new_zeros(p.shape, device=device) for p in self._pieces]
+        super().materialize(device)
 
     def _build_compute_buffers(self) -> None:
         if self._pieces is None:  # built on meta: zeros until initialised
@@ -333,8 +340,8 @@ class ExtensionParameterGroup(ChunkedParameterGroup):
     # ------------------------------------------------------------------ gather, post-all-gather
 
     def unshard(self, async_op: bool = False) -> None:
-        if self._uninitialised_version is not None:
-            self._check_initialised()
+        if self.is_meta:
+            raise RuntimeError(meta_error([i.fqn for i in self.infos]))
         if self._gather_pending is not None:
             if not async_op:
                 self.wait_unshard()
@@ -473,6 +480,8 @@ class ExtensionParameterGroup(ChunkedParameterGroup):
 
     def begin_init(self) -> None:
         """Register full tensors of each parameter's own type for an init function to fill."""
+        if self.is_meta:  # init_weights without to_empty: the mesh's device
+            self.materialize(mesh_device(self.mesh))
         self._init_full = [
             nn.Parameter(piece.new_zeros(self._orig[k][0]), requires_grad=self.requires_grad)
             for k, piece in enumerate(self._pieces)

@@ -494,7 +494,7 @@ class ParameterGroup:
         main weights themselves when they are replicated (``no_shard``), otherwise a temporary
         replicated buffer of this group only, never of the whole model."""
         if self.is_meta:  # init_weights without to_empty: the mesh's device
-            self.materialize(_mesh_device(self.mesh))
+            self.materialize(mesh_device(self.mesh))
         if self.strategy.shard_optim:
             self._init_buffer = self._init_target()
         target = self._init_buffer if self._init_buffer is not None else self.main
@@ -863,7 +863,7 @@ def _rows_of(full: torch.Tensor, main: DBuffer, k: int, local: torch.Tensor) -> 
     return piece.reshape(local.shape)
 
 
-def _mesh_device(mesh: DeviceMesh) -> torch.device:
+def mesh_device(mesh: DeviceMesh) -> torch.device:
     if mesh.device_type == "cpu":
         return torch.device("cpu")
     module = torch.get_device_module(mesh.device_type)
