@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor, Shard
 from dbuffer.agreement import check_agreement, value_digest, values_comparable
 from fsdp.bucket import Bucket, GroupSpec, plan_buckets
 from fsdp.chunked import ChunkedParameterGroup
+from fsdp.offload import CPUOffloadPolicy, OffloadPolicy, check_offload_policy
 from fsdp.param_group import ParamInfo, ParameterGroup
 from fsdp.policy import MixedPrecisionPolicy, Strategy, parse_strategy
 from fsdp.state import FSDPState, finish_grad_sync
@@ -205,6 +206,7 @@ def fully_shard(
     buckets: Sequence[Bucket] = (),
     bucket_size: Optional[int] = None,
     shard_placement_fn: Optional[Callable[[nn.Parameter], Optional[Shard]]] = None,
+    offload_policy: OffloadPolicy = OffloadPolicy(),
 ):
     """Shard ``module`` (or a list of modules forming one unit) over ``mesh``.
 
@@ -235,9 +237,16 @@ def fully_shard(
     exact ``Shard(0)`` pieces. Any other return value raises ``TypeError``, a dim the parameter
     lacks ``ValueError``, naming the parameter. With ``no_shard`` nothing is sharded and the
     function's answers have no effect.
+
+    ``offload_policy`` (FSDP2's classes, also exported by fsdp): ``CPUOffloadPolicy(pin_memory=)``
+    keeps the main weights, gradients and optimizer state on the host and steps the optimizer
+    there; each gather uploads the shard, each reduction downloads its result (see
+    :mod:`fsdp.offload`). Parameters may then be on the CPU or the mesh's device; every strategy
+    works. ``pin_memory`` on a CPU mesh has nothing to speed up and is ignored.
     """
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
     strategy = parse_strategy(sharding_strategy)
+    offload = check_offload_policy(offload_policy)
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(f"mp_policy must be an fsdp.MixedPrecisionPolicy, got {type(mp_policy).__name__}")
     if reshard_after_forward is not None and not isinstance(reshard_after_forward, int):
@@ -250,8 +259,8 @@ def fully_shard(
     ignored = set(map(id, ignored_params or ()))
     infos = _collect_params(modules, ignored)
     _check_devices(infos)
-    mesh = _check_mesh(mesh, infos)
-    config = (strategy, reshard_after_forward, mp_policy, buckets, bucket_size)
+    mesh = _check_mesh(mesh, infos, host_ok=offload is not None)
+    config = (strategy, reshard_after_forward, mp_policy, buckets, bucket_size, offload)
     reshard_after_forward = _check_reshard_after_forward(reshard_after_forward, mesh)
     if isinstance(buckets, Bucket):
         buckets = [buckets]
@@ -268,7 +277,7 @@ def fully_shard(
     )
     for spec in specs:
         if spec.mesh is not mesh:
-            _check_mesh(spec.mesh, infos, what="a bucket's mesh")
+            _check_mesh(spec.mesh, infos, what="a bucket's mesh", host_ok=offload is not None)
         _check_params([infos[k] for k in spec.members], spec.strategy, spec.policy)
     # The arguments are valid here; now the one collective: do all ranks shard the same thing?
     _check_ranks_agree(mesh, infos, specs, config)
@@ -277,7 +286,7 @@ def fully_shard(
     try:
         for m in modules:
             m.__class__ = _fsdp_class(type(m))
-        groups = _build_groups(infos, specs)
+        groups = _build_groups(infos, specs, offload)
         state = FSDPState(modules, groups, mp_policy, reshard_after_forward)
         for group in groups:
             group.use_params(unsharded=False)
@@ -491,10 +500,15 @@ def _check_reshard_after_forward(value: Optional[Union[bool, int]], mesh: Device
     return value != 1
 
 
-def _check_mesh(mesh: Optional[DeviceMesh], infos: list[ParamInfo], what: str = "mesh") -> DeviceMesh:
-    if infos and infos[0].param.device.type != "meta":
-        device_type = infos[0].param.device.type
-    else:  # no parameters of its own, or built on meta: the shards go to the mesh's device
+def _check_mesh(
+    mesh: Optional[DeviceMesh], infos: list[ParamInfo], what: str = "mesh", host_ok: bool = False
+) -> DeviceMesh:
+    """``host_ok`` (CPU offload): parameters on the CPU may be sharded over any mesh (the shards
+    stay on the host), whose default device type is then the accelerator, if any."""
+    param_type = infos[0].param.device.type if infos else "meta"
+    if param_type != "meta" and not (host_ok and param_type == "cpu"):
+        device_type = param_type
+    else:  # no parameters of its own, built on meta, or offloaded: compute on the mesh's device
         default = "cuda" if torch.cuda.is_available() else "cpu"
         device_type = mesh.device_type if isinstance(mesh, DeviceMesh) else default
     if mesh is None:
@@ -515,12 +529,14 @@ def _check_mesh(mesh: Optional[DeviceMesh], infos: list[ParamInfo], what: str = 
     return mesh
 
 
-def _build_groups(infos: list[ParamInfo], specs: list[GroupSpec]) -> list[ParameterGroup]:
+def _build_groups(
+    infos: list[ParamInfo], specs: list[GroupSpec], offload: Optional[CPUOffloadPolicy] = None
+) -> list[ParameterGroup]:
     groups = []
     for spec in specs:
         members = [infos[k] for k in spec.members]
         first = members[0].param
-        kw = dict(gradient_divide_factor=spec.gradient_divide_factor, policy=spec.policy)
+        kw = dict(gradient_divide_factor=spec.gradient_divide_factor, policy=spec.policy, offload=offload)
         args = (members, spec.mesh, spec.strategy, spec.policy.dtypes_for(first.dtype), first.requires_grad)
         if spec.dims is not None:
             groups.append(ChunkedParameterGroup(*args, dims=spec.dims, **kw))

@@ -39,6 +39,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 from dbuffer import DBuffer, Owned, Pending
 from dbuffer.layout import OwnedLayout, compute_layout, compute_owned_layout
+from fsdp.offload import CPUOffloadPolicy, HostOffload, mesh_device
 from fsdp.policy import Dtypes, MixedPrecisionPolicy, Strategy
 from fsdp.streams import CommStreams
 
@@ -86,12 +87,15 @@ class ParameterGroup:
         shard: Placement = Shard(0),
         gradient_divide_factor: Optional[float] = None,
         policy: Optional[MixedPrecisionPolicy] = None,
+        offload: Optional[CPUOffloadPolicy] = None,
     ) -> None:
         """``shard``: ``Shard(0)`` (row-atomic packing) or ``dbuffer.Owned()`` (whole tensors on
         balanced owners). ``gradient_divide_factor``: divide the summed gradients by this instead
         of averaging over the mesh (e.g. expert weights, whose gradients already hold the
         contributions of a whole expert-parallel group). ``policy``: the policy ``dtypes`` came
-        from; :meth:`convert` keeps the dtypes it set explicitly (None: every dtype follows)."""
+        from; :meth:`convert` keeps the dtypes it set explicitly (None: every dtype follows).
+        ``offload``: keep the main weights, main grads and optimizer state on the host (see
+        :mod:`fsdp.offload`); compute buffers live on the mesh's device."""
         self.infos = infos
         self.mesh = mesh
         self.strategy = strategy
@@ -106,10 +110,16 @@ class ParameterGroup:
         pl = self.placements
         main_pl = pl.sharded if strategy.shard_optim else pl.replicated
         buffer_shapes, layout = self._main_layout(shapes, shard)
-        self.main = DBuffer(
-            mesh, main_pl, buffer_shapes, dtypes.main, None if meta else device, layout=layout, check_ranks=False
-        )  # fully_shard checked that every rank builds the same unit
-        self.streams = CommStreams.for_device(self.main.device)
+        self.offload = None if offload is None else HostOffload(offload, mesh_device(mesh))
+        if self.offload is None:
+            self.main = DBuffer(
+                mesh, main_pl, buffer_shapes, dtypes.main, None if meta else device, layout=layout, check_ranks=False
+            )  # fully_shard checked that every rank builds the same unit
+            self.compute_device = self.main.device
+        else:
+            self.main = self.offload.buffer(mesh, main_pl, buffer_shapes, dtypes.main, layout)
+            self.compute_device = self.offload.compute_device
+        self.streams = CommStreams.for_device(self.compute_device)
         if not meta:
             self._fill_main([i.param for i in infos])
         self._build_compute_buffers()
@@ -139,8 +149,8 @@ class ParameterGroup:
         """``model``, ``unsharded`` and the unsharded parameters (views of it) for ``main`` and
         ``dtypes``; their values come from the next :meth:`refresh` / :meth:`unshard`."""
         d, strategy = self.dtypes, self.strategy
-        self.model = self.main if d.model == d.main else self._new(self.main.placements, d.model)
-        if not strategy.shard_optim:
+        self.model = self.main if d.model == d.main else self._host(self.main.placements, d.model)
+        if not strategy.shard_optim and self.offload is None:
             self.unsharded = self.model  # no_shard: the replicated model weights are the full ones
         else:
             self.unsharded = self._new(self.placements.replicated, d.model, zero_fill=not strategy.shard_params)
@@ -159,17 +169,34 @@ class ParameterGroup:
             p._fsdp_group = weakref.ref(self)  # found by the optimizer-step hook below
         return params
 
-    def _new(self, placements, dtype: torch.dtype, zero_fill: bool = True) -> DBuffer:
+    def _new(self, placements, dtype: torch.dtype, zero_fill: bool = True, device=None) -> DBuffer:
+        """A sibling of ``main`` on the compute device (or ``device``)."""
         return DBuffer(
             self.mesh,
             placements,
             self.main.shapes,
             dtype,
-            self.main.device,
+            self.compute_device if device is None else device,
             layout=self.main.layout,
             zero_fill=zero_fill,
             check_ranks=False,  # a sibling of main
         )
+
+    def _host(self, placements, dtype: torch.dtype, zero_fill: bool = True) -> DBuffer:
+        """A sibling of ``main`` where ``main`` lives: on the host (pinned) under offload."""
+        if self.offload is None:
+            return self._new(placements, dtype, zero_fill)
+        return self.offload.buffer(self.mesh, placements, self.main.shapes, dtype, self.main.layout, zero_fill)
+
+    def _gather_source(self) -> DBuffer:
+        """The sharded compute weights a gather reads: ``model``, or under offload its copy on
+        the compute device (uploaded now, on the current stream: the gather's)."""
+        return self.model if self.offload is None else self.offload.upload(self.model)
+
+    def _settle(self) -> None:
+        """Wait for the host copies in flight (offload) before the host touches their buffers."""
+        if self.offload is not None:
+            self.offload.settle()
 
     @torch.no_grad()
     def _fill_main(self, params: list[torch.Tensor]) -> None:
@@ -203,11 +230,16 @@ class ParameterGroup:
         version = self.weights_version()
         if not self._stale and version == self._weights_version:
             return
+        self._settle()  # an upload may still read model
         if self.model is not self.main:
             self.main.cast(self.dtypes.model, out=self.model)
         if self.strategy.shard_optim and not self.strategy.shard_params:
-            self.model.redistribute(self.placements.replicated, out=self._gather_target())
+            self._gather_source().redistribute(self.placements.replicated, out=self._gather_target())
             self._end_gather()
+            if self.offload is not None:
+                self.offload.release_upload()
+        elif self.offload is not None and not self.strategy.shard_optim:
+            self.offload.upload(self.model, out=self.unsharded)  # no_shard: nothing to gather
         self._weights_version = version
         self._stale = False
         self._refreshes += 1
@@ -229,7 +261,8 @@ class ParameterGroup:
         self.unsharded.reallocate_storage()
         target = self._gather_target()
         with self.streams.launch(self.streams.all_gather):
-            self._gather_pending = self.model.redistribute(self.placements.replicated, out=target, async_op=True)
+            source = self._gather_source()
+            self._gather_pending = source.redistribute(self.placements.replicated, out=target, async_op=True)
         if not async_op:
             self.wait_unshard()
 
@@ -245,6 +278,8 @@ class ParameterGroup:
             self._gather_pending.wait()
             self.streams.wait(self.streams.all_gather)
             self._gather_pending = None
+            if self.offload is not None:
+                self.offload.release_upload()
             self._end_gather()
             self._gathered = self._refreshes
             # A regather restores values autograd saved in forward; it is not a modification.
@@ -281,6 +316,11 @@ class ParameterGroup:
         ``device``: the shards stay on this rank's device of the mesh (no offload)."""
         have, device = self.main.device, torch.device(device)
         if device.type != have.type or (None not in (device.index, have.index) and device.index != have.index):
+            if self.offload is not None:
+                raise ValueError(
+                    f"cannot move sharded parameters {self._names()} to {device}: fully_shard's "
+                    f"CPUOffloadPolicy keeps them on the host ({have}) and computes on {self.compute_device}"
+                )
             raise ValueError(
                 f"cannot move sharded parameters {self._names()} to {device}: fully_shard keeps each "
                 f"rank's shards on its device of the mesh ({have}); build the mesh for "
@@ -317,15 +357,20 @@ class ParameterGroup:
         uninitialised = self._uninitialised_version == self.weights_version()
         self.dtypes = dtypes
         self.main = _converted(self.main, dtypes.main)
+        if self.offload is not None:
+            self.main = self.offload.adopt(self.main)
         self._build_compute_buffers()
         self._gathered = None
         self.mark_stale()
         if self.requires_grad:
             self.finish_reduce()
+            self._settle()
             self._detect_zeroed()
             old_in, old_main = self.grad_in, self.main_grad
             self.grad_in = _converted(old_in, dtypes.reduce)
             self.main_grad = _converted(old_main, dtypes.main_grad)
+            if self.offload is not None:
+                self.main_grad = self.offload.adopt(self.main_grad)
             if self.main_grad is not old_main:
                 self.main_grad_views = self._main_grad_views()  # made while it has storage
             for new, old in ((self.grad_in, old_in), (self.main_grad, old_main)):
@@ -387,7 +432,7 @@ class ParameterGroup:
 
     def _init_target(self) -> DBuffer:
         """The replicated main-dtype buffer whose views ``init_weights`` fills."""
-        return self._new(self.placements.replicated, self.dtypes.main)
+        return self._new(self.placements.replicated, self.dtypes.main, device=self.main.device)
 
     def _commit_init(self, buf: DBuffer) -> None:
         """Keep this rank's part of the initialised full weights in ``buf`` (a local copy)."""
@@ -440,7 +485,7 @@ class ParameterGroup:
         s, d, pl = self.strategy, self.dtypes, self.placements
         self.grad_in = self._new(pl.partial, d.reduce, zero_fill=False)
         self.grad_in.release_storage()
-        self.main_grad = self._new(pl.sharded if s.shard_grads else pl.replicated, d.main_grad, zero_fill=False)
+        self.main_grad = self._host(pl.sharded if s.shard_grads else pl.replicated, d.main_grad, zero_fill=False)
         self.main_grad_views = self._main_grad_views()
         self.main_grad.release_storage()  # allocated again by the first reduction
         self._seen: set[int] = set()  # params whose gradient arrived in this backward
@@ -551,7 +596,7 @@ class ParameterGroup:
         self._zero_unwritten()
         overwrite = self._overwrite_main_grad()
         self._in_main = set(self._local) if overwrite else self._in_main | self._local
-        direct = overwrite and self.dtypes.reduce == self.dtypes.main_grad
+        direct = overwrite and self.dtypes.reduce == self.dtypes.main_grad and self.offload is None
         if overwrite:
             self.main_grad.reallocate_storage()
         target_pl = self.main_grad.placements
@@ -615,6 +660,7 @@ class ParameterGroup:
             self._main_grad_has_data = False
             self._grads_attached = False
             if self._reduce is None and not self.main_grad.is_storage_released():
+                self._settle()
                 self.main_grad.release_storage()
 
     def release_dropped_grads(self) -> None:
@@ -629,6 +675,9 @@ class ParameterGroup:
             return False
         pending, overwrite = self._reduce
         self._reduce = None
+        if self.offload is not None:
+            self._download(pending, overwrite)
+            return True
         result = pending.wait()
         self.streams.wait(self.streams.reduce_scatter)
         if self.divide_factor is not None:
@@ -642,6 +691,17 @@ class ParameterGroup:
             self.grad_in.release_storage()
         return True
 
+    def _download(self, pending: Pending, overwrite: bool) -> None:
+        """Offload's end of a reduction: on the reduction's stream (compute does not wait for
+        it), copy (or add) the result into the host ``main_grad``; then free ``grad_in``."""
+        with self.streams.use(self.streams.reduce_scatter):
+            result = pending.wait()
+            if self.divide_factor is not None:
+                result.local_buffer.div_(self.divide_factor)
+            self.offload.download(result.local_buffer, self.main_grad.local_buffer, add=not overwrite)
+        if not self._local:
+            self.grad_in.release_storage()
+
     @torch.no_grad()
     def attach_grads(self) -> None:
         """Point ``param.grad`` / ``param.main_grad`` of the sharded parameters at ``main_grad``,
@@ -652,6 +712,7 @@ class ParameterGroup:
         (torch requires ``grad.dtype == param.dtype``); zero it with ``zero_grad()`` (set_to_none)
         or :meth:`zero_grad_buffer`.
         """
+        self._settle()  # the optimizer reads the gradients and writes the weights on the host
         self._detect_zeroed()
         if not self._main_grad_has_data:
             return
@@ -674,6 +735,7 @@ class ParameterGroup:
         if self._reduce is not None:
             self._reduce[0].wait()
             self._reduce = None
+        self._settle()
         self._local = set()
         self._held = {}
         if not self.grad_in.is_storage_released():
