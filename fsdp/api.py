@@ -109,15 +109,17 @@ class FSDPModule:
     def to_empty(self, *, device, recurse: bool = True):
         """``nn.Module.to_empty`` for the rest of the module (buffers, ignored parameters): the
         sharded parameters keep their storage, which ``fully_shard`` allocated on the mesh's
-        device (``device`` must be that device). Then call :func:`init_weights`."""
+        device (``device`` must be that device; under CPU offload the host or the mesh's
+        device, where the buffers then go). Then call :func:`init_weights`."""
         device = torch.device(device)
         for state in self._states(True):
             for group in state.groups:
                 have = group.main.device
-                if have.type != device.type or (device.index is not None and have.index != device.index):
+                if not group.accepts_device(device):
                     raise ValueError(
                         f"to_empty(device={device}): fully_shard allocated the shards on {have}, the mesh's "
-                        f"device; pass that device (or build the mesh for {device.type})"
+                        f"device (or the host, under CPU offload); pass that device (or build the mesh for "
+                        f"{device.type})"
                     )
         return super().to_empty(device=device, recurse=recurse)  # type: ignore[misc]  # via _apply
 

@@ -313,9 +313,12 @@ class ParameterGroup:
 
     def check_convert(self, dtype: torch.dtype, device: torch.device) -> None:
         """Raise, changing nothing, if :meth:`convert` cannot take the group to ``dtype`` on
-        ``device``: the shards stay on this rank's device of the mesh (no offload)."""
-        have, device = self.main.device, torch.device(device)
-        if device.type != have.type or (None not in (device.index, have.index) and device.index != have.index):
+        ``device``: the shards stay on this rank's device of the mesh (no offload). Under CPU
+        offload they stay on the host, and ``device`` may be the host or the compute device
+        (``module.to(device)`` then moves only the module's buffers)."""
+        device = torch.device(device)
+        if not self.accepts_device(device):
+            have = self.main.device
             if self.offload is not None:
                 raise ValueError(
                     f"cannot move sharded parameters {self._names()} to {device}: fully_shard's "
@@ -328,6 +331,14 @@ class ParameterGroup:
             )
         if dtype != self.dtypes.main and self.dtypes.main.is_floating_point and not dtype.is_floating_point:
             raise ValueError(f"cannot convert floating parameters {self._names()} to {dtype}: pick a floating dtype")
+
+    def accepts_device(self, device: torch.device) -> bool:
+        """Whether ``device`` is where the shards live (or, under offload, the compute device)."""
+        places = [self.main.device] if self.offload is None else [self.main.device, self.compute_device]
+        return any(
+            device.type == have.type and (None in (device.index, have.index) or device.index == have.index)
+            for have in places
+        )
 
     @torch.no_grad()
     def convert(self, dtype: Optional[torch.dtype] = None, device=None) -> bool:

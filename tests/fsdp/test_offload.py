@@ -239,6 +239,9 @@ def _meta(eager_state) -> bool:
     m.to_empty(device="cpu")  # as with FSDP2's CPU offload: materialise on the host
     fsdp.init_weights(m, _init)
     assert all(p._local_tensor.device.type == "cpu" for p in m.parameters())
+    m.to("cpu")  # the host: accepted, nothing moves
+    with pytest.raises(ValueError, match="CPUOffloadPolicy keeps them on the host"):
+        m.to("meta")
     return _bitwise(full_state(m), eager_state)
 
 
