@@ -22,9 +22,10 @@ Why the copies are safe on CUDA (``pin_memory=True``: host buffers are pinned an
 * the upload runs on the all-gather side stream, right before the gather that reads it, so
   stream order makes the gather see it; the upload target is allocated on that stream and freed
   after the compute stream has waited for it;
-* the download runs on the reduce-scatter side stream, after the reduction (stream order again);
-  its device source is marked used by that stream (``record_stream``), so its memory is not
-  handed out before the copy has read it;
+* the download runs on the reduce-scatter side stream, after the reduction (stream order
+  again), and compute does not wait for it; so the reduction's output and ``grad_in`` are marked
+  used by that stream (``record_stream``), and the caching allocator does not hand their memory
+  out before the reduction and the copy have read them;
 * each non-blocking copy records an event; the host never touches a host buffer a copy may still
   read or write without first waiting for those events (:meth:`HostOffload.settle`): before the
   gradients are attached (so before the optimizer can read them or write the weights), before
@@ -157,8 +158,7 @@ class HostOffload:
         ``dst``'s dtype. Runs on the current stream (the reduction's). An overwrite into pinned
         memory is non-blocking; an add first lands in a host temporary (blocking) and is summed
         on the host, after the copies still in flight into ``dst`` are done."""
-        if src.is_cuda:
-            src.record_stream(torch.cuda.current_stream(src.device))
+        self.used_here(src)
         if add:
             self.settle()
             dst.add_(src.to(self.device, dst.dtype))
@@ -167,6 +167,13 @@ class HostOffload:
         self._record()
 
     # ------------------------------------------------------------------ ordering
+
+    @staticmethod
+    def used_here(t: torch.Tensor) -> None:
+        """Tell the CUDA caching allocator that the current stream uses ``t``: its memory is not
+        handed out again (even once freed) before the work queued here so far is done."""
+        if t.is_cuda:
+            t.record_stream(torch.cuda.current_stream(t.device))
 
     def _record(self) -> None:
         if self.pin and self.compute_device.type == "cuda":

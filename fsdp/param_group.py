@@ -710,6 +710,8 @@ class ParameterGroup:
             if self.divide_factor is not None:
                 result.local_buffer.div_(self.divide_factor)
             self.offload.download(result.local_buffer, self.main_grad.local_buffer, add=not overwrite)
+            if not self._local:  # compute does not wait for this stream: keep grad_in's memory
+                self.offload.used_here(self.grad_in.local_buffer)  # until the reduction has read it
         if not self._local:
             self.grad_in.release_storage()
 
