@@ -3,7 +3,7 @@
 * Parity: every strategy, 1 and 2 micro-batches, fp32 and bf16 compute, ``shard_placement_fn``
   groups: offloaded training equals training without offload bit for bit, and (fp32) the
   single-process reference on the global batch within 1e-5, as torch FSDP2 with its
-  CPUOffloadPolicy does in the same run.
+  CPUOffloadPolicy does in the same run; HSDP (2 x 2, threaded ranks) bit for bit too.
 * Where things live: sharded parameters are views of the host ``main`` buffer, ``.grad`` views of
   the host ``main_grad``, optimizer state follows them; the unsharded weights, the upload target
   and ``grad_in`` are other storages; every gather uploads the shard and every reduction
@@ -247,3 +247,21 @@ def _meta(eager_state) -> bool:
 
 def test_meta_init_with_offload_equals_the_eager_build() -> None:
     assert run_ranks(_meta, 2, full_state(make_model()), backend="gloo") == [True, True]
+
+
+def _hsdp(model, batches) -> bool:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    states = []
+    for offload in (OFFLOAD, fsdp.OffloadPolicy()):
+        m = shard(copy.deepcopy(model), True, mesh=mesh, offload_policy=offload)
+        train(m, batches, rank=rank, world=world, micro=2)
+        states.append(full_state(m))
+    return _bitwise(*states)
+
+
+def test_hsdp_2x2_offload_equals_no_offload() -> None:
+    results = run_ranks(_hsdp, 4, make_model(), make_batches(2), backend="threaded", timeout=120)
+    assert results == [True] * 4
