@@ -9,7 +9,8 @@
   and ``grad_in`` are other storages; every gather uploads the shard and every reduction
   downloads its result (counted); ``pin_memory=True`` on a CPU mesh works unpinned.
 * Checkpoints: a DCP save of an offloaded model loads into offloaded and non-offloaded models
-  and training continues bit for bit; meta-device init with offload equals the eager build.
+  and training continues bit for bit; a full state dict loads by broadcast from rank 0;
+  meta-device init with offload equals the eager build.
 * Bad arguments raise ``TypeError`` before any collective.
 """
 
@@ -23,6 +24,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import CPUOffloadPolicy as TorchCPUOffloadPolicy
 from torch.distributed.fsdp import OffloadPolicy as TorchOffloadPolicy
+from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.distributed.tensor import Shard
 
 import fsdp
@@ -216,12 +218,19 @@ def _checkpoint(model, batches, path: str) -> dict:
         assert [_storage(p) for p in m.parameters()] == main_before  # loaded in place, on the host
         steps(m, opt, batches[2:])
         out[name] = _bitwise(full_state(m), full_state(whole))
+    # full state dict: exported on rank 0, loaded by broadcast from rank 0 into an offloaded model
+    full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    msd, _ = ckpt.get_state_dict(whole, whole_opt, options=full)
+    fresh, fresh_opt = build(OFFLOAD)
+    ckpt.set_state_dict(fresh, fresh_opt, model_state_dict=msd,
+                        options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False))
+    out["full"] = _bitwise(full_state(fresh), full_state(whole))
     return out
 
 
 def test_dcp_save_load_with_offload_continues_bit_for_bit(tmp_path) -> None:
     results = run_ranks(_checkpoint, 2, make_model(), make_batches(4), str(tmp_path / "ck"), backend="gloo")
-    assert results[0] == results[1] == {"offload": True, "plain": True}, results
+    assert results[0] == results[1] == {"offload": True, "plain": True, "full": True}, results
 
 
 def _init(m: nn.Module) -> None:
