@@ -1,9 +1,11 @@
-"""CPU offload (``offload_policy=CPUOffloadPolicy(...)``), on 2 gloo ranks.
+"""CPU offload (``offload_policy=CPUOffloadPolicy(...)``), on 2 gloo ranks (threaded where noted).
 
 * Parity: every strategy, 1 and 2 micro-batches, fp32 and bf16 compute, ``shard_placement_fn``
   groups: offloaded training equals training without offload bit for bit, and (fp32) the
   single-process reference on the global batch within 1e-5, as torch FSDP2 with its
-  CPUOffloadPolicy does in the same run; HSDP (2 x 2, threaded ranks) bit for bit too.
+  CPUOffloadPolicy does in the same run; HSDP (2 x 2, threaded ranks) bit for bit too, and
+  micro-batches without gradient sync until the last, with and without resharding after
+  backward (threaded).
 * Where things live: sharded parameters are views of the host ``main`` buffer, ``.grad`` views of
   the host ``main_grad``, optimizer state follows them; the unsharded weights, the upload target
   and ``grad_in`` are other storages; every gather uploads the shard and every reduction
@@ -274,3 +276,35 @@ def _hsdp(model, batches) -> bool:
 def test_hsdp_2x2_offload_equals_no_offload() -> None:
     results = run_ranks(_hsdp, 4, make_model(), make_batches(2), backend="threaded", timeout=120)
     assert results == [True] * 4
+
+
+def _no_sync(model, batches, ref) -> tuple:
+    """Micro-batches without gradient sync until the last (``set_requires_gradient_sync``), with
+    and without resharding after backward: grads accumulate on the device, one download each."""
+    from tests.fsdp.models import loss_fn
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    states, micro = [], 4  # equal micro-batches: the mean over them is the global mean
+    for offload, reshard_after_backward in ((OFFLOAD, True), (OFFLOAD, False), (fsdp.OffloadPolicy(), True)):
+        m = shard(copy.deepcopy(model), True, offload_policy=offload)
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1)
+        for x, y in batches:
+            per = x.shape[0] // world
+            x, y = x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
+            for i, (xm, ym) in enumerate(zip(x.chunk(micro), y.chunk(micro))):
+                last = i == micro - 1
+                m.set_requires_gradient_sync(last)
+                m.set_reshard_after_backward(last or reshard_after_backward)
+                (loss_fn(m, xm, ym) / micro).backward()
+            opt.step()
+            opt.zero_grad()
+        states.append(full_state(m))
+    return _bitwise(states[0], states[2]), _bitwise(states[1], states[2]), max_diff(states[0], ref)
+
+
+def test_gradient_accumulation_without_sync_equals_no_offload() -> None:
+    model, batches = make_model(), make_batches(2)
+    ref = reference(model, batches, micro=4)
+    results = run_ranks(_no_sync, 2, model, batches, ref, backend="threaded")
+    for same, same_kept, diff in results:
+        assert same and same_kept and diff <= 1e-5, results
