@@ -3,7 +3,7 @@ sharding strategies and precision policy. All communication happens inside :mod:
 
 From torch FSDP2, change the import: ``fully_shard(module, mesh=, reshard_after_forward=,
 mp_policy=MixedPrecisionPolicy(param_dtype=, reduce_dtype=, output_dtype=, cast_forward_inputs=),
-shard_placement_fn=)`` (``Shard(dim)``: exactly torch.chunk's pieces; see :mod:`fsdp.chunked`)
+shard_placement_fn=, offload_policy=CPUOffloadPolicy(pin_memory=))`` (``Shard(dim)``: exactly torch.chunk's pieces; see :mod:`fsdp.chunked`)
 and the module methods ``unshard(async_op=)``, ``reshard()``, ``set_requires_gradient_sync()``,
 ``set_reshard_after_forward()``, ``set_reshard_after_backward()``, ``set_is_last_backward()``,
 ``set_modules_to_forward_prefetch()``, ``set_modules_to_backward_prefetch()`` behave alike;
@@ -52,20 +52,22 @@ Differences worth knowing:
   parameters add their own axes: :mod:`fsdp.tensor_parallel`); 0-D parameters only with ``no_shard``;
   a parameter tied across two units is an error (put both users in one unit).
 * ``reshard_after_forward`` as an int (FSDP2: reshard to a smaller group) reshards fully; the
-  shards live on the mesh's device, so ``module.to(device)`` accepts that device only (no CPU
-  offload). ``module.to(dtype)`` keeps the dtypes a ``MixedPrecisionPolicy`` set explicitly.
+  shards live on the mesh's device (the host under ``CPUOffloadPolicy``), so ``module.to(device)``
+  accepts that device only. ``module.to(dtype)`` keeps the dtypes a ``MixedPrecisionPolicy`` set explicitly.
 """
 
 from fsdp.api import FSDPModule, UnshardHandle, fully_shard, init_weights, register_fsdp_forward_method
 from fsdp.bucket import Bucket
 from fsdp.muon import Muon
 from fsdp.optim import FlatAdam, FlatAdamW, FlatOptimizer, FlatSGD, flat_optimizer
+from fsdp.offload import CPUOffloadPolicy, OffloadPolicy
 from fsdp.param_group import ParameterGroup
 from fsdp.policy import MixedPrecisionPolicy, Strategy
 from fsdp.tensor_parallel import clip_grad_norm_
 
 __all__ = [
     "Bucket",
+    "CPUOffloadPolicy",
     "FSDPModule",
     "FlatAdam",
     "FlatAdamW",
@@ -73,6 +75,7 @@ __all__ = [
     "FlatSGD",
     "MixedPrecisionPolicy",
     "Muon",
+    "OffloadPolicy",
     "ParameterGroup",
     "Strategy",
     "UnshardHandle",

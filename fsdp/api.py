@@ -27,6 +27,7 @@ from dbuffer.agreement import check_agreement, value_digest, values_comparable
 from fsdp.bucket import Bucket, GroupSpec, plan_buckets
 from fsdp.chunked import ChunkedParameterGroup
 from fsdp.extensions import ExtensionParameterGroup, check_extension_params, split_extension_members
+from fsdp.offload import CPUOffloadPolicy, OffloadPolicy, check_offload_policy
 from fsdp.param_group import ParamInfo, ParameterGroup
 from fsdp.policy import MixedPrecisionPolicy, Strategy, parse_strategy
 from fsdp.state import FSDPState, finish_grad_sync
@@ -114,7 +115,8 @@ class FSDPModule:
         ``device`` (the parameter objects keep their identity). Then initialise them on the
         sharded model (``reset_parameters()`` of each module, ``module.apply(init_fn)``, or
         :func:`init_weights`, which matches an unsharded build under the same seed) or load a
-        checkpoint. ``device`` must be of the mesh's device type. Buffers and ignored
+        checkpoint. ``device`` must be of the mesh's device type (under CPU offload, the host or
+        the mesh's device: the shards go to the host either way). Buffers and ignored
         parameters go through ``nn.Module.to_empty``."""
         device = torch.device(device)
         if device.type != "meta":
@@ -124,10 +126,11 @@ class FSDPModule:
         for state in self._states(recurse):
             for group in state.groups:
                 have = group.main.device
-                if have.type != device.type or (device.index is not None and have.index != device.index):
+                if not group.accepts_device(device):
                     raise ValueError(
                         f"to_empty(device={device}): fully_shard allocated the shards on {have}, the mesh's "
-                        f"device; pass that device (or build the mesh for {device.type})"
+                        f"device (or the host, under CPU offload); pass that device (or build the mesh for "
+                        f"{device.type})"
                     )
         return super().to_empty(device=device, recurse=recurse)  # type: ignore[misc]  # via _apply
 
@@ -216,6 +219,7 @@ def fully_shard(
     buckets: Sequence[Bucket] = (),
     bucket_size: Optional[int] = None,
     shard_placement_fn: Optional[Callable[[nn.Parameter], Optional[Shard]]] = None,
+    offload_policy: OffloadPolicy = OffloadPolicy(),
 ):
     """Shard ``module`` (or a list of modules forming one unit) over ``mesh``.
 
@@ -252,9 +256,16 @@ def fully_shard(
     sharded as FSDP2 does: their TP-local tensors in torch.chunk pieces over ``mesh`` (dim 0, or
     ``shard_placement_fn``'s), registered as DTensors on the joint ``(dp, tp)`` mesh; see
     :mod:`fsdp.tensor_parallel`.
+
+    ``offload_policy`` (FSDP2's classes, also exported by fsdp): ``CPUOffloadPolicy(pin_memory=)``
+    keeps the main weights, gradients and optimizer state on the host and steps the optimizer
+    there; each gather uploads the shard, each reduction downloads its result (see
+    :mod:`fsdp.offload`). Parameters may then be on the CPU or the mesh's device; every strategy
+    works. ``pin_memory`` on a CPU mesh has nothing to speed up and is ignored.
     """
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
     strategy = parse_strategy(sharding_strategy)
+    offload = check_offload_policy(offload_policy)
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(f"mp_policy must be an fsdp.MixedPrecisionPolicy, got {type(mp_policy).__name__}")
     if reshard_after_forward is not None and not isinstance(reshard_after_forward, int):
@@ -267,8 +278,8 @@ def fully_shard(
     ignored = set(map(id, ignored_params or ()))
     infos = _collect_params(modules, ignored)
     _check_devices(infos)
-    mesh = _check_mesh(mesh, infos)
-    config = (strategy, reshard_after_forward, mp_policy, buckets, bucket_size)
+    mesh = _check_mesh(mesh, infos, host_ok=offload is not None)
+    config = (strategy, reshard_after_forward, mp_policy, buckets, bucket_size, offload)
     reshard_after_forward = _check_reshard_after_forward(reshard_after_forward, mesh)
     if isinstance(buckets, Bucket):
         buckets = [buckets]
@@ -285,10 +296,12 @@ def fully_shard(
     )
     for spec in specs:
         if spec.mesh is not mesh:
-            _check_mesh(spec.mesh, infos, what="a bucket's mesh")
+            _check_mesh(spec.mesh, infos, what="a bucket's mesh", host_ok=offload is not None)
         _check_params([infos[k] for k in spec.members], spec.strategy, spec.policy)
         _check_tensor_parallel([infos[k] for k in spec.members], spec.mesh, spec.dims, spec.strategy)
     check_extension_params([i.fqn for i in infos], [i.param for i in infos], specs)
+    if offload is not None:
+        _check_offloadable(infos)
     # The arguments are valid here; now the one collective: do all ranks shard the same thing?
     _check_ranks_agree(mesh, infos, specs, config)
 
@@ -296,7 +309,7 @@ def fully_shard(
     try:
         for m in modules:
             m.__class__ = _fsdp_class(type(m))
-        groups = _build_groups(infos, specs)
+        groups = _build_groups(infos, specs, offload)
         state = FSDPState(modules, groups, mp_policy, reshard_after_forward)
         for group in groups:
             group.use_params(unsharded=False)
@@ -510,10 +523,15 @@ def _check_reshard_after_forward(value: Optional[Union[bool, int]], mesh: Device
     return value != 1
 
 
-def _check_mesh(mesh: Optional[DeviceMesh], infos: list[ParamInfo], what: str = "mesh") -> DeviceMesh:
-    if infos and infos[0].param.device.type != "meta":
-        device_type = infos[0].param.device.type
-    else:  # no parameters of its own, or built on meta: the shards go to the mesh's device
+def _check_mesh(
+    mesh: Optional[DeviceMesh], infos: list[ParamInfo], what: str = "mesh", host_ok: bool = False
+) -> DeviceMesh:
+    """``host_ok`` (CPU offload): parameters on the CPU may be sharded over any mesh (the shards
+    stay on the host), whose default device type is then the accelerator, if any."""
+    param_type = infos[0].param.device.type if infos else "meta"
+    if param_type != "meta" and not (host_ok and param_type == "cpu"):
+        device_type = param_type
+    else:  # no parameters of its own, built on meta, or offloaded: compute on the mesh's device
         default = "cuda" if torch.cuda.is_available() else "cpu"
         device_type = mesh.device_type if isinstance(mesh, DeviceMesh) else default
     if mesh is None:
@@ -534,7 +552,20 @@ def _check_mesh(mesh: Optional[DeviceMesh], infos: list[ParamInfo], what: str = 
     return mesh
 
 
-def _build_groups(infos: list[ParamInfo], specs: list[GroupSpec]) -> list[ParameterGroup]:
+def _check_offloadable(infos: list[ParamInfo]) -> None:
+    for info in infos:
+        kind = type(info.param.detach())
+        if kind is not torch.Tensor:
+            raise NotImplementedError(
+                f"offload_policy=CPUOffloadPolicy(): parameter {info.fqn!r} is a {kind.__name__} (tensor "
+                f"parallelism or an all-gather extension), which fsdp does not offload yet; shard the "
+                f"modules holding such parameters without offload_policy (in their own fully_shard call)"
+            )
+
+
+def _build_groups(
+    infos: list[ParamInfo], specs: list[GroupSpec], offload: Optional[CPUOffloadPolicy] = None
+) -> list[ParameterGroup]:
     groups = []
     for whole in specs:
         extension, rest = split_extension_members(whole, [i.param for i in infos])
@@ -544,7 +575,7 @@ def _build_groups(infos: list[ParamInfo], specs: list[GroupSpec]) -> list[Parame
             spec = replace(whole, members=members_k, dims=_dims_of(whole, members_k))
             members = [infos[k] for k in spec.members]
             first = members[0].param
-            kw = dict(gradient_divide_factor=spec.gradient_divide_factor, policy=spec.policy)
+            kw = dict(gradient_divide_factor=spec.gradient_divide_factor, policy=spec.policy, offload=offload)
             args = (members, spec.mesh, spec.strategy, spec.policy.dtypes_for(first.dtype), first.requires_grad)
             if ext:
                 groups.append(ExtensionParameterGroup(*args, **kw))

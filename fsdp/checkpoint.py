@@ -62,6 +62,7 @@ from torch.futures import Future
 
 from dbuffer import debug
 from dbuffer.dtensor import broadcast_, broadcast_object, row_range
+from fsdp.offload import mesh_device
 
 __all__ = ["CheckpointError", "StateDictOptions", "get_state_dict", "load", "save", "set_state_dict"]
 
@@ -453,7 +454,9 @@ class _Source(NamedTuple):
             if isinstance(p, DTensor) and p.device_mesh.ndim == 1:
                 mesh = p.device_mesh
                 is_src = not broadcast or mesh.get_local_rank(0) == 0
-                return _Source(broadcast, mesh.get_group(0), is_src, p._local_tensor.device)
+                # the mesh's device: under CPU offload the shards are on the host, but the
+                # broadcast runs on the mesh's backend
+                return _Source(broadcast, mesh.get_group(0), is_src, mesh_device(mesh))
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
         is_src = not broadcast or torch.distributed.get_rank() == 0
         return _Source(broadcast, None, is_src, device)

@@ -56,7 +56,8 @@ from dbuffer import DBuffer
 from dbuffer.agreement import check_agreement
 from dbuffer.layout import compute_layout
 from fsdp.chunked import ChunkedParameterGroup, _stride
-from fsdp.param_group import mesh_device, meta_error
+from fsdp.offload import mesh_device
+from fsdp.param_group import meta_error
 
 __all__ = [
     "ExtensionParameterGroup",

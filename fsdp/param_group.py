@@ -39,6 +39,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 from dbuffer import DBuffer, Owned, Pending
 from dbuffer.layout import OwnedLayout, compute_layout, compute_owned_layout
+from fsdp.offload import CPUOffloadPolicy, HostOffload, mesh_device
 from fsdp.policy import Dtypes, MixedPrecisionPolicy, Strategy
 from fsdp.streams import CommStreams
 
@@ -88,12 +89,15 @@ class ParameterGroup:
         shard: Placement = Shard(0),
         gradient_divide_factor: Optional[float] = None,
         policy: Optional[MixedPrecisionPolicy] = None,
+        offload: Optional[CPUOffloadPolicy] = None,
     ) -> None:
         """``shard``: ``Shard(0)`` (row-atomic packing) or ``dbuffer.Owned()`` (whole tensors on
         balanced owners). ``gradient_divide_factor``: divide the summed gradients by this instead
         of averaging over the mesh (e.g. expert weights, whose gradients already hold the
         contributions of a whole expert-parallel group). ``policy``: the policy ``dtypes`` came
-        from; :meth:`convert` keeps the dtypes it set explicitly (None: every dtype follows)."""
+        from; :meth:`convert` keeps the dtypes it set explicitly (None: every dtype follows).
+        ``offload``: keep the main weights, main grads and optimizer state on the host (see
+        :mod:`fsdp.offload`); compute buffers live on the mesh's device."""
         self.infos = infos
         self.mesh = mesh
         self.strategy = strategy
@@ -108,10 +112,16 @@ class ParameterGroup:
         pl = self.placements
         main_pl = pl.sharded if strategy.shard_optim else pl.replicated
         buffer_shapes, layout = self._main_layout(shapes, shard)
-        self.main = DBuffer(
-            mesh, main_pl, buffer_shapes, dtypes.main, device, layout=layout, check_ranks=False
-        )  # fully_shard checked that every rank builds the same unit
-        self.streams = CommStreams.for_device(self.main.device)
+        self.offload = None if offload is None else HostOffload(offload, mesh_device(mesh))
+        if self.offload is None or meta:  # built on meta: every buffer on meta until to_empty
+            self.main = DBuffer(
+                mesh, main_pl, buffer_shapes, dtypes.main, device, layout=layout, check_ranks=False
+            )  # fully_shard checked that every rank builds the same unit
+            self.compute_device = self.main.device
+        else:
+            self.main = self.offload.buffer(mesh, main_pl, buffer_shapes, dtypes.main, layout)
+            self.compute_device = self.offload.compute_device
+        self.streams = CommStreams.for_device(self.compute_device)
         if not meta:
             self._fill_main([i.param for i in infos])
         self._build_compute_buffers()
@@ -139,9 +149,9 @@ class ParameterGroup:
         """``model``, ``unsharded`` and the unsharded parameters (views of it) for ``main`` and
         ``dtypes``; their values come from the next :meth:`refresh` / :meth:`unshard`."""
         d, strategy = self.dtypes, self.strategy
-        self.model = self.main if d.model == d.main else self._new(self.main.placements, d.model)
+        self.model = self.main if d.model == d.main else self._host(self.main.placements, d.model)
         self._release_lean_model()
-        if not strategy.shard_optim:
+        if not strategy.shard_optim and self.offload is None:
             self.unsharded = self.model  # no_shard: the replicated model weights are the full ones
         else:
             self.unsharded = self._new(self.placements.replicated, d.model, zero_fill=not strategy.shard_params)
@@ -184,17 +194,34 @@ class ParameterGroup:
             p._fsdp_group = weakref.ref(self)  # found by the optimizer-step hook below
         return params
 
-    def _new(self, placements, dtype: torch.dtype, zero_fill: bool = True) -> DBuffer:
+    def _new(self, placements, dtype: torch.dtype, zero_fill: bool = True, device=None) -> DBuffer:
+        """A sibling of ``main`` on the compute device (or ``device``)."""
         return DBuffer(
             self.mesh,
             placements,
             self.main.shapes,
             dtype,
-            self.main.device,
+            self.compute_device if device is None else device,
             layout=self.main.layout,
             zero_fill=zero_fill,
             check_ranks=False,  # a sibling of main
         )
+
+    def _host(self, placements, dtype: torch.dtype, zero_fill: bool = True) -> DBuffer:
+        """A sibling of ``main`` where ``main`` lives: on the host (pinned) under offload."""
+        if self.offload is None or self.is_meta:
+            return self._new(placements, dtype, zero_fill)
+        return self.offload.buffer(self.mesh, placements, self.main.shapes, dtype, self.main.layout, zero_fill)
+
+    def _gather_source(self) -> DBuffer:
+        """The sharded compute weights a gather reads: ``model``, or under offload its copy on
+        the compute device (uploaded now, on the current stream: the gather's)."""
+        return self.model if self.offload is None else self.offload.upload(self.model)
+
+    def _settle(self) -> None:
+        """Wait for the host copies in flight (offload) before the host touches their buffers."""
+        if self.offload is not None:
+            self.offload.settle()
 
     @torch.no_grad()
     def _fill_main(self, params: list[torch.Tensor]) -> None:
@@ -235,6 +262,7 @@ class ParameterGroup:
             return
         if self.is_meta:  # nothing to cast or gather until to_empty
             return
+        self._settle()  # an upload may still read model
         lean = self.lean_model
         if self.model is not self.main and version != self._written_version and not lean:
             self.main.cast(self.dtypes.model, out=self.model)
@@ -242,9 +270,13 @@ class ParameterGroup:
         if self.strategy.shard_optim and not self.strategy.shard_params:
             if lean:
                 self._cast_model()
-            self.model.redistribute(self.placements.replicated, out=self._gather_target())
+            self._gather_source().redistribute(self.placements.replicated, out=self._gather_target())
             self._end_gather()
             self._release_lean_model()
+            if self.offload is not None:
+                self.offload.release_upload()
+        elif self.offload is not None and not self.strategy.shard_optim:
+            self.offload.upload(self.model, out=self.unsharded)  # no_shard: nothing to gather
         self._weights_version = version
         self._stale = False
         self._refreshes += 1
@@ -268,7 +300,8 @@ class ParameterGroup:
         if self.lean_model:
             self._cast_model()
         with self.streams.launch(self.streams.all_gather):
-            self._gather_pending = self.model.redistribute(self.placements.replicated, out=target, async_op=True)
+            source = self._gather_source()
+            self._gather_pending = source.redistribute(self.placements.replicated, out=target, async_op=True)
         if not async_op:
             self.wait_unshard()
 
@@ -285,6 +318,8 @@ class ParameterGroup:
             self.streams.wait(self.streams.all_gather)
             self._gather_pending = None
             self._release_lean_model()
+            if self.offload is not None:
+                self.offload.release_upload()
             self._end_gather()
             self._gathered = self._refreshes
             # A regather restores values autograd saved in forward; it is not a modification.
@@ -318,9 +353,17 @@ class ParameterGroup:
 
     def check_convert(self, dtype: torch.dtype, device: torch.device) -> None:
         """Raise, changing nothing, if :meth:`convert` cannot take the group to ``dtype`` on
-        ``device``: the shards stay on this rank's device of the mesh (no offload)."""
-        have, device = self.main.device, torch.device(device)
-        if device.type != have.type or (None not in (device.index, have.index) and device.index != have.index):
+        ``device``: the shards stay on this rank's device of the mesh (no offload). Under CPU
+        offload they stay on the host, and ``device`` may be the host or the compute device
+        (``module.to(device)`` then moves only the module's buffers)."""
+        device = torch.device(device)
+        if not self.accepts_device(device):
+            have = self.main.device
+            if self.offload is not None:
+                raise ValueError(
+                    f"cannot move sharded parameters {self._names()} to {device}: fully_shard's "
+                    f"CPUOffloadPolicy keeps them on the host ({have}) and computes on {self.compute_device}"
+                )
             raise ValueError(
                 f"cannot move sharded parameters {self._names()} to {device}: fully_shard keeps each "
                 f"rank's shards on its device of the mesh ({have}); build the mesh for "
@@ -328,6 +371,14 @@ class ParameterGroup:
             )
         if dtype != self.dtypes.main and self.dtypes.main.is_floating_point and not dtype.is_floating_point:
             raise ValueError(f"cannot convert floating parameters {self._names()} to {dtype}: pick a floating dtype")
+
+    def accepts_device(self, device: torch.device) -> bool:
+        """Whether ``device`` is where the shards live (or, under offload, the compute device)."""
+        places = [self.main.device] if self.offload is None else [self.main.device, self.compute_device]
+        return any(
+            device.type == have.type and (None in (device.index, have.index) or device.index == have.index)
+            for have in places
+        )
 
     @torch.no_grad()
     def convert(self, dtype: Optional[torch.dtype] = None, device=None) -> bool:
@@ -350,15 +401,20 @@ class ParameterGroup:
         self.wait_unshard()
         self.dtypes = dtypes
         self.main = _converted(self.main, dtypes.main)
+        if self.offload is not None:
+            self.main = self.offload.adopt(self.main)
         self._build_compute_buffers()
         self._gathered = None
         self.mark_stale()
         if self.requires_grad:
             self.finish_reduce()
+            self._settle()
             self._detect_zeroed()
             old_in, old_main = self.grad_in, self.main_grad
             self.grad_in = _converted(old_in, dtypes.reduce)
             self.main_grad = _converted(old_main, dtypes.main_grad)
+            if self.offload is not None:
+                self.main_grad = self.offload.adopt(self.main_grad)
             if self.main_grad is not old_main:
                 self.main_grad_views = self._main_grad_views()  # made while it has storage
             for new, old in ((self.grad_in, old_in), (self.main_grad, old_main)):
@@ -392,17 +448,23 @@ class ParameterGroup:
         if not self.is_meta:
             return
         device = torch.device(device)
-        if device.type != self.mesh.device_type:
+        allowed = {self.mesh.device_type} | ({"cpu"} if self.offload is not None else set())
+        if device.type not in allowed:
             raise ValueError(
                 f"to_empty(device={device}): the mesh of parameters {self._names()} is for "
                 f"{self.mesh.device_type!r}; pass a {self.mesh.device_type} device (or build the mesh for {device.type!r})"
             )
         self._check_swappable()
         main = self.main
-        self.main = DBuffer(
-            self.mesh, main.placements, main.shapes, main.dtype, device, layout=main.layout, check_ranks=False
-        )
-        self.streams = CommStreams.for_device(device)
+        if self.offload is None:
+            self.main = DBuffer(
+                self.mesh, main.placements, main.shapes, main.dtype, device, layout=main.layout, check_ranks=False
+            )
+            self.compute_device = device
+        else:  # the shards on the host, compute on the mesh's device
+            self.main = self.offload.buffer(self.mesh, main.placements, main.shapes, main.dtype, main.layout)
+            self.compute_device = self.offload.compute_device
+        self.streams = CommStreams.for_device(self.compute_device)
         self._build_compute_buffers()
         if self.requires_grad:
             self._init_grads()
@@ -516,7 +578,7 @@ class ParameterGroup:
 
     def _init_target(self) -> DBuffer:
         """The replicated main-dtype buffer whose views ``init_weights`` fills."""
-        return self._new(self.placements.replicated, self.dtypes.main)
+        return self._new(self.placements.replicated, self.dtypes.main, device=self.main.device)
 
     def _commit_init(self, buf: DBuffer) -> None:
         """Keep this rank's part of the initialised full weights in ``buf`` (a local copy)."""
@@ -569,7 +631,7 @@ class ParameterGroup:
         s, d, pl = self.strategy, self.dtypes, self.placements
         self.grad_in = self._new(pl.partial, d.reduce, zero_fill=False)
         self.grad_in.release_storage()
-        self.main_grad = self._new(pl.sharded if s.shard_grads else pl.replicated, d.main_grad, zero_fill=False)
+        self.main_grad = self._host(pl.sharded if s.shard_grads else pl.replicated, d.main_grad, zero_fill=False)
         self.main_grad_views = self._main_grad_views()
         self.main_grad.release_storage()  # allocated again by the first reduction
         self._seen: set[int] = set()  # params whose gradient arrived in this backward
@@ -683,7 +745,7 @@ class ParameterGroup:
         self._zero_unwritten()
         overwrite = self._overwrite_main_grad()
         self._in_main = set(self._local) if overwrite else self._in_main | self._local
-        direct = overwrite and self.dtypes.reduce == self.dtypes.main_grad
+        direct = overwrite and self.dtypes.reduce == self.dtypes.main_grad and self.offload is None
         if overwrite:
             self.main_grad.reallocate_storage()
         target_pl = self.main_grad.placements
@@ -754,6 +816,7 @@ class ParameterGroup:
         self._main_grad_has_data = False
         self._grads_attached = False
         if self._reduce is None and not self.main_grad.is_storage_released():
+            self._settle()
             self.main_grad.release_storage()
 
     def params_with_grads(self) -> list[int]:
@@ -774,6 +837,9 @@ class ParameterGroup:
             return False
         pending, overwrite = self._reduce
         self._reduce = None
+        if self.offload is not None:
+            self._download(pending, overwrite)
+            return True
         result = pending.wait()
         self.streams.wait(self.streams.reduce_scatter)
         if self.divide_factor is not None:
@@ -789,6 +855,19 @@ class ParameterGroup:
             self.grad_in.release_storage()
         return True
 
+    def _download(self, pending: Pending, overwrite: bool) -> None:
+        """Offload's end of a reduction: on the reduction's stream (compute does not wait for
+        it), copy (or add) the result into the host ``main_grad``; then free ``grad_in``."""
+        with self.streams.use(self.streams.reduce_scatter):
+            result = pending.wait()
+            if self.divide_factor is not None:
+                result.local_buffer.div_(self.divide_factor)
+            self.offload.download(result.local_buffer, self.main_grad.local_buffer, add=not overwrite)
+            if not self._local:  # compute does not wait for this stream: keep grad_in's memory
+                self.offload.used_here(self.grad_in.local_buffer)  # until the reduction has read it
+        if not self._local:
+            self.grad_in.release_storage()
+
     @torch.no_grad()
     def attach_grads(self) -> None:
         """Point ``param.grad`` / ``param.main_grad`` of the sharded parameters at ``main_grad``,
@@ -799,6 +878,7 @@ class ParameterGroup:
         (torch requires ``grad.dtype == param.dtype``); zero it with ``zero_grad()`` (set_to_none)
         or :meth:`zero_grad_buffer`.
         """
+        self._settle()  # the optimizer reads the gradients and writes the weights on the host
         self._detect_zeroed()
         if not self._main_grad_has_data:
             return
@@ -823,6 +903,7 @@ class ParameterGroup:
         if self._reduce is not None:
             self._reduce[0].wait()
             self._reduce = None
+        self._settle()
         self._local = set()
         self._held = {}
         if not self.grad_in.is_storage_released():
@@ -861,29 +942,6 @@ def _rows_of(full: torch.Tensor, main: DBuffer, k: int, local: torch.Tensor) -> 
     r0, r1 = main.local_rows(k)
     piece = full if main.num_shards == 1 else full[r0:r1]
     return piece.reshape(local.shape)
-
-
-def mesh_device(mesh: DeviceMesh) -> torch.device:
-    if mesh.device_type == "cpu":
-        return torch.device("cpu")
-    module = torch.get_device_module(mesh.device_type)
-    return torch.device(mesh.device_type, module.current_device())
-
-
-def check_no_late_extension(group: "ParameterGroup") -> None:
-    """A plain parameter whose local tensor was given FSDP2's ``fsdp_pre_all_gather`` (or
-    ``fsdp_post_all_gather``) after ``fully_shard``: its shard is the row-atomic layout's rows,
-    not the padded ``torch.chunk`` piece the protocol assumes, so raise (before any gather)
-    rather than silently gather plain values. Tensor subclasses get the protocol: see
-    :mod:`fsdp.extensions`. Checked at every refresh (a few attribute lookups per parameter)."""
-    for info, p in zip(group.infos, group.sharded_params):
-        local = getattr(p, "_local_tensor", p)
-        if hasattr(local, "fsdp_pre_all_gather") or hasattr(local, "fsdp_post_all_gather"):
-            raise TypeError(
-                f"parameter {info.fqn!r}: its local tensor got fsdp_pre_all_gather/fsdp_post_all_gather after "
-                f"fully_shard, but it was sharded as a plain tensor (row-atomic layout), so the extension "
-                f"cannot be honoured. Make the parameter a tensor subclass defining both methods before fully_shard"
-            )
 
 
 def _converted(buf: DBuffer, dtype: torch.dtype) -> DBuffer:
