@@ -944,6 +944,22 @@ def _rows_of(full: torch.Tensor, main: DBuffer, k: int, local: torch.Tensor) -> 
     return piece.reshape(local.shape)
 
 
+def check_no_late_extension(group: "ParameterGroup") -> None:
+    """A plain parameter whose local tensor was given FSDP2's ``fsdp_pre_all_gather`` (or
+    ``fsdp_post_all_gather``) after ``fully_shard``: its shard is the row-atomic layout's rows,
+    not the padded ``torch.chunk`` piece the protocol assumes, so raise (before any gather)
+    rather than silently gather plain values. Tensor subclasses get the protocol: see
+    :mod:`fsdp.extensions`. Checked at every refresh (a few attribute lookups per parameter)."""
+    for info, p in zip(group.infos, group.sharded_params):
+        local = getattr(p, "_local_tensor", p)
+        if hasattr(local, "fsdp_pre_all_gather") or hasattr(local, "fsdp_post_all_gather"):
+            raise TypeError(
+                f"parameter {info.fqn!r}: its local tensor got fsdp_pre_all_gather/fsdp_post_all_gather after "
+                f"fully_shard, but it was sharded as a plain tensor (row-atomic layout), so the extension "
+                f"cannot be honoured. Make the parameter a tensor subclass defining both methods before fully_shard"
+            )
+
+
 def _converted(buf: DBuffer, dtype: torch.dtype) -> DBuffer:
     """``buf`` itself if already in ``dtype``, else rebuilt in it (same mesh, placements, layout,
     device) with its values cast, if it has storage (the new one always has)."""
