@@ -45,12 +45,12 @@ def check_agreement(mesh: DeviceMesh, entries: Sequence[Entry], what: str, fix: 
         return
     entries = [(str(name), str(desc)) for name, desc in entries]
     digest = int.from_bytes(hashlib.blake2b(pickle.dumps(entries), digest_size=8).digest(), "little", signed=True)
-    digests = _gather_mesh(mesh, torch.tensor([digest], dtype=torch.int64))
+    digests = _gather_mesh(mesh, torch.tensor([digest], dtype=torch.int64, device="cpu"))
     if bool((digests == digests[0]).all()):
         return
     payload = pickle.dumps(entries)
-    sizes = _gather_mesh(mesh, torch.tensor([len(payload)], dtype=torch.int64))
-    padded = torch.zeros(int(sizes.max()), dtype=torch.uint8)
+    sizes = _gather_mesh(mesh, torch.tensor([len(payload)], dtype=torch.int64, device="cpu"))
+    padded = torch.zeros(int(sizes.max()), dtype=torch.uint8, device="cpu")
     padded[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
     every = _gather_mesh(mesh, padded).view(len(sizes), -1)
     lists = [pickle.loads(every[k, : int(sizes[k])].numpy().tobytes()) for k in range(len(sizes))]

@@ -324,7 +324,7 @@ class _WorkspacePool:
                     if idle[i].numel() >= numel:
                         base = idle.pop(i)
                         return base if base.numel() == numel else base[:numel]
-        return torch.empty(numel, dtype=dtype)
+        return torch.empty(numel, dtype=dtype, device="cpu")
 
     def give(self, workspace: torch.Tensor) -> None:
         base = workspace if workspace._base is None else workspace._base

@@ -1,4 +1,4 @@
-"""Leave a distributed run cleanly: the one place where a process tears down ``torch.distributed``.
+r"""Leave a distributed run cleanly: the one place where a process tears down ``torch.distributed``.
 
 Every process this project starts (the tools' ranks, the test harness's gloo workers) ends through
 :func:`shutdown` instead of calling ``dist.destroy_process_group()`` itself.

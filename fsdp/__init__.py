@@ -3,7 +3,7 @@ sharding strategies and precision policy. All communication happens inside :mod:
 
 From torch FSDP2, change the import: ``fully_shard(module, mesh=, reshard_after_forward=,
 mp_policy=MixedPrecisionPolicy(param_dtype=, reduce_dtype=, output_dtype=, cast_forward_inputs=),
-shard_placement_fn=)`` (``Shard(dim)``: exactly torch.chunk's pieces; see :mod:`fsdp.chunked`)
+shard_placement_fn=, offload_policy=CPUOffloadPolicy(pin_memory=))`` (``Shard(dim)``: exactly torch.chunk's pieces; see :mod:`fsdp.chunked`)
 and the module methods ``unshard(async_op=)``, ``reshard()``, ``set_requires_gradient_sync()``,
 ``set_reshard_after_forward()``, ``set_reshard_after_backward()``, ``set_is_last_backward()``,
 ``set_modules_to_forward_prefetch()``, ``set_modules_to_backward_prefetch()`` behave alike;
@@ -31,10 +31,13 @@ Checkpoints and meta-device init:
   publish, CRC32 per file, errors naming the key or file) and a ``set_state_dict`` that also loads
   full state dicts (``full_state_dict=True``, ``broadcast_from_rank0=True``), which torch's cuts
   where ``torch.chunk`` would, not where fsdp's row-atomic layout does.
-* Build under ``torch.device("meta")``, ``fully_shard`` (the shards are allocated on the mesh's
-  device), ``module.to_empty(device=...)`` for the buffers, then :func:`init_weights` runs each
-  module's ``reset_parameters()`` (or your function) one unit at a time and keeps each rank's rows.
-  A forward on meta-built weights that were neither initialised nor loaded raises.
+* Build under ``torch.device("meta")`` and ``fully_shard``: as in FSDP2 the sharded parameters
+  stay on meta until ``module.to_empty(device=...)`` allocates each rank's shards; then
+  :func:`init_weights` runs each module's ``reset_parameters()`` (or your function) one unit at a
+  time and keeps each rank's rows (the eager build's values), or ``reset_parameters()`` on the
+  sharded modules (FSDP2's recipe), or a checkpoint load. DTensors assigned before the first
+  forward (``load_state_dict(sd, assign=True)``) become the parameters. A forward on parameters
+  still on meta raises FSDP2's error.
 
 Differences worth knowing:
 
@@ -48,30 +51,41 @@ Differences worth knowing:
 * The model weights are refreshed after any ``torch.optim`` optimizer step (a global step hook)
   or any in-place change autograd's version counter sees (``load_state_dict``); after another
   kind of update call ``group.mark_stale()`` on the unit's groups.
-* Meshes are 1-D, or 2-D ``(replicate, shard)`` for HSDP; 0-D parameters only with ``no_shard``;
+* Meshes are 1-D, or 2-D ``(replicate, shard)`` for HSDP (tensor/expert-parallel DTensor
+  parameters add their own axes: :mod:`fsdp.tensor_parallel`); 0-D parameters only with ``no_shard``;
   a parameter tied across two units is an error (put both users in one unit).
 * ``reshard_after_forward`` as an int (FSDP2: reshard to a smaller group) reshards fully; the
-  shards live on the mesh's device, so ``module.to(device)`` accepts that device only (no CPU
-  offload). ``module.to(dtype)`` keeps the dtypes a ``MixedPrecisionPolicy`` set explicitly.
+  shards live on the mesh's device (the host under ``CPUOffloadPolicy``), so ``module.to(device)``
+  accepts that device only. ``module.to(dtype)`` keeps the dtypes a ``MixedPrecisionPolicy`` set explicitly.
 """
 
 from fsdp.api import FSDPModule, UnshardHandle, fully_shard, init_weights, register_fsdp_forward_method
-from fsdp.surface import DataParallelMeshDims, OffloadPolicy, share_comm_ctx
+from fsdp.surface import DataParallelMeshDims, share_comm_ctx
 from fsdp.bucket import Bucket
 from fsdp.muon import Muon
+from fsdp.optim import FlatAdam, FlatAdamW, FlatOptimizer, FlatSGD, flat_optimizer
+from fsdp.offload import CPUOffloadPolicy, OffloadPolicy
 from fsdp.param_group import ParameterGroup
 from fsdp.policy import MixedPrecisionPolicy, Strategy
+from fsdp.tensor_parallel import clip_grad_norm_
 
 __all__ = [
     "Bucket",
+    "CPUOffloadPolicy",
     "DataParallelMeshDims",
     "FSDPModule",
+    "FlatAdam",
+    "FlatAdamW",
+    "FlatOptimizer",
+    "FlatSGD",
     "MixedPrecisionPolicy",
     "Muon",
     "OffloadPolicy",
     "ParameterGroup",
     "Strategy",
     "UnshardHandle",
+    "clip_grad_norm_",
+    "flat_optimizer",
     "fully_shard",
     "init_weights",
     "register_fsdp_forward_method",

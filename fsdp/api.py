@@ -14,6 +14,7 @@ shards the same parameters with the same values (:mod:`dbuffer.agreement`).
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 from typing import Callable, Iterable, Optional, Sequence, Union
 
 import torch
@@ -25,11 +26,14 @@ from torch.distributed.tensor import DTensor, Shard
 from dbuffer.agreement import check_agreement, value_digest, values_comparable
 from fsdp.bucket import Bucket, GroupSpec, plan_buckets
 from fsdp.chunked import ChunkedParameterGroup
+from fsdp.extensions import ExtensionParameterGroup, check_extension_params, split_extension_members
+from fsdp.offload import CPUOffloadPolicy, OffloadPolicy, check_offload_policy
 from fsdp.param_group import ParamInfo, ParameterGroup
 from fsdp.policy import MixedPrecisionPolicy, Strategy, parse_strategy
 from fsdp import surface
 from fsdp.state import FSDPState, finish_grad_sync
-from fsdp.surface import ArgumentTypeError, DataParallelMeshDims, OffloadPolicy, share_comm_ctx
+from fsdp.surface import ArgumentTypeError, DataParallelMeshDims, share_comm_ctx
+from fsdp.tensor_parallel import TensorParallelGroup, check_params as _check_tensor_parallel, local_of
 
 __all__ = [
     "Bucket",
@@ -112,17 +116,27 @@ class FSDPModule:
         self._fsdp_state.backward_prefetch = [_state_of(m) for m in modules]
 
     def to_empty(self, *, device, recurse: bool = True):
-        """``nn.Module.to_empty`` for the rest of the module (buffers, ignored parameters): the
-        sharded parameters keep their storage, which ``fully_shard`` allocated on the mesh's
-        device (``device`` must be that device). Then call :func:`init_weights`."""
+        """``nn.Module.to_empty``, as in FSDP2: a unit built under ``torch.device("meta")`` keeps
+        its sharded parameters on meta until now; here each rank allocates only its shards on
+        ``device`` (the parameter objects keep their identity). Then initialise them on the
+        sharded model (``reset_parameters()`` of each module, ``module.apply(init_fn)``, or
+        :func:`init_weights`, which matches an unsharded build under the same seed) or load a
+        checkpoint. ``device`` must be of the mesh's device type (under CPU offload, the host or
+        the mesh's device: the shards go to the host either way). Buffers and ignored
+        parameters go through ``nn.Module.to_empty``."""
         device = torch.device(device)
-        for state in self._states(True):
+        if device.type != "meta":
+            for state in self._states(recurse):
+                for group in state.groups:
+                    group.materialize(device)
+        for state in self._states(recurse):
             for group in state.groups:
                 have = group.main.device
-                if have.type != device.type or (device.index is not None and have.index != device.index):
+                if not group.accepts_device(device):
                     raise ValueError(
                         f"to_empty(device={device}): fully_shard allocated the shards on {have}, the mesh's "
-                        f"device; pass that device (or build the mesh for {device.type})"
+                        f"device (or the host, under CPU offload); pass that device (or build the mesh for "
+                        f"{device.type})"
                     )
         return super().to_empty(device=device, recurse=recurse)  # type: ignore[misc]  # via _apply
 
@@ -266,16 +280,27 @@ def fully_shard(
     lacks ``ValueError``, naming the parameter. With ``no_shard`` nothing is sharded and the
     function's answers have no effect.
 
+    Parameters that are already DTensors (tensor or expert parallelism on other axes of the same
+    root mesh, e.g. ``parallelize_module(m, mesh["tp"], plan)`` then ``mesh=mesh["dp"]``) are
+    sharded as FSDP2 does: their TP-local tensors in torch.chunk pieces over ``mesh`` (dim 0, or
+    ``shard_placement_fn``'s), registered as DTensors on the joint ``(dp, tp)`` mesh; see
+    :mod:`fsdp.tensor_parallel`.
+
+    ``offload_policy`` (FSDP2's classes, also exported by fsdp): ``CPUOffloadPolicy(pin_memory=)``
+    keeps the main weights, gradients and optimizer state on the host and steps the optimizer
+    there; each gather uploads the shard, each reduction downloads its result (see
+    :mod:`fsdp.offload`). Parameters may then be on the CPU or the mesh's device; every strategy
+    works. ``pin_memory`` on a CPU mesh has nothing to speed up and is ignored.
+
     ``dp_mesh_dims`` (FSDP2's :class:`DataParallelMeshDims`): ``mesh`` is a named mesh and these
     of its dims are the data-parallel ones (``shard``, optionally ``replicate`` for HSDP; several
     names are flattened into one dim); see :func:`fsdp.surface.data_parallel_mesh`.
-    ``offload_policy``: FSDP2's; ``OffloadPolicy()`` (no offload) is the default.
 
     ``fully_shard.state(module)`` returns the unit's state, or None for a module not sharded.
     """
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
     strategy = parse_strategy(sharding_strategy)
-    surface.check_offload_policy(offload_policy)
+    offload = check_offload_policy(offload_policy)
     mesh = surface.data_parallel_mesh(mesh, dp_mesh_dims)
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(f"mp_policy must be an fsdp.MixedPrecisionPolicy, got {type(mp_policy).__name__}")
@@ -289,8 +314,8 @@ def fully_shard(
     ignored = set(map(id, ignored_params or ()))
     infos = _collect_params(modules, ignored)
     _check_devices(infos)
-    mesh = _check_mesh(mesh, infos)
-    config = (strategy, reshard_after_forward, mp_policy, buckets, bucket_size)
+    mesh = _check_mesh(mesh, infos, host_ok=offload is not None)
+    config = (strategy, reshard_after_forward, mp_policy, buckets, bucket_size, offload)
     reshard_after_forward = _check_reshard_after_forward(reshard_after_forward, mesh)
     if isinstance(buckets, Bucket):
         buckets = [buckets]
@@ -307,8 +332,12 @@ def fully_shard(
     )
     for spec in specs:
         if spec.mesh is not mesh:
-            _check_mesh(spec.mesh, infos, what="a bucket's mesh")
+            _check_mesh(spec.mesh, infos, what="a bucket's mesh", host_ok=offload is not None)
         _check_params([infos[k] for k in spec.members], spec.strategy, spec.policy)
+        _check_tensor_parallel([infos[k] for k in spec.members], spec.mesh, spec.dims, spec.strategy)
+    check_extension_params([i.fqn for i in infos], [i.param for i in infos], specs)
+    if offload is not None:
+        _check_offloadable(infos)
     # The arguments are valid here; now the one collective: do all ranks shard the same thing?
     _check_ranks_agree(mesh, infos, specs, config)
 
@@ -316,7 +345,7 @@ def fully_shard(
     try:
         for m in modules:
             m.__class__ = _fsdp_class(type(m))
-        groups = _build_groups(infos, specs)
+        groups = _build_groups(infos, specs, offload)
         state = FSDPState(modules, groups, mp_policy, reshard_after_forward)
         for group in groups:
             group.use_params(unsharded=False)
@@ -355,6 +384,8 @@ def init_weights(module: nn.Module, init_fn: Optional[Callable[[nn.Module], None
             for sub in _own_modules(m._fsdp_state):
                 owner.setdefault(id(sub), m._fsdp_state)
     last = {id(owner[id(m)]): i for i, m in enumerate(order) if id(m) in owner}
+    for state in {id(s): s for s in owner.values()}.values():
+        state.reshard()  # a forward may have left unsharded parameters registered
     active: dict[int, FSDPState] = {}
     fn = init_fn or _reset_parameters
     try:
@@ -507,7 +538,7 @@ def _check_ranks_agree(mesh: DeviceMesh, infos: list[ParamInfo], specs: list[Gro
     for spec in specs:
         target = values.setdefault(id(spec.mesh), (spec.mesh, []))[1]
         if values_comparable(spec.mesh):
-            target += [(f"{infos[k].fqn} values", value_digest(infos[k].param)) for k in spec.members]
+            target += [(f"{infos[k].fqn} values", value_digest(local_of(infos[k].param))) for k in spec.members]
     mesh_values = values.pop(id(mesh), (mesh, []))[1]
     check_agreement(mesh, structure + mesh_values, "fully_shard", fix)
     for other, entries in values.values():
@@ -523,8 +554,6 @@ def _check_devices(infos: list[ParamInfo]) -> None:
 def _check_params(infos: list[ParamInfo], strategy: Strategy, policy: MixedPrecisionPolicy) -> None:
     for info in infos:
         p = info.param
-        if isinstance(p, DTensor):
-            raise ValueError(f"parameter {info.fqn!r} is already a DTensor; shard plain modules only")
         if not p.is_floating_point() and (policy.param_dtype is not None or policy.main_grads_dtype is not None):
             raise ValueError(
                 f"parameter {info.fqn!r} has non-floating dtype {p.dtype} but the policy casts "
@@ -557,10 +586,15 @@ def _check_reshard_after_forward(value: Optional[Union[bool, int]], mesh: Device
     return value != 1
 
 
-def _check_mesh(mesh: Optional[DeviceMesh], infos: list[ParamInfo], what: str = "mesh") -> DeviceMesh:
-    if infos and infos[0].param.device.type != "meta":
-        device_type = infos[0].param.device.type
-    else:  # no parameters of its own, or built on meta: the shards go to the mesh's device
+def _check_mesh(
+    mesh: Optional[DeviceMesh], infos: list[ParamInfo], what: str = "mesh", host_ok: bool = False
+) -> DeviceMesh:
+    """``host_ok`` (CPU offload): parameters on the CPU may be sharded over any mesh (the shards
+    stay on the host), whose default device type is then the accelerator, if any."""
+    param_type = infos[0].param.device.type if infos else "meta"
+    if param_type != "meta" and not (host_ok and param_type == "cpu"):
+        device_type = param_type
+    else:  # no parameters of its own, built on meta, or offloaded: compute on the mesh's device
         default = "cuda" if torch.cuda.is_available() else "cpu"
         device_type = mesh.device_type if isinstance(mesh, DeviceMesh) else default
     if mesh is None:
@@ -588,18 +622,46 @@ def _check_mesh(mesh: Optional[DeviceMesh], infos: list[ParamInfo], what: str = 
     return mesh
 
 
-def _build_groups(infos: list[ParamInfo], specs: list[GroupSpec]) -> list[ParameterGroup]:
+def _check_offloadable(infos: list[ParamInfo]) -> None:
+    for info in infos:
+        kind = type(info.param.detach())
+        if kind is not torch.Tensor:
+            raise NotImplementedError(
+                f"offload_policy=CPUOffloadPolicy(): parameter {info.fqn!r} is a {kind.__name__} (tensor "
+                f"parallelism or an all-gather extension), which fsdp does not offload yet; shard the "
+                f"modules holding such parameters without offload_policy (in their own fully_shard call)"
+            )
+
+
+def _build_groups(
+    infos: list[ParamInfo], specs: list[GroupSpec], offload: Optional[CPUOffloadPolicy] = None
+) -> list[ParameterGroup]:
     groups = []
-    for spec in specs:
-        members = [infos[k] for k in spec.members]
-        first = members[0].param
-        kw = dict(gradient_divide_factor=spec.gradient_divide_factor, policy=spec.policy)
-        args = (members, spec.mesh, spec.strategy, spec.policy.dtypes_for(first.dtype), first.requires_grad)
-        if spec.dims is not None:
-            groups.append(ChunkedParameterGroup(*args, dims=spec.dims, **kw))
-        else:
-            groups.append(ParameterGroup(*args, shard=spec.placement, **kw))
+    for whole in specs:
+        extension, rest = split_extension_members(whole, [i.param for i in infos])
+        for members_k, ext in ((extension, True), (rest, False)):  # tensor subclasses: fsdp.extensions
+            if not members_k:
+                continue
+            spec = replace(whole, members=members_k, dims=_dims_of(whole, members_k))
+            members = [infos[k] for k in spec.members]
+            first = members[0].param
+            kw = dict(gradient_divide_factor=spec.gradient_divide_factor, policy=spec.policy, offload=offload)
+            args = (members, spec.mesh, spec.strategy, spec.policy.dtypes_for(first.dtype), first.requires_grad)
+            if ext:
+                groups.append(ExtensionParameterGroup(*args, **kw))
+            elif spec.dims is not None and isinstance(first, DTensor):
+                groups.append(TensorParallelGroup(*args, dims=spec.dims, **kw))
+            elif spec.dims is not None:
+                groups.append(ChunkedParameterGroup(*args, dims=spec.dims, **kw))
+            else:
+                groups.append(ParameterGroup(*args, shard=spec.placement, **kw))
     return groups
+
+
+def _dims_of(spec: GroupSpec, members: list[int]) -> Optional[list[int]]:
+    if spec.dims is None:
+        return None
+    return [d for k, d in zip(spec.members, spec.dims) if k in set(members)]
 
 
 def _sharded_of(groups: list[ParameterGroup]):

@@ -26,6 +26,7 @@ from torch.distributed.tensor import Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from fsdp.policy import MixedPrecisionPolicy, Strategy, parse_strategy
+from fsdp.tensor_parallel import mesh_key
 
 __all__ = ["Bucket", "GroupSpec", "plan_buckets"]
 
@@ -124,6 +125,9 @@ def plan_buckets(
                 f"returned Shard({dims[k]}) for it; a bucket sets its own placement: return None for it"
             )
     rest = [k for k in range(len(names)) if k not in owner]
+    for k in rest:  # DTensor (tensor-parallel) parameters: exact torch.chunk pieces, dim 0 by default
+        if dims[k] is None and mesh_key(params[k]) is not None and params[k].dim():
+            dims[k] = 0
     chunked = [k for k in rest if dims[k] is not None] if strategy.shard_optim else []
     specs.extend(_default([k for k in rest if k not in chunked], params, mesh, strategy, policy, bucket_size))
     for spec in _default(chunked, params, mesh, strategy, policy, bucket_size):
@@ -181,9 +185,9 @@ def _default(members, params, mesh, strategy, policy, bucket_size) -> list[Group
 
 
 def _by_dtype(members: list[int], params: list[torch.Tensor]) -> list[list[int]]:
-    groups: dict[tuple[torch.dtype, bool], list[int]] = {}
-    for k in members:
-        groups.setdefault((params[k].dtype, params[k].requires_grad), []).append(k)
+    groups: dict[tuple, list[int]] = {}
+    for k in members:  # DTensor (tensor-parallel) parameters: one group per TP mesh
+        groups.setdefault((params[k].dtype, params[k].requires_grad, mesh_key(params[k])), []).append(k)
     return list(groups.values())
 
 

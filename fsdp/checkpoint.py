@@ -56,11 +56,13 @@ from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMe
 from torch.distributed.checkpoint.planner import SavePlanner
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.distributed.checkpoint.storage import WriteResult
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import _StridedShard
 from torch.futures import Future
 
 from dbuffer import debug
 from dbuffer.dtensor import broadcast_, broadcast_object, row_range
+from fsdp.offload import mesh_device
 
 __all__ = ["CheckpointError", "StateDictOptions", "get_state_dict", "load", "save", "set_state_dict"]
 
@@ -452,7 +454,9 @@ class _Source(NamedTuple):
             if isinstance(p, DTensor) and p.device_mesh.ndim == 1:
                 mesh = p.device_mesh
                 is_src = not broadcast or mesh.get_local_rank(0) == 0
-                return _Source(broadcast, mesh.get_group(0), is_src, p._local_tensor.device)
+                # the mesh's device: under CPU offload the shards are on the host, but the
+                # broadcast runs on the mesh's backend
+                return _Source(broadcast, mesh.get_group(0), is_src, mesh_device(mesh))
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
         is_src = not broadcast or torch.distributed.get_rank() == 0
         return _Source(broadcast, None, is_src, device)
@@ -519,6 +523,9 @@ def _copy_rows(leaf: torch.Tensor, value: torch.Tensor) -> None:
         local = leaf._local_tensor
         if leaf.dim() == 0:
             local.copy_(value)
+        elif any(isinstance(p, _StridedShard) for p in leaf.placements):  # FSDP x TP (fsdp.tensor_parallel)
+            # DTensor's own split of the full value, on this rank alone (no communication)
+            local.copy_(distribute_tensor(value, leaf.device_mesh, leaf.placements, src_data_rank=None)._local_tensor)
         elif any(isinstance(p, Shard) and p.dim != 0 for p in leaf.placements):
             local.copy_(_chunk_piece(leaf, value))  # a plain DTensor (shard_placement_fn's)
         else:

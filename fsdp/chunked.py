@@ -109,25 +109,24 @@ class ChunkedParameterGroup(ParameterGroup):
         """``model`` as in the base class; ``gathered``: the shard-major all-gather target, with
         storage only while a gather lands; ``unsharded``: the full parameters, in their shapes."""
         d = self.dtypes
-        self.model = self.main if d.model == d.main else self._new(self.main.placements, d.model)
+        self.model = self.main if d.model == d.main else self._host(self.main.placements, d.model)
+        self._release_lean_model()
         self.gathered = self._new(self.placements.replicated, d.model, zero_fill=False)
         self.gathered.release_storage()
         self.unsharded = self._full_buffer(d.model, zero_fill=not self.strategy.shard_params)
-        self.unsharded_params = [
-            torch.nn.Parameter(self.unsharded.get_local_tensor(k), requires_grad=self.requires_grad)
-            for k in range(len(self.infos))
-        ]
+        self.unsharded_params = [self._module_param(k, self.unsharded.get_local_tensor(k)) for k in range(len(self.infos))]
         if self.strategy.shard_params:
             self.unsharded.release_storage()
 
-    def _full_buffer(self, dtype: torch.dtype, zero_fill: bool = True) -> DBuffer:
-        """A replicated buffer holding the parameters in their own shapes (packed, no padding)."""
+    def _full_buffer(self, dtype: torch.dtype, zero_fill: bool = True, device=None) -> DBuffer:
+        """A replicated buffer holding the parameters in their own shapes (packed, no padding), on
+        the compute device (or ``device``)."""
         return DBuffer(
             self.mesh,
             self.placements.replicated,
             self._shapes,
             dtype,
-            self.main.device,
+            self.compute_device if device is None else device,
             layout=compute_layout(self._shapes, 1),
             zero_fill=zero_fill,
             check_ranks=False,
@@ -166,7 +165,7 @@ class ChunkedParameterGroup(ParameterGroup):
     # ------------------------------------------------------------------ init_weights
 
     def _init_target(self) -> DBuffer:
-        return self._full_buffer(self.dtypes.main)
+        return self._full_buffer(self.dtypes.main, device=self.main.device)
 
     def _commit_init(self, buf: DBuffer) -> None:
         self._fill_main([buf.get_local_tensor(k) for k in range(len(self.infos))])

@@ -33,12 +33,13 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import Placement
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from dbuffer import DBuffer, Owned, Pending
 from dbuffer.layout import OwnedLayout, compute_layout, compute_owned_layout
+from fsdp.offload import CPUOffloadPolicy, HostOffload, mesh_device
 from fsdp.policy import Dtypes, MixedPrecisionPolicy, Strategy
 from fsdp.reduction import ReduceSettings
 from fsdp.streams import CommStreams
@@ -76,6 +77,8 @@ class ParameterGroup:
 
     # The parameters fsdp last registered on the modules (None: not yet, the originals are there).
     _registered: Optional[list[nn.Parameter]] = None
+    # weights_version() when fsdp.optim last wrote the model shard with the main weights.
+    _written_version: Optional[int] = None
 
     def __init__(
         self,
@@ -87,12 +90,15 @@ class ParameterGroup:
         shard: Placement = Shard(0),
         gradient_divide_factor: Optional[float] = None,
         policy: Optional[MixedPrecisionPolicy] = None,
+        offload: Optional[CPUOffloadPolicy] = None,
     ) -> None:
         """``shard``: ``Shard(0)`` (row-atomic packing) or ``dbuffer.Owned()`` (whole tensors on
         balanced owners). ``gradient_divide_factor``: divide the summed gradients by this instead
         of averaging over the mesh (e.g. expert weights, whose gradients already hold the
         contributions of a whole expert-parallel group). ``policy``: the policy ``dtypes`` came
-        from; :meth:`convert` keeps the dtypes it set explicitly (None: every dtype follows)."""
+        from; :meth:`convert` keeps the dtypes it set explicitly (None: every dtype follows).
+        ``offload``: keep the main weights, main grads and optimizer state on the host (see
+        :mod:`fsdp.offload`); compute buffers live on the mesh's device."""
         self.infos = infos
         self.mesh = mesh
         self.strategy = strategy
@@ -102,15 +108,21 @@ class ParameterGroup:
         self.reduction = ReduceSettings(divide_factor=gradient_divide_factor)  # FSDP2's reduction knobs
         self.placements = GroupPlacements.for_mesh(mesh.ndim, shard, self.reduction.op)
         device = infos[0].param.device
-        meta = device.type == "meta"  # built on the meta device: allocate on the mesh's device
+        meta = device.type == "meta"  # built on meta: so are the shards, until to_empty (FSDP2)
         shapes = [tuple(i.param.shape) for i in infos]
         pl = self.placements
         main_pl = pl.sharded if strategy.shard_optim else pl.replicated
         buffer_shapes, layout = self._main_layout(shapes, shard)
-        self.main = DBuffer(
-            mesh, main_pl, buffer_shapes, dtypes.main, None if meta else device, layout=layout, check_ranks=False
-        )  # fully_shard checked that every rank builds the same unit
-        self.streams = CommStreams.for_device(self.main.device)
+        self.offload = None if offload is None else HostOffload(offload, mesh_device(mesh))
+        if self.offload is None or meta:  # built on meta: every buffer on meta until to_empty
+            self.main = DBuffer(
+                mesh, main_pl, buffer_shapes, dtypes.main, device, layout=layout, check_ranks=False
+            )  # fully_shard checked that every rank builds the same unit
+            self.compute_device = self.main.device
+        else:
+            self.main = self.offload.buffer(mesh, main_pl, buffer_shapes, dtypes.main, layout)
+            self.compute_device = self.offload.compute_device
+        self.streams = CommStreams.for_device(self.compute_device)
         if not meta:
             self._fill_main([i.param for i in infos])
         self._build_compute_buffers()
@@ -125,8 +137,6 @@ class ParameterGroup:
         if requires_grad:
             self._init_grads()
         self._init_buffer: Optional[DBuffer] = None  # full main-dtype weights during init_weights
-        # Meta-built weights are zeros until initialised or loaded: refuse to run on them.
-        self._uninitialised_version = self.weights_version() if meta else None
 
     def _main_layout(self, shapes: list[tuple[int, ...]], shard: Placement):
         """The shapes the buffers hold and their layout (None: DBuffer's packed default)."""
@@ -140,17 +150,42 @@ class ParameterGroup:
         """``model``, ``unsharded`` and the unsharded parameters (views of it) for ``main`` and
         ``dtypes``; their values come from the next :meth:`refresh` / :meth:`unshard`."""
         d, strategy = self.dtypes, self.strategy
-        self.model = self.main if d.model == d.main else self._new(self.main.placements, d.model)
-        if not strategy.shard_optim:
+        self.model = self.main if d.model == d.main else self._host(self.main.placements, d.model)
+        self._release_lean_model()
+        if not strategy.shard_optim and self.offload is None:
             self.unsharded = self.model  # no_shard: the replicated model weights are the full ones
         else:
             self.unsharded = self._new(self.placements.replicated, d.model, zero_fill=not strategy.shard_params)
-        self.unsharded_params = [
-            nn.Parameter(self.unsharded.get_local_tensor(k), requires_grad=self.requires_grad)
-            for k in range(len(self.infos))
-        ]
+        self.unsharded_params = [self._module_param(k, self.unsharded.get_local_tensor(k)) for k in range(len(self.infos))]
         if strategy.shard_params:  # gathered before each use (its views exist now)
             self.unsharded.release_storage()
+
+    def _module_param(self, k: int, full: torch.Tensor) -> nn.Parameter:
+        """What modules compute with for parameter ``k`` whose whole values are ``full`` (a view
+        of a buffer): the view itself here; a DTensor on the parameter's tensor-parallel mesh
+        around it in :mod:`fsdp.tensor_parallel`, whose "whole" tensors are TP-local ones."""
+        return nn.Parameter(full, requires_grad=self.requires_grad)
+
+    @property
+    def lean_model(self) -> bool:
+        """Whether the model shard is a temporary cast before each gather (the policy's
+        ``persistent_param_shard=False``) rather than a copy kept between steps."""
+        return (
+            self.policy is not None
+            and not self.policy.persistent_param_shard
+            and self.model is not self.main
+            and self.strategy.shard_optim
+        )
+
+    def _release_lean_model(self) -> None:
+        if self.lean_model:
+            self.model.release_storage()
+
+    def _cast_model(self) -> None:
+        """Cast the main shard into the model shard (allocated first when lean)."""
+        if self.lean_model:
+            self.model.reallocate_storage()
+        self.main.cast(self.dtypes.model, out=self.model)
 
     def _new_sharded_params(self) -> list[nn.Parameter]:
         params = [
@@ -160,17 +195,34 @@ class ParameterGroup:
             p._fsdp_group = weakref.ref(self)  # found by the optimizer-step hook below
         return params
 
-    def _new(self, placements, dtype: torch.dtype, zero_fill: bool = True) -> DBuffer:
+    def _new(self, placements, dtype: torch.dtype, zero_fill: bool = True, device=None) -> DBuffer:
+        """A sibling of ``main`` on the compute device (or ``device``)."""
         return DBuffer(
             self.mesh,
             placements,
             self.main.shapes,
             dtype,
-            self.main.device,
+            self.compute_device if device is None else device,
             layout=self.main.layout,
             zero_fill=zero_fill,
             check_ranks=False,  # a sibling of main
         )
+
+    def _host(self, placements, dtype: torch.dtype, zero_fill: bool = True) -> DBuffer:
+        """A sibling of ``main`` where ``main`` lives: on the host (pinned) under offload."""
+        if self.offload is None or self.is_meta:
+            return self._new(placements, dtype, zero_fill)
+        return self.offload.buffer(self.mesh, placements, self.main.shapes, dtype, self.main.layout, zero_fill)
+
+    def _gather_source(self) -> DBuffer:
+        """The sharded compute weights a gather reads: ``model``, or under offload its copy on
+        the compute device (uploaded now, on the current stream: the gather's)."""
+        return self.model if self.offload is None else self.offload.upload(self.model)
+
+    def _settle(self) -> None:
+        """Wait for the host copies in flight (offload) before the host touches their buffers."""
+        if self.offload is not None:
+            self.offload.settle()
 
     @torch.no_grad()
     def _fill_main(self, params: list[torch.Tensor]) -> None:
@@ -189,9 +241,13 @@ class ParameterGroup:
         called after every ``torch.optim`` optimizer step."""
         return sum(p._version for p in self.sharded_params) + self.main.local_buffer._version
 
-    def mark_stale(self) -> None:
-        """The main weights changed: refresh the model weights before the next use."""
+    def mark_stale(self, model_written: bool = False) -> None:
+        """The main weights changed: refresh the model weights before the next use.
+        ``model_written``: the caller also wrote the model shard from them (:mod:`fsdp.optim`
+        does, in the optimizer's pass), so the refresh skips the cast unless the weights change
+        again before it."""
         self._stale = True
+        self._written_version = self.weights_version() if model_written else None
 
     @torch.no_grad()
     def refresh(self) -> None:
@@ -201,22 +257,35 @@ class ParameterGroup:
         ``optim``/``optim_grads`` are then all-gathered from it. ``optim_grads_params`` gathers
         at the next :meth:`unshard` instead.
         """
+        check_no_late_extension(self)
         version = self.weights_version()
         if not self._stale and version == self._weights_version:
             return
-        if self.model is not self.main:
+        if self.is_meta:  # nothing to cast or gather until to_empty
+            return
+        self._settle()  # an upload may still read model
+        lean = self.lean_model
+        if self.model is not self.main and version != self._written_version and not lean:
             self.main.cast(self.dtypes.model, out=self.model)
+        self._written_version = None
         if self.strategy.shard_optim and not self.strategy.shard_params:
-            self.model.redistribute(self.placements.replicated, out=self._gather_target())
+            if lean:
+                self._cast_model()
+            self._gather_source().redistribute(self.placements.replicated, out=self._gather_target())
             self._end_gather()
+            self._release_lean_model()
+            if self.offload is not None:
+                self.offload.release_upload()
+        elif self.offload is not None and not self.strategy.shard_optim:
+            self.offload.upload(self.model, out=self.unsharded)  # no_shard: nothing to gather
         self._weights_version = version
         self._stale = False
         self._refreshes += 1
 
     def unshard(self, async_op: bool = False) -> None:
         """Make the unsharded weights current: all-gather (ZeRO-3) into the reused buffer."""
-        if self._uninitialised_version is not None:
-            self._check_initialised()
+        if self.is_meta:
+            raise RuntimeError(meta_error([i.fqn for i in self.infos]))
         if self._gather_pending is not None:  # prefetched: its source was refreshed at launch
             if not async_op:
                 self.wait_unshard()
@@ -229,8 +298,11 @@ class ParameterGroup:
         self._version_before_gather = self.unsharded.local_buffer._version
         self.unsharded.reallocate_storage()
         target = self._gather_target()
+        if self.lean_model:
+            self._cast_model()
         with self.streams.launch(self.streams.all_gather):
-            self._gather_pending = self.model.redistribute(self.placements.replicated, out=target, async_op=True)
+            source = self._gather_source()
+            self._gather_pending = source.redistribute(self.placements.replicated, out=target, async_op=True)
         if not async_op:
             self.wait_unshard()
 
@@ -246,6 +318,9 @@ class ParameterGroup:
             self._gather_pending.wait()
             self.streams.wait(self.streams.all_gather)
             self._gather_pending = None
+            self._release_lean_model()
+            if self.offload is not None:
+                self.offload.release_upload()
             self._end_gather()
             self._gathered = self._refreshes
             # A regather restores values autograd saved in forward; it is not a modification.
@@ -279,9 +354,17 @@ class ParameterGroup:
 
     def check_convert(self, dtype: torch.dtype, device: torch.device) -> None:
         """Raise, changing nothing, if :meth:`convert` cannot take the group to ``dtype`` on
-        ``device``: the shards stay on this rank's device of the mesh (no offload)."""
-        have, device = self.main.device, torch.device(device)
-        if device.type != have.type or (None not in (device.index, have.index) and device.index != have.index):
+        ``device``: the shards stay on this rank's device of the mesh (no offload). Under CPU
+        offload they stay on the host, and ``device`` may be the host or the compute device
+        (``module.to(device)`` then moves only the module's buffers)."""
+        device = torch.device(device)
+        if not self.accepts_device(device):
+            have = self.main.device
+            if self.offload is not None:
+                raise ValueError(
+                    f"cannot move sharded parameters {self._names()} to {device}: fully_shard's "
+                    f"CPUOffloadPolicy keeps them on the host ({have}) and computes on {self.compute_device}"
+                )
             raise ValueError(
                 f"cannot move sharded parameters {self._names()} to {device}: fully_shard keeps each "
                 f"rank's shards on its device of the mesh ({have}); build the mesh for "
@@ -289,6 +372,14 @@ class ParameterGroup:
             )
         if dtype != self.dtypes.main and self.dtypes.main.is_floating_point and not dtype.is_floating_point:
             raise ValueError(f"cannot convert floating parameters {self._names()} to {dtype}: pick a floating dtype")
+
+    def accepts_device(self, device: torch.device) -> bool:
+        """Whether ``device`` is where the shards live (or, under offload, the compute device)."""
+        places = [self.main.device] if self.offload is None else [self.main.device, self.compute_device]
+        return any(
+            device.type == have.type and (None in (device.index, have.index) or device.index == have.index)
+            for have in places
+        )
 
     @torch.no_grad()
     def convert(self, dtype: Optional[torch.dtype] = None, device=None) -> bool:
@@ -305,28 +396,26 @@ class ParameterGroup:
         dtypes = self.dtypes_after_to(dtype)
         if dtypes == self.dtypes:
             return False
-        for p in self.sharded_params:
-            if weakref.getweakrefs(p):
-                raise RuntimeError(
-                    f"cannot convert parameter {self._names()}: something holds a weak reference to it, "
-                    f"which swapping its contents would break"
-                )
+        self._check_swappable()
         if self._init_buffer is not None:
             raise RuntimeError("convert() inside init_weights: convert the module before or after")
         self.wait_unshard()
-        # initialised since being built on meta (init_weights, a load) unless the version is the same
-        uninitialised = self._uninitialised_version == self.weights_version()
         self.dtypes = dtypes
         self.main = _converted(self.main, dtypes.main)
+        if self.offload is not None:
+            self.main = self.offload.adopt(self.main)
         self._build_compute_buffers()
         self._gathered = None
         self.mark_stale()
         if self.requires_grad:
             self.finish_reduce()
+            self._settle()
             self._detect_zeroed()
             old_in, old_main = self.grad_in, self.main_grad
             self.grad_in = _converted(old_in, dtypes.reduce)
             self.main_grad = _converted(old_main, dtypes.main_grad)
+            if self.offload is not None:
+                self.main_grad = self.offload.adopt(self.main_grad)
             if self.main_grad is not old_main:
                 self.main_grad_views = self._main_grad_views()  # made while it has storage
             for new, old in ((self.grad_in, old_in), (self.main_grad, old_main)):
@@ -335,16 +424,9 @@ class ParameterGroup:
             self._held = {k: g.to(dtypes.model) for k, g in self._held.items()}
             if self._grad_callbacks is not None:
                 self._hook_unsharded_params()
-        for old, new in zip(self.sharded_params, self._new_sharded_params()):
-            old.grad = None  # attached again below; a reference would block the swap
-            for key, value in vars(old).items():  # attributes set on the parameter stay
-                if key not in vars(new) and key != "main_grad":
-                    setattr(new, key, value)
-            torch.utils.swap_tensors(old, new)
+        self._swap_in(self._new_sharded_params())
         if self.requires_grad and self._grads_attached:
             self._point_grads()
-        # still never initialised: keep refusing to run on it (the versions start afresh)
-        self._uninitialised_version = self.weights_version() if uninitialised else None
         return True
 
     def _names(self) -> str:
@@ -352,25 +434,134 @@ class ParameterGroup:
 
     # ------------------------------------------------------------------ initialisation
 
-    def _check_initialised(self) -> None:
-        if self.weights_version() == self._uninitialised_version:
-            names = ", ".join(repr(i.fqn) for i in self.infos[:3]) + (", ..." if len(self.infos) > 3 else "")
-            raise RuntimeError(
-                f"parameters {names} were built on the meta device and never initialised; call "
-                f"fsdp.init_weights(model) (after model.to_empty(device=...)) or load a checkpoint first"
+    @property
+    def is_meta(self) -> bool:
+        """Built under ``torch.device("meta")`` and not yet given storage (:meth:`materialize`)."""
+        return self.main.device.type == "meta"
+
+    @torch.no_grad()
+    def materialize(self, device: torch.device) -> None:
+        """``to_empty`` for a meta-built group: every buffer gets (zeroed) storage on ``device``,
+        this rank's device of the mesh; the sharded parameters keep their identity (their
+        contents are swapped, so references and optimizers built on meta stay valid) and become
+        views of the new main weights. Values are meaningless until initialised (``reset_parameters``
+        on the sharded modules, :func:`fsdp.init_weights`) or loaded, exactly as ``to_empty``."""
+        if not self.is_meta:
+            return
+        device = torch.device(device)
+        allowed = {self.mesh.device_type} | ({"cpu"} if self.offload is not None else set())
+        if device.type not in allowed:
+            raise ValueError(
+                f"to_empty(device={device}): the mesh of parameters {self._names()} is for "
+                f"{self.mesh.device_type!r}; pass a {self.mesh.device_type} device (or build the mesh for {device.type!r})"
             )
-        self._uninitialised_version = None
+        self._check_swappable()
+        main = self.main
+        if self.offload is None:
+            self.main = DBuffer(
+                self.mesh, main.placements, main.shapes, main.dtype, device, layout=main.layout, check_ranks=False
+            )
+            self.compute_device = device
+        else:  # the shards on the host, compute on the mesh's device
+            self.main = self.offload.buffer(self.mesh, main.placements, main.shapes, main.dtype, main.layout)
+            self.compute_device = self.offload.compute_device
+        self.streams = CommStreams.for_device(self.compute_device)
+        self._build_compute_buffers()
+        if self.requires_grad:
+            self._init_grads()
+            if self._grad_callbacks is not None:
+                self._hook_unsharded_params()
+        self._swap_in(self._new_sharded_params())
+        self._gathered = None
+        self.mark_stale()
+
+    def _check_swappable(self) -> None:
+        for p in self.sharded_params:
+            if weakref.getweakrefs(p):
+                raise RuntimeError(
+                    f"cannot rebuild parameter {self._names()}: something holds a weak reference to it, "
+                    f"which swapping its contents (keeping its identity) would break"
+                )
+
+    def _swap_in(self, new_params: list[nn.Parameter]) -> None:
+        """Give the current sharded parameter objects the contents of ``new_params`` (attributes
+        set on the old ones stay), as ``nn.Module._apply`` does for DTensor parameters."""
+        for old, new in zip(self.sharded_params, new_params):
+            old.grad = None  # attached again by the caller; a reference would block the swap
+            for key, value in vars(old).items():
+                if key not in vars(new) and key != "main_grad":
+                    setattr(new, key, value)
+            torch.utils.swap_tensors(old, new)
+
+    @torch.no_grad()
+    def adopt_assigned(self) -> bool:
+        """Take over parameters assigned to the modules since ``fully_shard`` and before the first
+        forward, as FSDP2's lazy init does (``module.weight = nn.Parameter(dtensor)``,
+        ``load_state_dict(sharded_sd, assign=True)``): a DTensor of the parameter's shape on the
+        group's mesh. Its values are copied into the main weights (materialising a meta-built
+        group on the DTensor's device first) and the assigned object *becomes* fsdp's sharded
+        parameter (contents swapped, identity kept), so an optimizer built on it trains the model.
+        Collective when its layout differs from fsdp's (a ``full_tensor()``): every rank of the
+        mesh adopts the same parameters. Anything else assigned raises, see :meth:`check_registered`.
+        Returns whether anything was adopted."""
+        if self._registered is not self.sharded_params:
+            return False
+        adopted = False
+        for k, info in enumerate(self.infos):
+            want = self.sharded_params[k]
+            found = [m._parameters.get(n) for m, n in info.registrations]
+            assigned = [a for a in found if a is not want and _adoptable(a, want, self.mesh)]
+            if not assigned:
+                continue
+            have = assigned[0]  # tied registrations loaded separately hold equal values
+            for other in assigned[1:]:
+                if other is not have:  # no longer registered: an optimizer holding it is refused
+                    other._fsdp_owner = getattr(want, "_fsdp_owner", "its fsdp unit")
+            if have.device.type != "meta":
+                if self.is_meta:
+                    self.materialize(have.device)
+                self._copy_into_main(k, have)
+            self._swap_in_one(k, have)
+            adopted = True
+        if adopted:
+            self.mark_stale()
+        return adopted
+
+    def _copy_into_main(self, k: int, src: DTensor) -> None:
+        """This rank's part of parameter ``k`` from a DTensor of its full shape. Whether this
+        communicates depends only on types and placements, so every rank decides alike."""
+        target = self.sharded_params[k]
+        local = target.to_local()
+        if type(target) is DTensor and type(src) is DTensor and src.placements == target.placements:
+            local.copy_(src.to_local())  # both DTensor's own pieces: no communication
+        elif type(target) is DTensor:
+            local.copy_(distribute_tensor(src.full_tensor(), self.mesh, target.placements).to_local())
+        else:
+            local.copy_(_rows_of(src.full_tensor(), self.main, k, local))
+
+    def _swap_in_one(self, k: int, assigned: nn.Parameter) -> None:
+        """The assigned object becomes fsdp's sharded parameter ``k``; fsdp's old object gets the
+        assigned contents and is marked, so an optimizer still holding it is refused."""
+        ours = self.sharded_params[k]
+        assigned.grad = ours.grad = None
+        torch.utils.swap_tensors(assigned, ours)
+        ours._fsdp_owner = getattr(assigned, "_fsdp_owner", "its fsdp unit")  # no _fsdp_group: refused
+        self.sharded_params[k] = assigned
+        for m, n in self.infos[k].registrations:
+            m._parameters[n] = assigned
+        global _REGISTRATIONS
+        _REGISTRATIONS += 1  # optimizers are checked again
 
     def begin_init(self) -> None:
         """Register full plain parameters in the main dtype for an init function to fill: the
         main weights themselves when they are replicated (``no_shard``), otherwise a temporary
         replicated buffer of this group only, never of the whole model."""
+        if self.is_meta:  # init_weights without to_empty: the mesh's device
+            self.materialize(mesh_device(self.mesh))
         if self.strategy.shard_optim:
             self._init_buffer = self._init_target()
         target = self._init_buffer if self._init_buffer is not None else self.main
-        params = [
-            nn.Parameter(target.get_local_tensor(k), requires_grad=self.requires_grad) for k in range(len(self.infos))
-        ]
+        params = [self._module_param(k, target.get_local_tensor(k)) for k in range(len(self.infos))]
         self._register(params)
 
     @torch.no_grad()
@@ -388,7 +579,7 @@ class ParameterGroup:
 
     def _init_target(self) -> DBuffer:
         """The replicated main-dtype buffer whose views ``init_weights`` fills."""
-        return self._new(self.placements.replicated, self.dtypes.main)
+        return self._new(self.placements.replicated, self.dtypes.main, device=self.main.device)
 
     def _commit_init(self, buf: DBuffer) -> None:
         """Keep this rank's part of the initialised full weights in ``buf`` (a local copy)."""
@@ -441,7 +632,7 @@ class ParameterGroup:
         s, d, pl = self.strategy, self.dtypes, self.placements
         self.grad_in = self._new(pl.partial, d.reduce, zero_fill=False)
         self.grad_in.release_storage()
-        self.main_grad = self._new(pl.sharded if s.shard_grads else pl.replicated, d.main_grad, zero_fill=False)
+        self.main_grad = self._host(pl.sharded if s.shard_grads else pl.replicated, d.main_grad, zero_fill=False)
         self.main_grad_views = self._main_grad_views()
         self.main_grad.release_storage()  # allocated again by the first reduction
         self._seen: set[int] = set()  # params whose gradient arrived in this backward
@@ -462,6 +653,9 @@ class ParameterGroup:
         self._held: dict[int, torch.Tensor] = {}
         self._main_grad_has_data = False  # False: the next reduction overwrites main_grad
         self._grads_attached = False  # main_grad's storage: allocated by the first reduction
+        # Whether ``param.grad`` gets a cast copy when main grads are in another dtype than the
+        # main weights; fsdp.optim's flat optimizers turn it off (they upcast chunk by chunk).
+        self.cast_grads = True
 
     def _main_grad_views(self) -> list[DTensor]:
         """``param.grad`` / ``param.main_grad`` of each parameter: DTensor views of ``main_grad``."""
@@ -574,7 +768,7 @@ class ParameterGroup:
             self._partial_members = set()
         overwrite = self._overwrite_main_grad()
         self._in_main = set(members) if overwrite else self._in_main | members
-        direct = overwrite and self.dtypes.reduce == self.dtypes.main_grad
+        direct = overwrite and self.dtypes.reduce == self.dtypes.main_grad and self.offload is None
         if overwrite:
             self.main_grad.reallocate_storage()
         with self.streams.launch(self.streams.reduce_scatter):
@@ -686,10 +880,24 @@ class ParameterGroup:
         """The optimizer dropped every ``.grad`` we attached: main_grad's values are dead, so its
         storage goes until the next reduction rewrites it."""
         if self._grads_attached and all(p.grad is None for p in self.sharded_params):
-            self._main_grad_has_data = False
-            self._grads_attached = False
-            if self._reduce is None and not self.main_grad.is_storage_released():
-                self.main_grad.release_storage()
+            self.drop_main_grads()
+
+    def drop_main_grads(self) -> None:
+        """Forget the reduced gradients (``zero_grad()`` with set_to_none, or :mod:`fsdp.optim`'s):
+        the next reduction overwrites ``main_grad``, whose storage goes until then."""
+        for p in self.sharded_params:
+            p.grad = None
+        self._main_grad_has_data = False
+        self._grads_attached = False
+        if self._reduce is None and not self.main_grad.is_storage_released():
+            self._settle()
+            self.main_grad.release_storage()
+
+    def params_with_grads(self) -> list[int]:
+        """Indices of the parameters whose reduced gradients ``main_grad`` holds, in order."""
+        if not self.requires_grad or not self._main_grad_has_data:
+            return []
+        return sorted(self._in_main)
 
     def release_dropped_grads(self) -> None:
         """Called before forward: free main_grad if ``zero_grad()`` dropped the gradients."""
@@ -703,25 +911,45 @@ class ParameterGroup:
             return False
         pending, overwrite = self._reduce
         self._reduce = None
-        result = pending.wait()
-        self.streams.wait(self.streams.reduce_scatter)
         if overwrite is None:  # reduce-scattered only (HSDP, all-reduce deferred): keep the sums
+            result = pending.wait()
+            self.streams.wait(self.streams.reduce_scatter)
             if self._partial is None:
                 self._partial = result
             else:
                 self._partial.local_buffer.add_(result.local_buffer)
+                result.release_storage()
             if not self._local:
                 self.grad_in.release_storage()
             return True
+        if self.offload is not None:
+            self._download(pending, overwrite)
+            return True
+        result = pending.wait()
+        self.streams.wait(self.streams.reduce_scatter)
         self.reduction.finish(result.local_buffer, self.mesh)
         if result is not self.main_grad:
             if overwrite:
                 self.main_grad.local_buffer.copy_(result.local_buffer)
             else:
                 self.main_grad.local_buffer.add_(result.local_buffer)
+            if result is not self.grad_in:  # a sharded temporary: free it now, not at the next gc
+                result.release_storage()  # (the collective's handle and the buffer refer to each other)
         if not self._local:
             self.grad_in.release_storage()
         return True
+
+    def _download(self, pending: Pending, overwrite: bool) -> None:
+        """Offload's end of a reduction: on the reduction's stream (compute does not wait for
+        it), copy (or add) the result into the host ``main_grad``; then free ``grad_in``."""
+        with self.streams.use(self.streams.reduce_scatter):
+            result = pending.wait()
+            self.reduction.finish(result.local_buffer, self.mesh)  # divide, hook (FSDP2's knobs)
+            self.offload.download(result.local_buffer, self.main_grad.local_buffer, add=not overwrite)
+            if not self._local:  # compute does not wait for this stream: keep grad_in's memory
+                self.offload.used_here(self.grad_in.local_buffer)  # until the reduction has read it
+        if not self._local:
+            self.grad_in.release_storage()
 
     @torch.no_grad()
     def attach_grads(self) -> None:
@@ -733,6 +961,7 @@ class ParameterGroup:
         (torch requires ``grad.dtype == param.dtype``); zero it with ``zero_grad()`` (set_to_none)
         or :meth:`zero_grad_buffer`.
         """
+        self._settle()  # the optimizer reads the gradients and writes the weights on the host
         self._detect_zeroed()
         if not self._main_grad_has_data:
             return
@@ -745,9 +974,11 @@ class ParameterGroup:
             if view.dtype == p.dtype:
                 if p.grad is not view:
                     p.grad = view
-            else:
+            elif self.cast_grads:
                 p.grad = view.to(p.dtype)
-        self._grads_attached = True
+            else:  # fsdp.optim reads main_grad itself and zeroes it with drop_main_grads()
+                continue
+            self._grads_attached = True
 
     @torch.no_grad()
     def zero_grad_buffer(self) -> None:
@@ -755,6 +986,7 @@ class ParameterGroup:
         if self._reduce is not None:
             self._reduce[0].wait()
             self._reduce = None
+        self._settle()
         self._local = set()
         self._held = {}
         if not self.grad_in.is_storage_released():
@@ -766,6 +998,49 @@ class ParameterGroup:
                 p.grad.zero_()
         self._seen.clear()
         self._main_grad_has_data = False
+
+
+def meta_error(fqns: list[str]) -> str:
+    """FSDP2's message (tests match it) for running on parameters still on the meta device."""
+    return (
+        f"FSDP parameters should be materialized from meta device before training, but the following "
+        f"were still on meta device: {fqns}. Call model.to_empty(device=...) and then initialise "
+        f"(reset_parameters() on the sharded modules, fsdp.init_weights(model)) or load a checkpoint."
+    )
+
+
+def _adoptable(assigned, ours: DTensor, mesh: DeviceMesh) -> bool:
+    """An assigned parameter fsdp can take over: a DTensor of the same shape on the same mesh."""
+    return (
+        isinstance(assigned, nn.Parameter)
+        and isinstance(assigned, DTensor)
+        and assigned.shape == ours.shape
+        and assigned.device_mesh == mesh
+        and not weakref.getweakrefs(assigned)
+    )
+
+
+def _rows_of(full: torch.Tensor, main: DBuffer, k: int, local: torch.Tensor) -> torch.Tensor:
+    """This rank's rows of tensor ``k`` of ``main`` cut out of its full value."""
+    r0, r1 = main.local_rows(k)
+    piece = full if main.num_shards == 1 else full[r0:r1]
+    return piece.reshape(local.shape)
+
+
+def check_no_late_extension(group: "ParameterGroup") -> None:
+    """A plain parameter whose local tensor was given FSDP2's ``fsdp_pre_all_gather`` (or
+    ``fsdp_post_all_gather``) after ``fully_shard``: its shard is the row-atomic layout's rows,
+    not the padded ``torch.chunk`` piece the protocol assumes, so raise (before any gather)
+    rather than silently gather plain values. Tensor subclasses get the protocol: see
+    :mod:`fsdp.extensions`. Checked at every refresh (a few attribute lookups per parameter)."""
+    for info, p in zip(group.infos, group.sharded_params):
+        local = getattr(p, "_local_tensor", p)
+        if hasattr(local, "fsdp_pre_all_gather") or hasattr(local, "fsdp_post_all_gather"):
+            raise TypeError(
+                f"parameter {info.fqn!r}: its local tensor got fsdp_pre_all_gather/fsdp_post_all_gather after "
+                f"fully_shard, but it was sharded as a plain tensor (row-atomic layout), so the extension "
+                f"cannot be honoured. Make the parameter a tensor subclass defining both methods before fully_shard"
+            )
 
 
 def _converted(buf: DBuffer, dtype: torch.dtype) -> DBuffer:

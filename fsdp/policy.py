@@ -58,6 +58,15 @@ class MixedPrecisionPolicy:
       differs from the main dtype, ``param.grad`` is a cast copy of ``param.main_grad``.
     * ``reduce_dtype``: the dtype gradients are averaged across ranks in. ``None``: like FSDP2,
       the compute dtype.
+
+    And one memory/speed knob, for when ``param_dtype`` differs from the main dtype:
+
+    * ``persistent_param_shard``: True (default, fast) keeps this rank's shard of the model
+      weights in ``param_dtype`` between steps, cast once per optimizer step, so every all-gather
+      reads it as is. False (lean, FSDP2's way) keeps no such copy: the shard is cast into a
+      temporary right before each gather and freed when the gather lands, saving
+      ``shard numel x param_dtype size`` per rank for one cast per gather (two per step under
+      ZeRO-3). ``tools/plan_memory.py --lean-param-shard`` prints both.
     """
 
     param_dtype: Optional[torch.dtype] = None
@@ -66,8 +75,14 @@ class MixedPrecisionPolicy:
     cast_forward_inputs: bool = True
     main_params_dtype: Optional[torch.dtype] = torch.float32
     main_grads_dtype: Optional[torch.dtype] = None
+    persistent_param_shard: bool = True
 
     def __post_init__(self) -> None:
+        if not isinstance(self.persistent_param_shard, bool):
+            raise TypeError(
+                f"MixedPrecisionPolicy.persistent_param_shard must be a bool (True: keep the param_dtype shard, "
+                f"False: cast before each gather), got {self.persistent_param_shard!r}"
+            )
         for name in ("param_dtype", "reduce_dtype", "output_dtype", "main_params_dtype", "main_grads_dtype"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, torch.dtype) or not value.is_floating_point):

@@ -19,14 +19,14 @@ Life of a step, per unit (ZeRO-3 shown; the other strategies skip the gathers an
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from dbuffer.collectives import release_workspaces
-from fsdp.param_group import ParameterGroup
+from fsdp.param_group import ParameterGroup, meta_error
 from fsdp.policy import MixedPrecisionPolicy
 
 __all__ = ["FSDPState", "finish_grad_sync"]
@@ -35,6 +35,17 @@ __all__ = ["FSDPState", "finish_grad_sync"]
 # longer than reducing its shard, so a second one in flight buys no overlap and costs a whole
 # unsharded gradient buffer at the step's memory peak (measured: 13 MiB of 419 on the benchmark).
 MAX_REDUCTIONS_IN_FLIGHT = 1
+
+
+def _run_eagerly(hook: Callable) -> Callable:
+    """``hook`` marked so that torch.compile calls it as it is instead of tracing it.
+
+    ``module.compile()`` compiles ``nn.Module._call_impl``, which runs the forward hooks: traced,
+    every gather, wait, storage resize and parameter registration in them would break the graph
+    (FSDP2 marks its hooks the same way). The marked function is registered as the hook itself,
+    so dynamo finds no frame of ours to trace around it: it skips ``_call_impl``'s frames, calls
+    the hooks eagerly and compiles the module's ``forward`` into one graph between them."""
+    return torch.compiler.disable(hook, recursive=True, reason="fsdp's hooks communicate and register parameters")
 
 
 class FSDPState:
@@ -74,9 +85,10 @@ class FSDPState:
                 group.register_grad_hooks(
                     self._on_group_grads_done, self._on_group_grads_start, self._on_group_first_grad
                 )
+        self._pre_backward_hook = _run_eagerly(self._pre_backward)
         for module in self.modules:
-            module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
-            module.register_forward_hook(self._post_forward)
+            module.register_forward_pre_hook(_run_eagerly(self._pre_forward), prepend=True, with_kwargs=True)
+            module.register_forward_hook(_run_eagerly(self._post_forward))
         # Like FSDP2: state dicts see (and load into) the sharded parameters even when a forward
         # left the unsharded ones registered.
         holders = {id(m): m for m in self.modules}
@@ -86,17 +98,27 @@ class FSDPState:
         for module in holders.values():
             module.register_state_dict_pre_hook(self._reshard_hook)
             module.register_load_state_dict_pre_hook(self._reshard_hook)
+            module.register_load_state_dict_post_hook(self._adopt_hook)
 
     def _reshard_hook(self, module: nn.Module, *args) -> None:
         if self._unsharded:
             self.reshard()
 
+    def _adopt_hook(self, module: nn.Module, incompatible_keys) -> None:
+        """``load_state_dict(sharded_sd, assign=True)`` put the caller's DTensors on the modules:
+        they become this unit's sharded parameters now (see ``ParameterGroup.adopt_assigned``),
+        so the model right after the load already holds fsdp's layout."""
+        for group in self.groups:
+            group.adopt_assigned()
+
     # ------------------------------------------------------------------ setup
 
     def _lazy_init(self) -> None:
         """The first unit to run forward is the root of every unit below it. As in FSDP2 (same
-        errors), the root must be one module, and no unit below it may have run forward first:
-        it would have become a root of its own, with its own end-of-backward."""
+        errors): the root must be one module; no unit below it may have run forward first (it
+        would have become a root of its own, with its own end-of-backward); parameters assigned
+        since ``fully_shard`` (``load_state_dict(..., assign=True)`` of sharded DTensors) are
+        adopted now, and parameters still on the meta device raise."""
         from fsdp.api import FSDPModule
 
         if self.root is not None:
@@ -106,21 +128,29 @@ class FSDPState:
                 f"FSDP requires a single root module but got {self.modules}: the first module run "
                 f"forward is the root; call fully_shard on a module that holds these ones and run that"
             )
-        seen: set[int] = set()
+        units: list[FSDPState] = []
         for name, m in self.modules[0].named_modules():
             state = m._fsdp_state if isinstance(m, FSDPModule) else None
-            if state is not None and state is not self and id(state) not in seen and state.root is not None:
+            if state is None or state in units:
+                continue
+            if state is not self and state.root is not None:
                 raise RuntimeError(
                     f"FSDP state has already been lazily initialized for {name}\nFSDP requires running "
                     f"forward through the root module first"
                 )
+            units.append(state)
+        for state in units:
+            for group in state.groups:
+                group.adopt_assigned()
+        names = {id(p): n for top in self.modules for n, p in top.named_parameters(remove_duplicate=False)}
+        for state in units:
+            on_meta = [p for g in state.groups if g.is_meta for p in g.sharded_params]
+            if on_meta:
+                raise RuntimeError(meta_error([names.get(id(p), "?") for p in on_meta]))
         self.root = self
-        for m in self.modules[0].modules():
-            state = m._fsdp_state if isinstance(m, FSDPModule) else None
-            if state is not None and id(state) not in seen:
-                seen.add(id(state))
-                state.root = self
-                self.units.append(state)
+        for state in units:
+            state.root = self
+        self.units = units
 
     # ------------------------------------------------------------------ unshard / reshard
 
@@ -155,6 +185,9 @@ class FSDPState:
     # ------------------------------------------------------------------ forward
 
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict):
+        if _in_backward():  # activation checkpointing recomputes this unit's forward
+            self._prepare_backward(recompute=True)
+            return self._cast_inputs(args, kwargs)
         if self.root is None:
             self._lazy_init()
         root = self.root
@@ -171,6 +204,9 @@ class FSDPState:
         self._use_unsharded()
         for nxt in self._next_units(self.forward_prefetch, +1):
             nxt.unshard(async_op=True)
+        return self._cast_inputs(args, kwargs)
+
+    def _cast_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if self.policy.param_dtype is not None and self.policy.cast_forward_inputs:
             args, kwargs = _cast_floats((args, kwargs), self.policy.param_dtype)
         return args, kwargs
@@ -182,6 +218,8 @@ class FSDPState:
         return self.reshard_after_forward
 
     def _post_forward(self, module: nn.Module, args: tuple, output: Any):
+        if _in_backward():  # a recomputation: its backward runs next, on these weights
+            return self._cast_output(output)
         grad = torch.is_grad_enabled()
         if self.reshards_after_forward():
             self.reshard()
@@ -191,7 +229,10 @@ class FSDPState:
             self._pre_backward_done = False
             for t in tree_flatten(output)[0]:
                 if isinstance(t, torch.Tensor) and t.requires_grad:
-                    t.register_hook(self._pre_backward)
+                    t.register_hook(self._pre_backward_hook)
+        return self._cast_output(output)
+
+    def _cast_output(self, output: Any) -> Any:
         if self.policy.output_dtype is not None:
             output = _cast_floats(output, self.policy.output_dtype)
         return output
@@ -209,11 +250,25 @@ class FSDPState:
 
     def _pre_backward(self, grad: torch.Tensor) -> None:
         self.root._queue_final_callback()
+        self._prepare_backward(recompute=False)
+
+    def _prepare_backward(self, recompute: bool) -> None:
+        """Gather and register the unsharded parameters for this unit's backward, and start
+        gathering the unit before it (once per backward).
+
+        Registering matters for activation checkpointing: a recomputation reads the module's
+        parameters, which must be the unsharded ones its backward differentiates (not the
+        sharded DTensors). A recomputation (``recompute``: this unit's forward hooks run inside
+        backward) always gathers again if the weights were freed since, e.g. a unit resharding
+        after forward, or recomputed twice."""
+        if self._pre_backward_done and not recompute:
+            return
+        if self.unshard_in_backward or recompute:  # set_unshard_in_backward(False): not needed
+            self.unshard()
+            self._use_unsharded()
         if self._pre_backward_done:
             return
         self._pre_backward_done = True
-        if self.unshard_in_backward:
-            self.unshard()
         for prev in self._next_units(self.backward_prefetch, -1):
             prev.unshard(async_op=True)
 
@@ -252,7 +307,7 @@ class FSDPState:
     def _queue_final_callback(self) -> None:
         if not self._callback_queued:
             self._callback_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._final_callback)
+            torch.autograd.Variable._execution_engine.queue_callback(_run_eagerly(self._final_callback))
 
     def _final_callback(self) -> None:
         self._callback_queued = False
@@ -320,6 +375,13 @@ def finish_grad_sync(units: list[FSDPState], launch: bool) -> None:
     for group in groups:
         group.finish_reduce()
         group.attach_grads()
+
+
+def _in_backward() -> bool:
+    """Whether this thread is running autograd's backward: a forward there is activation
+    checkpointing's recomputation (``torch.utils.checkpoint``, reentrant or not, HF's
+    ``gradient_checkpointing``), not a new step."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:

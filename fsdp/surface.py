@@ -1,5 +1,5 @@
-"""The rest of torch FSDP2's public surface: ``FSDPModule``'s knobs, ``share_comm_ctx``,
-``dp_mesh_dims`` and ``offload_policy``, with FSDP2's semantics where fsdp has the mechanism, and
+"""The rest of torch FSDP2's public surface: ``FSDPModule``'s knobs, ``share_comm_ctx`` and
+``dp_mesh_dims`` (``offload_policy``: :mod:`fsdp.offload`), with FSDP2's semantics where fsdp has the mechanism, and
 a documented no-op or a clear error where FSDP2 tunes an internal fsdp does not have.
 
 The setters below become methods of :class:`fsdp.FSDPModule` (``self`` is the sharded module).
@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Callable, Literal, Optional
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import DataParallelMeshDims, OffloadPolicy
+from torch.distributed.fsdp import DataParallelMeshDims
 
 from fsdp.reduction import check_divide_factor
 
@@ -39,8 +39,6 @@ if TYPE_CHECKING:
 __all__ = [
     "ArgumentTypeError",
     "DataParallelMeshDims",
-    "OffloadPolicy",
-    "check_offload_policy",
     "data_parallel_mesh",
     "share_comm_ctx",
 ]
@@ -230,27 +228,12 @@ def share_comm_ctx(modules: list["FSDPModule"]) -> None:
 # ---------------------------------------------------------------- fully_shard arguments
 
 
-def check_offload_policy(offload_policy: Any) -> None:
-    """FSDP2's ``offload_policy``: ``OffloadPolicy()`` (no offload) is accepted. The place where
-    CPU offload (``CPUOffloadPolicy``) plugs in; until then it raises."""
-    if not isinstance(offload_policy, OffloadPolicy):
-        raise ArgumentTypeError(
-            f"offload_policy must be a torch.distributed.fsdp.OffloadPolicy, got {type(offload_policy).__name__}"
-        )
-    if type(offload_policy) is not OffloadPolicy:
-        raise NotImplementedError(
-            f"offload_policy={offload_policy!r}: CPU offload is not supported yet; the shards live on "
-            f"the mesh's device"
-        )
-
-
 def data_parallel_mesh(mesh: Optional[DeviceMesh], dp_mesh_dims: Optional[DataParallelMeshDims]) -> Optional[DeviceMesh]:
     """``mesh`` as fsdp shards over it: unchanged without ``dp_mesh_dims``; with it, the
     data-parallel submesh of a named mesh: ``shard`` alone gives a 1-D mesh, ``shard`` and
     ``replicate`` a 2-D ``(replicate, shard)`` HSDP mesh, several names of one role are flattened
-    into one dim (as FSDP2 does). Every dim of ``mesh`` must be named there: the other dims of an
-    SPMD mesh (tensor parallel) need parameters that are DTensors on it, which fully_shard does not
-    take yet (it raises, naming them). ``replicate`` alone (FSDP2's DDP) is refused: use
+    into one dim (as FSDP2 does). Every dim of ``mesh`` must be named there: with tensor
+    parallelism on other dims, pass the data-parallel submesh instead (it raises, saying so). ``replicate`` alone (FSDP2's DDP) is refused: use
     ``sharding_strategy='no_shard'`` on a 1-D mesh."""
     if dp_mesh_dims is None:
         return mesh
@@ -277,9 +260,9 @@ def data_parallel_mesh(mesh: Optional[DeviceMesh], dp_mesh_dims: Optional[DataPa
     others = [n for n in names if n not in shard + replicate]
     if others:
         raise ValueError(
-            f"dp_mesh_dims leaves mesh dims {others} of {mesh} to other parallelisms, whose parameters would "
-            f"be DTensors on this mesh; fully_shard shards plain parameters only (for now): pass the "
-            f"data-parallel submesh, mesh[{tuple(shard + replicate)!r}]"
+            f"dp_mesh_dims leaves mesh dims {others} of {mesh} to other parallelisms; fully_shard takes the "
+            f"data-parallel mesh: pass mesh=mesh[{tuple(shard + replicate)!r}] without dp_mesh_dims (DTensor "
+            f"parameters of tensor parallelism on the other dims are sharded over it, see fsdp.tensor_parallel)"
         )
 
     def submesh(dims: tuple[str, ...]) -> DeviceMesh:

@@ -18,7 +18,13 @@ Methods, each running forward, loss, backward, ``AdamW.step()`` and ``zero_grad(
   ``optim_grads_params`` = ZeRO-3);
 * ``fsdp2``: ``torch.distributed.fsdp.fully_shard`` on every block, then on the root (always its
   default, ZeRO-3 with ``reshard_after_forward=True``; ``--strategy`` changes ours only);
-* ``floor``: the plain model on every rank: the same local batch, no sharding, no communication.
+* ``floor``: the plain model on every rank: the same local batch, no sharding, no communication;
+* ``flat``: ``ours`` with ``fsdp.FlatAdamW`` (the step over the flat shards, :mod:`fsdp.optim`)
+  and, in bf16, ``main_grads_dtype=bf16`` (no FP32 gradient copy at the step);
+* ``lean`` (only with ``--methods``): ``flat`` with ``persistent_param_shard=False`` (no BF16
+  shard kept between steps; the shard is cast before each gather).
+
+The table prints peak memory and step time of each variant against FSDP2 and ``ours``.
 
 Precision (``--dtype``; ``both`` runs fp32, then bf16):
 
@@ -96,7 +102,12 @@ import torch.distributed as dist  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from torch.utils._pytree import tree_flatten  # noqa: E402
 
-METHODS = ("ours", "fsdp2", "floor")
+METHODS = ("ours", "fsdp2", "floor", "flat")
+# Variants of ours: "flat" = fsdp.FlatAdamW (the step over the flat shards) with BF16 main grads in
+# bf16 mode; "lean" = flat + MixedPrecisionPolicy(persistent_param_shard=False) (no BF16 shard
+# kept between steps). Not run by default: "lean".
+VARIANTS = ("flat", "lean")
+ALL_METHODS = METHODS + ("lean",)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 # bf16 matmuls are very slow on a CPU without bf16 units (a bf16 step of the default model takes
@@ -357,22 +368,26 @@ def _policy_text(mode: str) -> dict[str, str]:
             "ours": "no policy: main/model/main-grad/reduce all fp32",
             "fsdp2": "no policy: fp32 params, grads, reduce-scatter",
             "floor": "plain fp32 model, fp32 AdamW",
+            "flat": "no policy (as ours)",
+            "lean": "no policy (as ours; nothing to cast)",
         }
     return {
         "ours": "param_dtype=bf16, main_params_dtype=fp32, main_grads_dtype=fp32, reduce_dtype=fp32",
         "fsdp2": "param_dtype=bf16, reduce_dtype=fp32 (sharded params, grads, AdamW fp32)",
         "floor": "bf16 copy of the model (.to(bfloat16)): bf16 weights, grads and AdamW states",
+        "flat": "param_dtype=bf16, main_params_dtype=fp32, main_grads_dtype=bf16, reduce_dtype=fp32",
+        "lean": "as flat, persistent_param_shard=False (cast the shard before each gather)",
     }
 
 
 class Method:
     """One way of training: a model, its optimizer and ``step(tokens) -> loss``."""
 
-    def __init__(self, name: str, model: torch.nn.Module, cfg: BenchConfig) -> None:
+    def __init__(self, name: str, model: torch.nn.Module, cfg: BenchConfig, optimizer=torch.optim.AdamW) -> None:
         from tools.llama import loss_fn
 
         self.name, self.model, self.loss_fn = name, model, loss_fn
-        self.opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, foreach=cfg.foreach)
+        self.opt = optimizer(model.parameters(), lr=cfg.lr, foreach=cfg.foreach)
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         loss = self.loss_fn(self.model(tokens[:, :-1]), tokens)  # no name keeps the logits alive
@@ -388,19 +403,20 @@ def build_method(name: str, base: torch.nn.Module, mode: str, cfg: BenchConfig, 
         if mode == "bf16":
             model = model.to(torch.bfloat16)
         return Method(name, model, cfg)
-    if name == "ours":
+    if name in ("ours",) + VARIANTS:
         import fsdp
 
         policy = fsdp.MixedPrecisionPolicy()
         if mode == "bf16":
             policy = fsdp.MixedPrecisionPolicy(
-                param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
-                main_params_dtype=torch.float32, main_grads_dtype=torch.float32,
+                param_dtype=torch.bfloat16, reduce_dtype=torch.float32, main_params_dtype=torch.float32,
+                main_grads_dtype=torch.float32 if name == "ours" else torch.bfloat16,
+                persistent_param_shard=name != "lean",
             )
         for block in model.layers:
             fsdp.fully_shard(block, mesh=mesh, mp_policy=policy, sharding_strategy=cfg.strategy)
         fsdp.fully_shard(model, mesh=mesh, mp_policy=policy, sharding_strategy=cfg.strategy)
-        return Method(name, model, cfg)
+        return Method(name, model, cfg, torch.optim.AdamW if name == "ours" else fsdp.FlatAdamW)
     if name == "fsdp2":
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -411,7 +427,7 @@ def build_method(name: str, base: torch.nn.Module, mode: str, cfg: BenchConfig, 
             fully_shard(block, mesh=mesh, mp_policy=policy)
         fully_shard(model, mesh=mesh, mp_policy=policy)
         return Method(name, model, cfg)
-    raise ValueError(f"unknown method {name!r}; use one of {METHODS}")
+    raise ValueError(f"unknown method {name!r}; use one of {ALL_METHODS}")
 
 
 def make_batches(cfg: BenchConfig, n: int, rank: int, world: int) -> list[torch.Tensor]:
@@ -579,7 +595,7 @@ def run_mode(mode: str, cfg: BenchConfig, mesh, counter: CommCounter, progress: 
     result: dict = {
         "gemm_gflops": gemm[0],
         "policy": {n: _policy_text(mode)[n] for n in names},
-        "optimizer": {n: f"AdamW ({_optimizer_impl(methods[n])})" for n in names},
+        "optimizer": {n: f"{type(methods[n].opt).__name__} ({_optimizer_impl(methods[n])})" for n in names},
         "steps": steps, "warmup": cfg.warmup, "measured_steps": measured,
         "methods": {},
     }
@@ -640,7 +656,13 @@ def _ratios(m: dict) -> dict:
         x, y = m.get("ours", {}).get("comm"), m.get("fsdp2", {}).get("comm")
         return x[key] / y[key] if x and y and y[key] else None
 
-    return {
+    variants = {}
+    for v in VARIANTS:
+        if v in m:
+            variants[f"step_{v}_over_fsdp2"] = ratio(v, "fsdp2", "median_ms")
+            variants[f"peak_{v}_over_fsdp2"] = ratio(v, "fsdp2", "peak_bytes")
+            variants[f"peak_{v}_over_ours"] = ratio(v, "ours", "peak_bytes")
+    return variants | {
         "step_ours_over_fsdp2": ratio("ours", "fsdp2", "median_ms"),
         "step_ours_over_floor": ratio("ours", "floor", "median_ms"),
         "step_fsdp2_over_floor": ratio("fsdp2", "floor", "median_ms"),
@@ -699,8 +721,8 @@ def _check_config(cfg: BenchConfig) -> None:
         raise ValueError(f"dtypes must be a non-empty subset of {sorted(DTYPES)}, got {cfg.dtypes!r}")
     if cfg.strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {cfg.strategy!r}")
-    if any(m not in METHODS for m in cfg.methods) or not cfg.methods:
-        raise ValueError(f"methods must be a non-empty subset of {METHODS}, got {cfg.methods!r}")
+    if any(m not in ALL_METHODS for m in cfg.methods) or not cfg.methods:
+        raise ValueError(f"methods must be a non-empty subset of {ALL_METHODS}, got {cfg.methods!r}")
     if cfg.warmup < 0 or (cfg.steps is not None and cfg.steps < 0):
         raise ValueError("warmup and steps must be >= 0")
 
@@ -820,6 +842,13 @@ def format_table(report: dict) -> str:
             f"collective ops ours/fsdp2 {_fmt(r['ops_ours_over_fsdp2'])} (c10d calls "
             f"{_fmt(r['calls_ours_over_fsdp2'])}, bytes sent {_fmt(r['sent_ours_over_fsdp2'])})"
         )
+        for v in VARIANTS:
+            if f"peak_{v}_over_fsdp2" in r:
+                lines.append(
+                    f"  variant {v} ({res['policy'][v]}; {res['optimizer'][v]}): peak memory {v}/fsdp2 "
+                    f"{_fmt(r[f'peak_{v}_over_fsdp2'])}, {v}/ours {_fmt(r[f'peak_{v}_over_ours'])}; step {v}/fsdp2 "
+                    f"{_fmt(r[f'step_{v}_over_fsdp2'])}"
+                )
         lines.append(
             f"  robustness: ours/fsdp2 paired per round {_fmt(r.get('paired_step_ours_over_fsdp2'))}, of minima "
             f"{_fmt(r['min_step_ours_over_fsdp2'])}, of CPU time {_fmt(r['cpu_ours_over_fsdp2'])}; ours/floor paired "
@@ -927,7 +956,9 @@ def parse_args(argv: Optional[list[str]] = None) -> tuple[BenchConfig, argparse.
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps per method first (default 1)")
     parser.add_argument("--strategy", choices=STRATEGIES, default="optim_grads_params",
                         help="our sharding_strategy (default optim_grads_params = ZeRO-3)")
-    parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset of ours,fsdp2,floor")
+    parser.add_argument("--methods", default=",".join(METHODS),
+                        help=f"comma-separated subset of {','.join(ALL_METHODS)} (flat: fsdp.FlatAdamW + BF16 main "
+                             f"grads in bf16; lean: flat + persistent_param_shard=False)")
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--dim", type=int, default=512)
     parser.add_argument("--heads", type=int, default=8)
@@ -942,7 +973,7 @@ def parse_args(argv: Optional[list[str]] = None) -> tuple[BenchConfig, argparse.
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, help="write all results to this JSON file")
     parser.add_argument("--plot", default=None, help="write a PNG bar chart here (needs matplotlib)")
-    parser.add_argument("--profile", choices=METHODS, default=None,
+    parser.add_argument("--profile", choices=ALL_METHODS, default=None,
                         help="afterwards, profile this method on rank 0 (torch.profiler + cProfile)")
     parser.add_argument("--profile-steps", type=int, default=2)
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")

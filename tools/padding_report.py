@@ -22,7 +22,7 @@ import time
 if __package__ in (None, ""):  # run as a script: make the repository root importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from dbuffer.layout import compute_layout  # noqa: E402
+from dbuffer.layout import choose_layout, compute_layout, compute_ragged_layout  # noqa: E402
 
 Shape = tuple[int, ...]
 
@@ -63,6 +63,37 @@ def model_shapes(name: str) -> list[Shape]:
     return shapes
 
 
+def unit_shapes(name: str) -> list[list[Shape]]:
+    """The shapes of each ``fully_shard`` unit as ``tools/demo.py`` shards a model: one per
+    decoder layer, then the root (embedding, final norm, lm_head)."""
+    shapes = model_shapes(name)
+    layers = _CONFIGS[name][2]
+    per = (len(shapes) - 3) // layers
+    blocks = [shapes[1 + i * per : 1 + (i + 1) * per] for i in range(layers)]
+    return blocks + [[shapes[0], shapes[-2], shapes[-1]]]
+
+
+def unit_report(models: tuple[str, ...] = MODELS, world_sizes: tuple[int, ...] = WORLD_SIZES) -> str:
+    """Padding of the per-unit layouts fsdp builds (each block and the root: one buffer each),
+    row-atomic vs element-granular (ragged) vs :func:`choose_layout`'s pick at 0.1%."""
+    lines = [f"{'model (per unit)':<22}{'world':>6}{'row-atomic %':>14}{'ragged %':>12}{'chosen %':>11}{'ragged units':>14}"]
+    for name in models:
+        units = unit_shapes(name)
+        for n in world_sizes:
+            data = sum(compute_layout(u, 1).data_numel for u in units)
+            packed = sum(compute_layout(u, n).total_numel for u in units)
+            ragged = sum(compute_ragged_layout(u, n).total_numel for u in units)
+            chosen = [choose_layout(u, n) for u in units]
+            picked = sum(c.total_numel for c in chosen)
+            n_ragged = sum(type(c).__name__ == "RaggedLayout" for c in chosen)
+            pct = lambda total: 100 * (total - data) / total  # noqa: E731
+            lines.append(
+                f"{name:<22}{n:>6}{pct(packed):>13.4f}%{pct(ragged):>11.6f}%{pct(picked):>10.4f}%"
+                f"{f'{n_ragged}/{len(units)}':>14}"
+            )
+    return "\n".join(lines)
+
+
 def report(models: tuple[str, ...] = MODELS, world_sizes: tuple[int, ...] = WORLD_SIZES) -> str:
     """The padding table as text."""
     lines = [f"{'model':<22}{'world':>6}{'params':>16}{'padding %':>11}{'padded elems':>16}{'layout ms':>11}"]
@@ -80,4 +111,7 @@ def report(models: tuple[str, ...] = MODELS, world_sizes: tuple[int, ...] = WORL
 
 
 if __name__ == "__main__":
+    print("one buffer for the whole model:")
     print(report())
+    print("\none buffer per fully_shard unit (each layer, then the root), as fsdp builds them:")
+    print(unit_report())

@@ -26,13 +26,19 @@ allowance is the padding the layout puts into those buffers.
 Categories (bytes on this rank):
 
 * main weights: the weights the optimizer updates (sharded unless ``no_shard``).
-* model weights: the compute-dtype copy of the main shard; 0 when it aliases the main weights.
+* model weights: the compute-dtype copy of the main shard; 0 when it aliases the main weights,
+  and 0 with ``MixedPrecisionPolicy(persistent_param_shard=False)`` (``--lean-param-shard``),
+  which casts the shard into a temporary before each gather instead (one cast per gather; the
+  temporary, 1/world of a unit, is not counted). ``format()`` prints that trade-off.
 * unsharded weights: the full compute weights ``optim``/``optim_grads`` keep between steps
   (``no_shard`` uses its model weights, ZeRO-3 gathers them per use: both 0 here).
 * main grads: the reduced-gradient buffer (sharded for ``optim_grads*``), counted in full: it
   holds its storage at least from a step's first reduction to the optimizer step.
 * grad copies: when the main-grads dtype differs from the main dtype, ``param.grad`` is a cast
   copy of this rank's rows of ``param.main_grad`` in the main dtype (what the optimizer reads).
+  0 with ``fsdp.FlatAdamW`` & co. (``--flat-optimizer``: ``flat_optimizer=True``), which upcast
+  one parameter's local piece at a time (that workspace, like the kernels' temporaries, is not
+  counted).
 * optimizer state: closed form, because torch optimizers allocate lazily: AdamW/Adam keep two
   tensors per parameter, SGD with momentum one, each like the parameter's local piece (this rank's
   rows, no padding), in the main dtype. The per-parameter ``step`` scalars are not counted.
@@ -260,7 +266,7 @@ class Plan:
     rank: int
     strategy: str
     dtypes: str  # e.g. "main fp32, model bf16, main grads fp32, reduce bf16"
-    optimizer: str
+    optimizer: str  # "adamw", ... with " (flat)" for fsdp.optim's flat optimizers
     params: int  # parameter elements (tied ones once)
     units: int
     layout_padding: int  # elements of all units' layouts that hold no tensor
@@ -278,6 +284,9 @@ class Plan:
     released_between_uses: bool  # every working-set buffer held no storage after fully_shard
     peak_moments: dict[str, Moment]  # per working set: the moment of its peak (root held, other units)
     seconds: dict[str, float] = field(default_factory=dict)
+    param_shard_bytes: int = 0  # closed form of a persistent model shard, whether kept or cast per gather
+    persistent_param_shard: bool = True
+    grad_copy_bytes: int = 0  # closed form of the FP32 .grad copies, whether made or not (flat)
 
     def categories(self) -> dict[str, Bytes]:
         return {key: getattr(self, key) for key, _ in CATEGORIES}
@@ -318,10 +327,35 @@ class Plan:
         for key, (root, k) in self.peak_moments.items():
             held = ("the root" if root else "") + (" + " if root and k else "") + (f"{k} other unit(s)" if k else "")
             rows.append(f"{key.replace('_', ' ')}: peak while {held or 'nothing'} held it (schedule of the probe)")
+        rows.extend(self.trade_offs())
         verdict = "measured = closed form within padding" if self.ok else "MISMATCH beyond padding"
         times = ", ".join(f"{k} {v:.2f} s" for k, v in self.seconds.items())
         rows.append(f"{verdict}; {times}")
         return "\n".join(rows)
+
+
+    def trade_offs(self) -> list[str]:
+        """The memory knobs that apply to this configuration and what each costs or saves."""
+        rows = []
+        if self.param_shard_bytes:
+            size = f"{self.param_shard_bytes / GiB:.4f} GiB/rank"
+            if self.persistent_param_shard:
+                rows.append(
+                    f"param shard: persistent (fast; {size}); persistent_param_shard=False (--lean-param-shard) "
+                    f"saves it for one cast of the shard before every gather"
+                )
+            else:
+                rows.append(
+                    f"param shard: cast before every gather (lean; saves {size}); the default persistent shard "
+                    f"is cast once per optimizer step instead"
+                )
+        if self.grad_copy_bytes:
+            size = f"{self.grad_copy_bytes / GiB:.4f} GiB/rank"
+            if self.optimizer.endswith("(flat)"):
+                rows.append(f"grad copies: none, the flat optimizer upcasts by chunks (torch.optim would cast {size})")
+            else:
+                rows.append(f"grad copies: torch.optim needs FP32 .grad ({size}); fsdp.FlatAdamW (--flat-optimizer) saves it")
+        return rows
 
 
 def _row(label: str, b: Bytes) -> str:
@@ -346,12 +380,14 @@ def plan(
     optimizer: str = "adamw",
     blocks: Optional[Callable[[nn.Module], Iterable[nn.Module]]] = None,
     device: str = "meta",
+    flat_optimizer: bool = False,
 ) -> Plan:
     """Shard ``model`` (a preset name or a builder) as rank ``rank`` of ``world`` and measure.
 
     ``blocks(module)`` picks the units sharded before the root (default: the children of the
     first ``nn.ModuleList``, e.g. ``model.layers``). ``device``: where the shards live, ``"meta"``
     (nothing allocated) or a real device type such as ``"cpu"`` (see the module docstring).
+    ``flat_optimizer``: the step is fsdp.optim's (no FP32 ``.grad`` copies).
 
     Uses the default process group if one exists (it must have this world size and rank, e.g.
     ``tests.harness.run_ranks(..., backend="fake")``); otherwise joins a fake one for the duration
@@ -377,6 +413,9 @@ def plan(
         with _timed(seconds, "schedule probe"):
             schedule = _schedule(strategy, world)
         closed = _closed_form(root, units, world, strategy, mp_policy, OPTIMIZER_STATES[optimizer], schedule)
+        grad_copy_bytes = closed.bytes["grad_copies"]
+        if flat_optimizer:
+            closed.bytes["grad_copies"] = 0
         with _timed(seconds, "fully_shard"):
             mesh = init_device_mesh(device, (world,))
             for unit in units:
@@ -384,16 +423,19 @@ def plan(
             fully_shard(root, mesh=mesh, mp_policy=mp_policy, sharding_strategy=strategy)
         with _timed(seconds, "measure"):
             states = [u._fsdp_state for u in units] + [root._fsdp_state]
-            measured = _measure(states, OPTIMIZER_STATES[optimizer], schedule)
+            measured = _measure(states, OPTIMIZER_STATES[optimizer], schedule, flat_optimizer)
     finally:
         if created:  # a fake group owns no threads: no need to collect garbage to see it freed
             shutdown(collect=False)
     cats = {key: Bytes(measured.bytes[key], closed.bytes[key], measured.allowance[key]) for key, _ in CATEGORIES}
     return Plan(
-        model=name, world=world, rank=rank, strategy=strategy.name, dtypes=_describe(mp_policy), optimizer=optimizer,
+        model=name, world=world, rank=rank, strategy=strategy.name, dtypes=_describe(mp_policy),
+        optimizer=optimizer + (" (flat)" if flat_optimizer else ""),
         params=closed.params, units=closed.units, layout_padding=measured.layout_padding, **cats,
         padding=measured.padding, padding_mean=measured.padding_mean, device=device,
         released_between_uses=measured.released, peak_moments=measured.peak_moments, seconds=seconds,
+        param_shard_bytes=closed.param_shard_bytes, persistent_param_shard=mp_policy.persistent_param_shard,
+        grad_copy_bytes=grad_copy_bytes,
     )
 
 
@@ -448,6 +490,7 @@ class _Closed:
     params: int
     units: int
     bytes: dict[str, int]
+    param_shard_bytes: int = 0  # a persistent model shard's bytes, whether the policy keeps it
 
 
 def _dtypes(p: MixedPrecisionPolicy, built: torch.dtype) -> tuple[torch.dtype, torch.dtype, torch.dtype, torch.dtype]:
@@ -489,9 +532,11 @@ def _closed_form(
     cast = [p for p in every if _dtypes(policy, p.dtype)[1] != _dtypes(policy, p.dtype)[0]]
     regrad = [p for p in trainable if _dtypes(policy, p.dtype)[2] != _dtypes(policy, p.dtype)[0]]
     main_trainable = per_rank(total(trainable, 0), s.shard_optim)
+    param_shard = per_rank(total(cast, 1), s.shard_optim)
+    lean = s.shard_optim and not policy.persistent_param_shard  # no_shard's model weights are its full ones
     out = {
         "main_weights": per_rank(total(every, 0), s.shard_optim),
-        "model_weights": per_rank(total(cast, 1), s.shard_optim),
+        "model_weights": 0 if lean else param_shard,
         "unsharded_weights": total(every, 1) if s.shard_optim and not s.shard_params else 0,
         "main_grads": per_rank(total(trainable, 2), s.shard_grads),
         "grad_copies": per_rank(total(regrad, 0), s.shard_optim),
@@ -500,7 +545,7 @@ def _closed_form(
     for key, which, trainable_only in (("unsharded_working_set", 1, False), ("reduce_working_set", 3, True)):
         sizes = [(total(g, which, trainable_only), 0) for g in groups] + [(total(root_params, which, trainable_only), 0)]
         out[key] = _peak(sizes, schedule[key])[0][0]
-    return _Closed(sum(p.numel() for p in every), len(groups) + 1, out)
+    return _Closed(sum(p.numel() for p in every), len(groups) + 1, out, param_shard if s.shard_optim else 0)
 
 
 def _peak(units: list[tuple[int, int]], moments: frozenset[Moment]) -> tuple[tuple[int, int], Moment]:
@@ -535,7 +580,7 @@ class _Measured:
     peak_moments: dict[str, Moment] = field(default_factory=dict)
 
 
-def _measure(units: list, states: int, schedule: dict[str, frozenset[Moment]]) -> _Measured:
+def _measure(units: list, states: int, schedule: dict[str, frozenset[Moment]], flat: bool = False) -> _Measured:
     """Read the DBuffers of every unit's groups (each storage once: aliases are skipped).
     ``units``: the FSDP states, the root's last."""
     m = _Measured({k: 0 for k, _ in CATEGORIES}, {k: 0 for k, _ in CATEGORIES})
@@ -546,7 +591,7 @@ def _measure(units: list, states: int, schedule: dict[str, frozenset[Moment]]) -
         for g in state.groups:
             m.layout_padding += g.main.layout.padding_numel
             _persistent(m, "main_weights", g.main)
-            if g.model is not g.main:
+            if g.model is not g.main and not g.lean_model:
                 _persistent(m, "model_weights", g.model)
             if g.unsharded is not g.model and not g.strategy.shard_params:
                 _persistent(m, "unsharded_weights", g.unsharded)
@@ -561,7 +606,7 @@ def _measure(units: list, states: int, schedule: dict[str, frozenset[Moment]]) -
             slack = max(_nbytes(g.main) - data, _padding_share(g.main))
             m.bytes["optimizer_state"] += states * data
             m.allowance["optimizer_state"] += states * slack
-            if g.main_grad.dtype != g.main.dtype:
+            if g.main_grad.dtype != g.main.dtype and not flat:
                 m.bytes["grad_copies"] += data
                 m.allowance["grad_copies"] += slack
         gathered.append(unit_gather)
@@ -698,6 +743,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--main-grads-dtype", default="fp32", choices=list(DTYPES))
     ap.add_argument("--reduce-dtype", default=None, choices=list(DTYPES), help="default: the param dtype")
     ap.add_argument("--optimizer", default="adamw", choices=list(OPTIMIZER_STATES))
+    ap.add_argument("--lean-param-shard", action="store_true", help="persistent_param_shard=False: cast per gather")
+    ap.add_argument("--flat-optimizer", action="store_true", help="fsdp.FlatAdamW & co.: no FP32 .grad copies")
     ap.add_argument("--json", action="store_true", help="print the plan as JSON")
     args = ap.parse_args(argv)
     policy = MixedPrecisionPolicy(
@@ -705,9 +752,13 @@ def main(argv: Optional[list[str]] = None) -> int:
         main_params_dtype=DTYPES[args.main_dtype],
         main_grads_dtype=DTYPES[args.main_grads_dtype],
         reduce_dtype=DTYPES[args.reduce_dtype] if args.reduce_dtype else None,
+        persistent_param_shard=not args.lean_param_shard,
     )
     start = time.perf_counter()
-    result = plan(args.model, args.world, args.rank, strategy=args.strategy, mp_policy=policy, optimizer=args.optimizer)
+    result = plan(
+        args.model, args.world, args.rank, strategy=args.strategy, mp_policy=policy, optimizer=args.optimizer,
+        flat_optimizer=args.flat_optimizer,
+    )
     result.seconds["plan total"] = time.perf_counter() - start
     print(json.dumps(result.to_dict(), indent=1) if args.json else result.format())
     return 0 if result.ok else 1

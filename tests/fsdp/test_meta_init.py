@@ -2,8 +2,10 @@
 
 * On 2 gloo ranks, every strategy: ``to_empty`` + ``init_weights`` gives bit for bit the weights of
   the same model built eagerly with the same seed, and training then matches the eagerly built
-  fsdp model bit for bit; running before initialising raises; loading a checkpoint instead of
-  initialising works.
+  fsdp model bit for bit; as in FSDP2 the parameters stay on meta until ``to_empty`` and running
+  before it raises FSDP2's error; ``reset_parameters()`` on the sharded modules initialises every
+  value; loading a checkpoint instead of initialising works, and so does
+  ``load_state_dict(sharded_sd, assign=True)`` (the assigned DTensors become the parameters).
 * On a fake world of 64, three ranks in turn: a memory tracker sees every tensor allocated from
   building the model on meta to the end of ``init_weights``; the peak of live bytes stays below
   1/8 of the model (one block and the root's own weights in full, plus the rank's shards), and the rank's rows equal those of
@@ -53,12 +55,17 @@ def _meta_vs_eager(model, batches, path: str) -> dict:
     out = {}
     for strategy in STRATEGIES:
         m = _meta_model(0, strategy)
-        assert all(isinstance(p, DTensor) and not p.is_meta for p in m.parameters())
-        with pytest.raises(RuntimeError, match="meta device and never initialised"):
+        # As in FSDP2: the sharded parameters stay on meta until to_empty.
+        assert all(isinstance(p, DTensor) and p.is_meta for p in m.parameters())
+        with pytest.raises(RuntimeError, match="should be materialized from meta device.*'embed.weight'"):
             loss_fn(m, x, y)
-        with pytest.raises(ValueError, match="allocated the shards on cpu"):
-            m.to_empty(device="meta")
+        with pytest.raises(ValueError, match="pass a cpu device"):
+            m.to_empty(device="cuda")  # another device type than the mesh's: refused, nothing allocated
+        assert all(p.is_meta for p in m.parameters())
+        params = list(m.parameters())
         m.to_empty(device="cpu")
+        assert [id(p) for p in m.parameters()] == [id(p) for p in params]  # identity kept
+        assert all(not p.is_meta for p in m.parameters())
         torch.manual_seed(0)  # the stream an eager build starts from
         fsdp.init_weights(m, _init)
         weights = full_state(m)
@@ -66,15 +73,36 @@ def _meta_vs_eager(model, batches, path: str) -> dict:
         train(m, batches, rank=rank, world=world)
         train(eager, batches, rank=rank, world=world)
         out[strategy] = (weights, _equal(full_state(m), full_state(eager)))
+    # FSDP2's flow: to_empty, then each module's own init on the *sharded* model. Random fills
+    # follow DTensor's rules per parameter (see README), so only fsdp.init_weights promises the
+    # eager weights; here every value must be written and training must run.
+    m = _meta_model(0, "optim_grads_params")
+    m.to_empty(device="cpu")
+    with torch.no_grad():
+        for p in m.parameters():
+            p.fill_(1337.0)
+    for module in m.modules():
+        _init(module)
+    out["reset_parameters"] = all(bool((p.full_tensor() != 1337.0).all()) for p in m.parameters())
+    train(m, batches, rank=rank, world=world)
     # A meta-built model that loads a checkpoint needs no init.
     eager = shard(copy.deepcopy(model), True)
     ckpt.save({"model": eager.state_dict()}, path)
     m = _meta_model(5, "optim_grads")
+    m.to_empty(device="cpu")
     state = {"model": m.state_dict()}
     ckpt.load(state, path)
     m.load_state_dict(state["model"])
     with torch.no_grad():
         out["loaded"] = torch.equal(loss_fn(m, x, y), loss_fn(eager, x, y))
+    # load_state_dict(assign=True) of sharded DTensors on a meta model (FSDP2's rank-0 broadcast
+    # recipe): the assigned objects become the model's parameters, in fsdp's layout.
+    m = _meta_model(5, "optim_grads_params")
+    sd = {k: nn.Parameter(v.detach().clone()) for k, v in eager.state_dict().items()}
+    m.load_state_dict(sd, assign=True)
+    assert all(a is b for a, b in zip(m.parameters(), sd.values()))
+    with torch.no_grad():
+        out["assigned"] = torch.equal(loss_fn(m, x, y), loss_fn(eager, x, y))
     return out
 
 
@@ -88,6 +116,8 @@ def test_meta_init_equals_the_eager_build_for_every_strategy(tmp_path) -> None:
     results = run_ranks(_meta_vs_eager, 2, model, batches, str(tmp_path / "ck"))
     for rank_result in results:
         assert rank_result.pop("loaded")
+        assert rank_result.pop("assigned")
+        assert rank_result.pop("reset_parameters")
         for strategy, (weights, trains_alike) in rank_result.items():
             assert _equal(weights, eager), strategy
             assert trains_alike, strategy

@@ -169,3 +169,40 @@ def _state_dict_round_trip(model, batches) -> bool:
 def test_load_state_dict_refreshes_model_weights() -> None:
     model, batches = make_model(), make_batches(2)
     assert all(run_ranks(_state_dict_round_trip, 2, model, batches, backend="gloo"))
+
+
+# ----------------------------------------------------------------------------- persistent_param_shard
+
+
+def _lean_vs_persistent(model, batches) -> dict:
+    """Train with the BF16 model shard kept (default) and cast per gather (lean), torch.optim and
+    fsdp.FlatAdamW; the lean model buffer must hold no storage between steps."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = {}
+    for strategy in ("no_shard", "optim", "optim_grads_params"):
+        for flat in (False, True):
+            states = []
+            for persistent in (True, False):
+                policy = fsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, persistent_param_shard=persistent)
+                m = shard(copy.deepcopy(model), True, sharding_strategy=strategy, mp_policy=policy)
+                make = (lambda ps: fsdp.FlatAdamW(ps, lr=1e-2, weight_decay=0.1)) if flat else None
+                train(m, batches, rank=rank, world=world, make_opt=make)
+                groups = [g for u in m._fsdp_state.units for g in u.groups]
+                lean = [g.lean_model for g in groups]
+                assert all(lean) == (not persistent and strategy != "no_shard"), (strategy, persistent, lean)
+                assert all(g.model.is_storage_released() == g.lean_model for g in groups)
+                states.append(full_state(m))
+            out[(strategy, flat)] = max_diff(*states)
+    return out
+
+
+def test_lean_param_shard_trains_the_same_weights() -> None:
+    """The lean mode casts the same main weights into the same BF16 values, only later: every
+    strategy trains bit for bit the same weights as with the persistent shard."""
+    table = run_ranks(_lean_vs_persistent, 2, make_model(), make_batches(3), backend="gloo")[0]
+    assert all(v == 0.0 for v in table.values()), table
+
+
+def test_persistent_param_shard_must_be_bool() -> None:
+    with pytest.raises(TypeError, match="persistent_param_shard must be a bool"):
+        fsdp.MixedPrecisionPolicy(persistent_param_shard="lean")

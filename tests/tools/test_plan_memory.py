@@ -10,6 +10,7 @@ The planner joins (and leaves) a fake process group itself, so these tests need 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 import subprocess
@@ -275,3 +276,22 @@ def test_command_line_mixtral_json() -> None:
     assert report["dtypes"] == "main fp32, model bf16, main grads fp32, reduce bf16"
     total = report["total"]
     assert abs(total["measured"] - total["closed"]) <= total["allowance"]
+
+
+@pytest.mark.parametrize("strategy", ["no_shard", "optim", "optim_grads_params"])
+def test_lean_param_shard_and_flat_optimizer_drop_their_categories(strategy: str) -> None:
+    """persistent_param_shard=False frees the model shard (sharded strategies: no_shard's model
+    weights are its full ones), the flat optimizer the FP32 grad copies; the measured bytes still
+    match the closed form, and the plan names both trade-offs."""
+    bf16 = POLICIES["bf16"]
+    lean = dataclasses.replace(bf16, persistent_param_shard=False)
+    base = plan(Net, WORLD, 0, strategy=strategy, mp_policy=bf16)
+    p = plan(Net, WORLD, 0, strategy=strategy, mp_policy=lean, flat_optimizer=True)
+    assert p.ok and base.ok
+    assert base.model_weights.measured > 0 and base.grad_copies.measured > 0
+    assert p.grad_copies.measured == 0
+    assert p.model_weights.measured == (base.model_weights.measured if strategy == "no_shard" else 0)
+    text = p.format()
+    assert "grad copies: none, the flat optimizer" in text
+    assert ("param shard: cast before every gather" in text) == (strategy != "no_shard")
+    assert "--lean-param-shard" in base.format() or strategy == "no_shard"

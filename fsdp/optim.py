@@ -1,0 +1,460 @@
+"""Optimizer steps over the flat shards (Megatron's distributed optimizer), opt-in.
+
+``torch.optim.AdamW(model.parameters())`` keeps working: it steps the sharded DTensor
+parameters one by one. When the main grads are in another dtype than the main weights
+(``MixedPrecisionPolicy(main_grads_dtype=torch.bfloat16)``), torch requires ``param.grad`` in the
+parameter's dtype, so every gradient is first cast to an FP32 copy: a full-size FP32 gradient
+shard exists anyway and the BF16 main grads save nothing at the step's peak.
+
+:class:`FlatOptimizer` (and :class:`FlatAdamW`, :class:`FlatAdam`, :class:`FlatSGD`) steps each
+:class:`~fsdp.param_group.ParameterGroup` as one flat tensor instead:
+
+* the FP32 main weights are the group's local buffer, updated in place by torch's own
+  functional kernels (``torch.optim.adam.adam``, ``torch.optim.sgd.sgd``; single-tensor, foreach
+  or fused as you ask, with torch's defaults otherwise), so the arithmetic per element is torch's;
+* the main grads are read where the reduction left them; BF16 ones are upcast ``chunk_numel``
+  elements at a time into one FP32 workspace, so no FP32 copy of the gradient shard exists
+  (``param.grad`` stays None for such groups; ``param.main_grad`` is the BF16 gradient);
+* the low-precision model shard (the source of the next all-gather) is written from each chunk
+  of updated main weights right after its update, in the same pass, instead of by a separate
+  cast of the whole shard before the next forward;
+* the optimizer state is one flat tensor per state name and group (``exp_avg`` ...), in the main
+  dtype, laid out like the main weights.
+
+Exactness: every element sees the same sequence of torch ops as under ``torch.optim`` on the
+sharded parameters. Per-parameter step counts are kept (a parameter that got no gradient is
+skipped and its count stays, as in torch), so runs of parameters with equal counts are stepped
+together. Results equal ``torch.optim`` bit for bit where the kernels round the same regardless
+of where an element sits in a tensor (tested: CPU, fp32), and to rounding otherwise.
+
+Limits (documented, checked): parameters are stepped per whole group, so param groups (dicts
+with their own options) must each hold whole fsdp groups (use :class:`fsdp.Bucket` to make
+them); ``state_dict()`` / ``load_state_dict()`` hold this rank's flat shard and round-trip only
+on the same world size and fsdp layout (for checkpoints that reshard, use ``torch.optim`` with
+:mod:`fsdp.checkpoint`); ``zero_grad()`` of this optimizer (or ``model.zero_grad_buffer()``) is
+what drops the gradients of groups whose ``param.grad`` stays None; build the optimizer after
+``module.to(dtype)`` (which rebuilds the buffers; a stale optimizer raises).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Optional, Union
+
+import torch
+import torch.nn as nn
+from torch.optim.adam import adam as _adam
+from torch.optim.optimizer import _get_scalar_dtype
+from torch.optim.sgd import sgd as _sgd
+
+from fsdp.param_group import ParameterGroup
+
+__all__ = ["FlatAdam", "FlatAdamW", "FlatOptimizer", "FlatSGD", "flat_optimizer"]
+
+
+
+@dataclass(frozen=True)
+class _Span:
+    """Parameter ``k``'s elements in the group's local buffers."""
+
+    k: int
+    start: int  # in main (and model) local buffers
+    numel: int
+    grad_start: int  # in main_grad's local buffer
+
+
+@dataclass(frozen=True)
+class _Run:
+    """Contiguous parameters with the same step count: one kernel call per chunk."""
+
+    start: int
+    end: int
+    grad_start: int
+    count: int
+
+
+class FlatOptimizer(torch.optim.Optimizer):
+    """``optimizer_class`` (``torch.optim.AdamW``, ``Adam`` or ``SGD``) stepping every fsdp group
+    of ``params`` as one flat tensor; see the module docstring for what that saves and guarantees.
+
+    ``params``: a sharded module, its parameters, or param-group dicts (``{"params": [...],
+    "lr": ...}``) each holding whole fsdp groups. Options are ``optimizer_class``'s, validated by
+    it. ``chunk_numel``: elements per kernel call, which bounds the temporaries of a step (the
+    upcast gradient and the kernel's own, e.g. Adam's denominator); default: the largest local
+    piece of one parameter, so they never exceed what torch.optim's per-parameter step makes.
+    ``param_groups`` are one per dict, with ``params`` the groups' flat main-weight buffers, so
+    LR schedulers work unchanged.
+    """
+
+    def __init__(
+        self,
+        params: Union[nn.Module, Iterable[Any]],
+        optimizer_class: type = torch.optim.AdamW,
+        *,
+        chunk_numel: Optional[int] = None,
+        **options: Any,
+    ) -> None:
+        kernel = _KERNELS.get(optimizer_class)
+        if kernel is None:
+            raise TypeError(
+                f"FlatOptimizer: optimizer_class must be one of {', '.join(c.__name__ for c in _KERNELS)}, "
+                f"got {getattr(optimizer_class, '__name__', optimizer_class)!r}; for another optimizer use it "
+                f"on model.parameters() (torch.optim works on fsdp's DTensor parameters)"
+            )
+        if chunk_numel is not None and (
+            not isinstance(chunk_numel, int) or isinstance(chunk_numel, bool) or chunk_numel < 1
+        ):
+            raise ValueError(f"FlatOptimizer: chunk_numel must be a positive int, got {chunk_numel!r}")
+        # optimizer_class validates the options and fills in its defaults
+        probe = optimizer_class([torch.zeros(1)], **options)
+        defaults = dict(probe.defaults)
+        specs = _param_specs(params)
+        self._kernel = kernel
+        self._groups: dict[int, ParameterGroup] = {}  # id(flat main buffer) -> its group
+        self._layouts: dict[int, tuple] = {}  # id(flat) -> (main, main_grad, model, spans)
+        flat_groups = []
+        for options_of_dict, fsdp_groups in specs:
+            flats = []
+            for g in fsdp_groups:
+                flat = g.main.local_buffer
+                self._groups[id(flat)] = g
+                self._layouts[id(flat)] = _spans(g)
+                flats.append(flat)
+            flat_groups.append({**options_of_dict, "params": flats})
+        super().__init__(flat_groups, defaults)
+        if chunk_numel is None:
+            chunk_numel = max((span.numel for spans in self._layouts.values() for span in spans), default=1)
+        self._chunk_numel = max(chunk_numel, 1)
+        for g in self._groups.values():
+            g.cast_grads = False  # no full-size cast copy in param.grad: step() upcasts by chunks
+
+    # ------------------------------------------------------------------ step
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], float]] = None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        plans = [(opts, self._plan(flat)) for opts in self.param_groups for flat in opts["params"]]
+        longest = max((run.end - run.start for _, (_, _, runs) in plans for run in runs), default=0)
+        workspace = _Workspace(min(self._chunk_numel, longest))
+        for opts, (flat, group, runs) in plans:
+            if not runs:
+                continue
+            state = self._state_for(flat, group, opts)
+            grads = group.main_grad.local_buffer
+            # the model shard, written in this pass, unless it aliases main or is cast per gather
+            model = group.model.local_buffer if group.model is not group.main and not group.lean_model else None
+            for run in runs:
+                self._step_run(flat, grads, model, state, run, opts, workspace)
+            for k in group.params_with_grads():
+                state["steps"][k] += 1
+            group.mark_stale(model_written=model is not None)
+        return loss
+
+    def _plan(self, flat: torch.Tensor) -> tuple[torch.Tensor, ParameterGroup, list[_Run]]:
+        """The runs of parameters to step in ``flat``'s group (none without reduced gradients)."""
+        group = self._groups[id(flat)]
+        if group.main.local_buffer is not flat:
+            raise RuntimeError(
+                f"FlatOptimizer: the buffers of parameters {group._names()} were rebuilt since the optimizer "
+                f"was made (module.to(dtype)?); build the optimizer again after converting the module"
+            )
+        with_grads = group.params_with_grads()
+        if not with_grads or group.main_grad.is_storage_released():
+            return flat, group, []
+        spans = self._layouts[id(flat)]
+        steps = self.state[flat].get("steps") if flat in self.state else None
+        runs: list[_Run] = []
+        for k in with_grads:
+            span, count = spans[k], (steps[k] if steps is not None else 0)
+            if span.numel == 0:
+                continue
+            last = runs[-1] if runs else None
+            if (
+                last is not None
+                and last.count == count
+                and last.end == span.start
+                and last.grad_start + (last.end - last.start) == span.grad_start
+            ):
+                runs[-1] = _Run(last.start, span.start + span.numel, last.grad_start, count)
+            else:
+                runs.append(_Run(span.start, span.start + span.numel, span.grad_start, count))
+        return flat, group, runs
+
+    def _state_for(self, flat: torch.Tensor, group: ParameterGroup, opts: dict) -> dict:
+        state = self.state[flat]
+        if not state:
+            state["steps"] = [0] * len(group.infos)
+            for name in self._kernel.state_names(opts):
+                state[name] = torch.zeros_like(flat)
+        return state
+
+    def _step_run(self, flat, grads, model, state, run: _Run, opts: dict, workspace: "_Workspace") -> None:
+        chunk = self._chunk_numel
+        for pos in range(run.start, run.end, chunk):
+            end = min(pos + chunk, run.end)
+            weights = flat[pos:end]
+            grad = grads[run.grad_start + (pos - run.start) : run.grad_start + (end - run.start)]
+            if grad.dtype != weights.dtype:
+                grad = workspace.upcast(grad, weights.dtype)
+            states = {name: state[name][pos:end] for name in self._kernel.state_names(opts)}
+            self._kernel.step(weights, grad, states, run.count, opts)
+            if model is not None:
+                model[pos:end].copy_(weights)
+
+    # ------------------------------------------------------------------ gradients
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over the gradients this optimizer steps, read where
+        the reduction left them (BF16 main grads upcast chunk by chunk; ``param.grad`` may be None
+        here, so torch's function would see nothing). Returns the total norm (a plain tensor, the
+        same on every rank). ``norm_type``: 2.0 or ``inf``. The pieces of every group are summed
+        (max for ``inf``) across its mesh's shard axis through DTensor: one small reduction per
+        group."""
+        if norm_type not in (2.0, float("inf")):
+            raise ValueError(f"FlatOptimizer.clip_grad_norm_: norm_type must be 2.0 or inf, got {norm_type!r}")
+        inf = norm_type == float("inf")
+        total = None
+        for opts in self.param_groups:
+            for flat in opts["params"]:
+                _, group, runs = self._plan(flat)
+                local = torch.zeros((), dtype=torch.float32, device=flat.device)
+                grads = group.main_grad.local_buffer
+                for run in runs:
+                    for pos in range(run.grad_start, run.grad_start + run.end - run.start, self._chunk_numel):
+                        end = min(pos + self._chunk_numel, run.grad_start + run.end - run.start)
+                        piece = grads[pos:end].float()
+                        local = torch.maximum(local, piece.abs().max()) if inf else local + piece.pow(2).sum()
+                reduced = _reduce_over_mesh(local, group, "max" if inf else "sum")
+                total = reduced if total is None else (torch.maximum(total, reduced) if inf else total + reduced)
+        if total is None:
+            return torch.zeros(())
+        norm = total if inf else total.sqrt()
+        if error_if_nonfinite and not torch.isfinite(norm):
+            raise RuntimeError(f"FlatOptimizer.clip_grad_norm_: the total gradient norm is {float(norm)}")
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for group in self._groups.values():
+            if group.params_with_grads() and not group.main_grad.is_storage_released():
+                buf = group.main_grad.local_buffer
+                buf.mul_(coef)  # as torch: the fp32 coefficient applied in the gradients' dtype
+        return norm
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop (``set_to_none``) or zero every group's reduced gradients."""
+        for group in self._groups.values():
+            if set_to_none:
+                group.drop_main_grads()
+            else:
+                group.zero_grad_buffer()
+
+
+class _Workspace:
+    """One buffer for the upcast gradient chunk (no longer than the longest run), alive for one
+    step, allocated by the first upcast."""
+
+    def __init__(self, numel: int) -> None:
+        self.numel = numel
+        self.buffer: Optional[torch.Tensor] = None
+
+    def upcast(self, grad: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        if self.buffer is None or self.buffer.dtype != dtype or self.buffer.device != grad.device:
+            self.buffer = torch.empty(self.numel, dtype=dtype, device=grad.device)
+        out = self.buffer[: grad.numel()]
+        out.copy_(grad)
+        return out
+
+
+# ---------------------------------------------------------------------- kernels
+
+
+class _AdamKernel:
+    """torch.optim.Adam / AdamW (``decoupled_weight_decay``) through ``torch.optim.adam.adam``."""
+
+    @staticmethod
+    def state_names(opts: dict) -> tuple[str, ...]:
+        return ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if opts["amsgrad"] else ("exp_avg", "exp_avg_sq")
+
+    @staticmethod
+    def step(weights, grad, states: dict, count: int, opts: dict) -> None:
+        on_device = opts["capturable"] or opts["fused"]
+        step = torch.tensor(
+            float(count),
+            dtype=_get_scalar_dtype(is_fused=opts["fused"]) if on_device else _get_scalar_dtype(),
+            device=weights.device if on_device else "cpu",
+        )
+        beta1, beta2 = opts["betas"]
+        _adam(
+            [weights],
+            [grad],
+            [states["exp_avg"]],
+            [states["exp_avg_sq"]],
+            [states["max_exp_avg_sq"]] if opts["amsgrad"] else [],
+            [step],
+            foreach=opts["foreach"],
+            capturable=opts["capturable"],
+            differentiable=False,
+            fused=opts["fused"],
+            has_complex=False,
+            decoupled_weight_decay=opts.get("decoupled_weight_decay", False),
+            amsgrad=opts["amsgrad"],
+            beta1=beta1,
+            beta2=beta2,
+            lr=opts["lr"],
+            weight_decay=opts["weight_decay"],
+            eps=opts["eps"],
+            maximize=opts["maximize"],
+        )
+
+
+class _SGDKernel:
+    """torch.optim.SGD through ``torch.optim.sgd.sgd``; the momentum buffer starts as the first
+    gradient (torch's rule), so a parameter's first step passes None and keeps what torch made."""
+
+    @staticmethod
+    def state_names(opts: dict) -> tuple[str, ...]:
+        return ("momentum_buffer",) if opts["momentum"] != 0 else ()
+
+    @staticmethod
+    def step(weights, grad, states: dict, count: int, opts: dict) -> None:
+        buffers = [states["momentum_buffer"] if count > 0 else None] if "momentum_buffer" in states else []
+        _sgd(
+            [weights],
+            [grad],
+            buffers,
+            weight_decay=opts["weight_decay"],
+            momentum=opts["momentum"],
+            lr=opts["lr"],
+            dampening=opts["dampening"],
+            nesterov=opts["nesterov"],
+            maximize=opts["maximize"],
+            has_sparse_grad=False,
+            foreach=opts["foreach"],
+            fused=opts["fused"],
+        )
+        if buffers and count == 0:
+            states["momentum_buffer"].copy_(buffers[0])
+
+
+_KERNELS = {torch.optim.AdamW: _AdamKernel, torch.optim.Adam: _AdamKernel, torch.optim.SGD: _SGDKernel}
+
+
+# ---------------------------------------------------------------------- parameters -> groups
+
+
+def _param_specs(params) -> list[tuple[dict, list[ParameterGroup]]]:
+    """(options, fsdp groups) per param-group dict; every group whole, in one dict only."""
+    if isinstance(params, nn.Module):
+        params = params.parameters()
+    if isinstance(params, torch.Tensor):
+        raise TypeError("FlatOptimizer: params must be a module or an iterable of parameters, got a single tensor")
+    items = list(params)
+    if not items:
+        raise ValueError("FlatOptimizer: got no parameters; pass a module sharded by fsdp.fully_shard or its parameters")
+    dicts = items if isinstance(items[0], dict) else [{"params": items}]
+    specs, seen = [], {}
+    for i, spec in enumerate(dicts):
+        if not isinstance(spec, dict) or "params" not in spec:
+            raise TypeError(f"FlatOptimizer: param group {i} must be a dict with 'params' (or pass parameters only)")
+        given = spec["params"]
+        given = [given] if isinstance(given, torch.Tensor) else list(given)
+        groups: list[ParameterGroup] = []
+        chosen: set[int] = set()
+        for p in given:
+            group = _group_of(p)
+            if group is None:  # frozen or plain: nothing for this optimizer to do, unless it trains
+                if p.requires_grad:
+                    raise TypeError(
+                        f"FlatOptimizer: a parameter of shape {tuple(p.shape)} was not sharded by fsdp.fully_shard; "
+                        f"the flat optimizer steps fsdp groups only (use torch.optim for other parameters)"
+                    )
+                continue
+            if not group.requires_grad:
+                continue
+            if id(group) in seen and seen[id(group)] != i:
+                raise ValueError(
+                    f"FlatOptimizer: parameters {group._names()} form one fsdp group but are split across param "
+                    f"groups {seen[id(group)]} and {i}; give each param group whole fsdp groups (put them in their "
+                    f"own fsdp.Bucket)"
+                )
+            seen[id(group)] = i
+            chosen.add(id(p))
+            if group not in groups:
+                groups.append(group)
+        specs.append(({k: v for k, v in spec.items() if k != "params"}, groups, chosen))
+    for i, (_, groups, chosen) in enumerate(specs):
+        for group in groups:
+            missing = [info.fqn for info, p in zip(group.infos, group.sharded_params) if id(p) not in chosen]
+            if missing:
+                raise ValueError(
+                    f"FlatOptimizer: param group {i} holds part of an fsdp group; missing {missing[:3]}. The flat "
+                    f"step updates whole groups: pass all their parameters (or separate them with fsdp.Bucket)"
+                )
+    if not any(groups for _, groups, _ in specs):
+        raise ValueError(
+            "FlatOptimizer: none of the parameters is trainable and sharded by fsdp.fully_shard; shard the module "
+            "first and pass model.parameters()"
+        )
+    return [(opts, groups) for opts, groups, _ in specs if groups]
+
+
+def _reduce_over_mesh(local: torch.Tensor, group: ParameterGroup, op: str) -> torch.Tensor:
+    """``local`` (this rank's share) combined over the axes where ``group``'s main weights are
+    sharded (replicated axes hold copies: counted once), as DTensor does for a Partial."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    placements = [Replicate() if isinstance(p, Replicate) else Partial(op) for p in group.main.placements]
+    if all(isinstance(p, Replicate) for p in placements):
+        return local
+    return DTensor.from_local(local, group.mesh, placements, run_check=False).full_tensor()
+
+
+def _group_of(p: torch.Tensor) -> Optional[ParameterGroup]:
+    ref = getattr(p, "_fsdp_group", None)
+    return ref() if ref is not None else None
+
+
+def _spans(group: ParameterGroup) -> list[_Span]:
+    """Each parameter's range in the main (model) and main-grad local buffers, found from the
+    DTensor views fsdp registered (so every layout, chunked or owned, is handled alike)."""
+    main_base = group.main.local_buffer
+    grad_base = group.main_grad.local_buffer
+    spans = []
+    for k, (p, g) in enumerate(zip(group.sharded_params, group.main_grad_views)):
+        local, glocal = p._local_tensor, g._local_tensor
+        if not (local.is_contiguous() and glocal.is_contiguous()):
+            raise ValueError(f"FlatOptimizer: parameter {group.infos[k].fqn!r} is not contiguous in its buffers")
+        if local.untyped_storage().data_ptr() != main_base.untyped_storage().data_ptr():
+            raise ValueError(f"FlatOptimizer: parameter {group.infos[k].fqn!r} is not a view of its group's buffer")
+        start = local.storage_offset() - main_base.storage_offset()
+        gstart = glocal.storage_offset() - grad_base.storage_offset()
+        spans.append(_Span(k, start, local.numel(), gstart))
+    return spans
+
+
+def flat_optimizer(params, optimizer_class: type = torch.optim.AdamW, **options: Any) -> FlatOptimizer:
+    """``FlatOptimizer(params, optimizer_class, **options)``."""
+    return FlatOptimizer(params, optimizer_class, **options)
+
+
+class FlatAdamW(FlatOptimizer):
+    """:class:`FlatOptimizer` with ``torch.optim.AdamW``: ``FlatAdamW(model, lr=3e-4, weight_decay=0.1)``."""
+
+    def __init__(self, params, **options: Any) -> None:
+        super().__init__(params, torch.optim.AdamW, **options)
+
+
+class FlatAdam(FlatOptimizer):
+    """:class:`FlatOptimizer` with ``torch.optim.Adam``."""
+
+    def __init__(self, params, **options: Any) -> None:
+        super().__init__(params, torch.optim.Adam, **options)
+
+
+class FlatSGD(FlatOptimizer):
+    """:class:`FlatOptimizer` with ``torch.optim.SGD``."""
+
+    def __init__(self, params, **options: Any) -> None:
+        super().__init__(params, torch.optim.SGD, **options)

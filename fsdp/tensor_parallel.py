@@ -1,0 +1,261 @@
+"""fully_shard over tensor- or expert-parallel DTensor parameters: FSDP x TP / EP on N-D meshes.
+
+The usual 2-D recipe, as with torch FSDP2::
+
+    mesh = init_device_mesh("cuda", (dp, tp), mesh_dim_names=("dp", "tp"))
+    parallelize_module(block, mesh["tp"], {"wq": ColwiseParallel(), "wo": RowwiseParallel(), ...})
+    fully_shard(block, mesh=mesh["dp"])
+
+A parameter that is already a DTensor on a tensor-parallel mesh ``tp`` (any mesh sliced from the
+same root mesh as the data-parallel ``mesh``, on other axes) is sharded by treating its
+*TP-local* tensor as the whole tensor FSDP sees: each data-parallel rank keeps
+``torch.chunk(local, dp, dim)[rank]`` (``dim``: ``shard_placement_fn``'s answer, default 0), in a
+:class:`~fsdp.chunked.ChunkedParameterGroup` (exact torch.chunk pieces: a TP-local tensor is
+rarely split row-atomically the way the default layout would want, and chunk pieces keep every
+DTensor handed out a plain, exact one). So:
+
+* the **sharded parameter** is a DTensor on the joint mesh ``(dp..., tp...)`` (the concatenation
+  of the two, on their root mesh) with placements ``(Replicate() for HSDP, dp placement, *tp
+  placements)``, each rank holding about ``1/(dp*tp)`` of it. The dp placement is ``Shard(dim)``,
+  or ``_StridedShard(dim, split_factor=n)`` when the TP placements already split ``dim`` into
+  ``n`` pieces (a column-parallel weight sharded on dim 0 by both): data parallelism splits
+  each TP piece, not the whole tensor, which is exactly what ``_StridedShard`` describes. These
+  are FSDP2's placements, so ``full_tensor()``, ``redistribute``, state dicts, DCP and optimizer
+  states built from the parameter are exact;
+* the **all-gather** runs on the dp mesh only, over TP-local tensors, and the module computes
+  with the **unsharded parameter**: a DTensor on the tp mesh around the gathered local tensor,
+  with the original TP placements, as it was before ``fully_shard``;
+* **gradients** arrive as DTensors on the tp mesh; one whose placements differ from the
+  parameter's (a ``Partial`` gradient of a TP-replicated weight) is redistributed to them (as
+  FSDP2 does), then its local tensor is reduce-scattered on dp.
+
+Everything is checked before any collective (:func:`check_params`): the dp mesh must be a
+sub-mesh of the parameter mesh's root, on axes the parameter's mesh does not use; placements
+must be ``Shard``/``Replicate`` (a ``Partial`` parameter is refused with the fix).
+
+:func:`clip_grad_norm_` clips gradients that live on different meshes (TP blocks on
+``(dp, tp)``, norms and embeddings on ``dp`` only), which ``torch.nn.utils.clip_grad_norm_``
+cannot: it stacks the per-parameter norms, and DTensors on different meshes do not stack.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterable, Optional, Union
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
+
+from fsdp.chunked import ChunkedParameterGroup
+from fsdp.param_group import ParamInfo
+
+__all__ = ["TensorParallelGroup", "TensorParallelSpec", "check_params", "clip_grad_norm_", "local_of"]
+
+
+@dataclass(frozen=True)
+class TensorParallelSpec:
+    """What ``fully_shard`` keeps of a DTensor parameter to rebuild it around gathered locals."""
+
+    mesh: DeviceMesh
+    placements: tuple[Placement, ...]
+    shape: torch.Size
+    stride: tuple[int, ...]
+
+    @classmethod
+    def of(cls, param: DTensor) -> "TensorParallelSpec":
+        return cls(param.device_mesh, tuple(param.placements), param.shape, tuple(param.stride()))
+
+    def split_factor(self, dim: int) -> int:
+        """Into how many pieces the TP placements cut ``dim`` (1: not at all)."""
+        n = 1
+        for axis, placement in enumerate(self.placements):
+            if isinstance(placement, Shard) and placement.dim == dim:
+                n *= self.mesh.size(axis)
+        return n
+
+
+def local_of(param: torch.Tensor) -> torch.Tensor:
+    """The tensor fully_shard treats as whole: a DTensor's local tensor, anything else itself."""
+    return param._local_tensor if isinstance(param, DTensor) else param
+
+
+def joint_mesh(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh ``(dp axes..., tp axes...)`` the sharded parameters live on (FSDP2's too)."""
+    return DeviceMesh._concatenate([dp_mesh, tp_mesh])
+
+
+def joint_placements(dp_ndim: int, dim: int, spec: TensorParallelSpec) -> tuple[Placement, ...]:
+    """Placements of a sharded parameter on :func:`joint_mesh`: replicated on an HSDP replicate
+    axis, split along ``dim`` on the dp shard axis *within* each TP piece, then TP's own."""
+    factor = spec.split_factor(dim)
+    dp = _StridedShard(dim, split_factor=factor) if factor > 1 else Shard(dim)
+    return (Replicate(),) * (dp_ndim - 1) + (dp,) + spec.placements
+
+
+def check_params(infos: list[ParamInfo], dp_mesh: DeviceMesh, dims: Optional[list[int]], strategy) -> None:
+    """Raise a clear ``ValueError`` for a DTensor parameter fully_shard cannot shard over
+    ``dp_mesh`` (run before any collective, identically on every rank)."""
+    for k, info in enumerate(infos):
+        p = info.param
+        if not isinstance(p, DTensor):
+            continue
+        where = f"parameter {info.fqn!r} (a DTensor on {p.device_mesh}, placements {tuple(p.placements)})"
+        if dims is None or not strategy.shard_optim:
+            raise ValueError(
+                f"{where}: DTensor (tensor/expert-parallel) parameters are sharded in exact torch.chunk pieces "
+                f"by a strategy that shards the main weights; keep them out of explicit Buckets and use "
+                f"sharding_strategy 'optim', 'optim_grads' or 'optim_grads_params'"
+            )
+        for placement in p.placements:
+            if placement.is_partial():
+                raise ValueError(
+                    f"{where} has a Partial placement: its values are pending a reduction, so there is no "
+                    f"weight to shard. Redistribute it to Shard/Replicate before fully_shard (e.g. "
+                    f"nn.Parameter(p.redistribute(placements=[Replicate()])))"
+                )
+            if not isinstance(placement, (Shard, Replicate)) or isinstance(placement, _StridedShard):
+                raise ValueError(f"{where}: fully_shard supports Shard and Replicate TP placements, not {placement!r}")
+        tp_mesh = p.device_mesh
+        if tp_mesh.device_type != dp_mesh.device_type:
+            raise ValueError(f"{where} is on device type {tp_mesh.device_type!r} but the dp mesh on {dp_mesh.device_type!r}")
+        if tp_mesh._get_root_mesh() is not dp_mesh._get_root_mesh() and not _same_root(tp_mesh, dp_mesh):
+            raise ValueError(
+                f"{where}: the dp mesh {dp_mesh} is not a sub-mesh of the parameter mesh's root mesh; slice "
+                f"both from one mesh, e.g. mesh = init_device_mesh(..., mesh_dim_names=('dp', 'tp')), "
+                f"parallelize_module(..., mesh['tp']), fully_shard(..., mesh=mesh['dp'])"
+            )
+        if dp_mesh.mesh_dim_names is None or tp_mesh.mesh_dim_names is None:
+            raise ValueError(
+                f"{where}: the dp mesh and the parameter's mesh must have axis names (the sharded parameter "
+                f"lives on their concatenation); build the mesh with init_device_mesh(..., mesh_dim_names=('dp', 'tp'))"
+            )
+        shared = set(dp_mesh.mesh_dim_names) & set(tp_mesh.mesh_dim_names)
+        if shared:
+            raise ValueError(
+                f"{where} is tensor-parallel over mesh axis {sorted(shared)}, which is also the data-parallel "
+                f"mesh's axis: TP and FSDP must use different axes; pass fully_shard the other axes, e.g. mesh=mesh['dp']"
+            )
+        try:
+            joint_mesh(dp_mesh, tp_mesh)
+        except RuntimeError as e:
+            raise ValueError(
+                f"{where}: the dp mesh {dp_mesh} and the parameter's mesh overlap or come from different "
+                f"meshes ({e}); slice them from one mesh on disjoint axes"
+            ) from None
+        if not local_of(p).is_contiguous():
+            raise ValueError(f"{where}: its local tensor is not contiguous; make it so (.contiguous()) before fully_shard")
+
+
+def _same_root(a: DeviceMesh, b: DeviceMesh) -> bool:
+    ra, rb = a._get_root_mesh(), b._get_root_mesh()
+    return ra.device_type == rb.device_type and torch.equal(ra.mesh, rb.mesh) and ra.mesh_dim_names == rb.mesh_dim_names
+
+
+def mesh_key(param: torch.Tensor) -> Optional[tuple]:
+    """Parameters of one group share this: None for plain tensors, the TP mesh's identity and
+    the number of its axes for DTensors (so a group has one tensor-parallel mesh)."""
+    if not isinstance(param, DTensor):
+        return None
+    mesh = param.device_mesh
+    return (mesh.device_type, tuple(mesh.mesh.flatten().tolist()), tuple(mesh.mesh.shape), mesh.mesh_dim_names)
+
+
+class TensorParallelGroup(ChunkedParameterGroup):
+    """A :class:`~fsdp.chunked.ChunkedParameterGroup` of DTensor parameters sharing one TP mesh:
+    the TP-local tensors are what it shards, gathers and reduces over the dp ``mesh``; the
+    parameters it registers are DTensors (sharded: on the joint mesh; unsharded: on the TP mesh)."""
+
+    def __init__(self, infos: list[ParamInfo], mesh: DeviceMesh, strategy, dtypes, requires_grad, dims, **kw) -> None:
+        self.tp_specs = [TensorParallelSpec.of(i.param) for i in infos]
+        self.spmd_mesh = joint_mesh(mesh, self.tp_specs[0].mesh)
+        self.joint_placements = [joint_placements(mesh.ndim, d, s) for d, s in zip(dims, self.tp_specs)]
+        local = [ParamInfo(i.fqn, local_of(i.param), i.registrations) for i in infos]
+        super().__init__(local, mesh, strategy, dtypes, requires_grad, dims, **kw)
+        self.infos = infos  # the originals (fully_shard marks and then drops their tensors)
+
+    def _dtensors(self, buf) -> list[DTensor]:
+        return [
+            DTensor.from_local(
+                self._piece(buf, k), self.spmd_mesh, self.joint_placements[k], run_check=False, shape=s.shape, stride=s.stride
+            )
+            for k, s in enumerate(self.tp_specs)
+        ]
+
+    def _module_param(self, k: int, full: torch.Tensor) -> nn.Parameter:
+        s = self.tp_specs[k]
+        tensor = DTensor.from_local(full, s.mesh, s.placements, run_check=False, shape=s.shape, stride=s.stride)
+        return nn.Parameter(tensor, requires_grad=self.requires_grad)
+
+    def _write_grad(self, k: int, grad: Optional[torch.Tensor], add: bool = False) -> None:
+        if isinstance(grad, DTensor):
+            s = self.tp_specs[k]
+            if tuple(grad.placements) != s.placements:
+                grad = grad.redistribute(s.mesh, s.placements)
+            grad = grad._local_tensor
+            if hasattr(grad, "wait"):  # an AsyncCollectiveTensor
+                grad = grad.wait()
+        super()._write_grad(k, grad, add)
+
+
+# ---------------------------------------------------------------------------- clip_grad_norm_
+
+
+@torch.no_grad()
+def clip_grad_norm_(
+    parameters: Union[torch.Tensor, Iterable[torch.Tensor]],
+    max_norm: float,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+    foreach: Optional[bool] = None,
+) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` for gradients on any mix of meshes and plain tensors.
+
+    Gradients are grouped by mesh; each group's norm is torch's own (``get_total_norm``, a
+    DTensor whose pending reduction ``full_tensor()`` completes, one collective per mesh), and
+    the groups' norms combine exactly as one norm over all gradients would: ``(sum n_i^p)^(1/p)``,
+    or the max for ``inf``. Each group is then scaled by torch's ``clip_grads_with_norm_``.
+    Returns the total norm as a plain tensor (the same value on every rank). Every rank must pass
+    parameters on the same meshes in the same order (the collectives run per mesh).
+    """
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    grads = [p.grad for p in params if p.grad is not None]
+    norm_type = float(norm_type)
+    if not grads:
+        return torch.tensor(0.0)
+    groups: dict[Optional[tuple], list[torch.Tensor]] = {}
+    for g in grads:
+        key = None if not isinstance(g, DTensor) else (mesh_key(g), id(type(g)))
+        groups.setdefault(key, []).append(g)
+    norms = []
+    for members in groups.values():
+        norm = torch.nn.utils.get_total_norm(members, norm_type, error_if_nonfinite=False, foreach=foreach)
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    device = norms[0].device
+    norms = [n.to(device) for n in norms]
+    if math.isinf(norm_type):
+        total = torch.stack(norms).max()
+    else:
+        total = torch.linalg.vector_norm(torch.stack(norms), norm_type)
+    if error_if_nonfinite and (total.isnan() or total.isinf()):
+        raise RuntimeError(
+            f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, so it cannot "
+            f"be clipped. To disable this error and scale the gradients by the non-finite norm anyway, set "
+            f"`error_if_nonfinite=False`"
+        )
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    locals_ = [local_of(g) for g in grads]  # scaling every local piece scales the DTensor exactly
+    by_kind: dict[tuple, list[torch.Tensor]] = {}
+    for t in locals_:
+        by_kind.setdefault((t.device, t.dtype), []).append(t)
+    for (dev, _), members in by_kind.items():
+        scale = coef.to(dev)
+        if foreach is False:
+            for t in members:
+                t.mul_(scale)
+        else:
+            torch._foreach_mul_(members, scale)
+    return total
