@@ -760,6 +760,8 @@ class ParameterGroup:
             self._reduce = (pending, None)
             return
         source, members = self.grad_in, self._local
+        if self.reduction.unused_params:  # every parameter's reduced gradient, zeros included
+            members = set(range(len(self.infos)))
         if self._partial is not None:  # reduce-scatter now, add the deferred sums, all-reduce below
             partial, self._partial = self._partial, None
             source = self.grad_in.redistribute(partial.placements, out=self._new(partial.placements, self.dtypes.reduce))

@@ -32,13 +32,17 @@ class ReduceSettings:
     mesh (None: average). ``force_sum``: communicate with sum reductions only and divide after
     (FSDP2's ``set_force_sum_reduction_for_comms``). ``all_reduce``: on an HSDP mesh, all-reduce
     across replicas (False: reduce-scatter only, the partial sums wait for the next reduction
-    that all-reduces). ``hook`` / ``hook_stream``: see the module docstring."""
+    that all-reduces). ``hook`` / ``hook_stream``: see the module docstring. ``unused_params``
+    (FSDP2's ``set_reduce_scatter_unused_params``): attach the reduced gradient to every
+    parameter of the group on every rank, also to one this rank's backward did not reach (its
+    gradient may come from other ranks); False: only to those it reached."""
 
     divide_factor: Optional[float] = None
     force_sum: bool = False
     all_reduce: bool = True
     hook: Optional[Callable[[torch.Tensor], None]] = None
     hook_stream: Optional[Any] = None
+    unused_params: bool = False  # True: every parameter gets the reduced gradient, zeros included
 
     @property
     def op(self) -> str:

@@ -11,9 +11,9 @@ steps: while gradients wait to be reduced they raise, changing nothing.
 Real (same effect as FSDP2): ``set_all_reduce_hook``, ``set_gradient_divide_factor`` (and its
 deprecated alias), ``set_force_sum_reduction_for_comms``, ``set_requires_all_reduce``,
 ``set_unshard_in_backward``, ``set_post_optim_event``, ``set_reduce_scatter_max_input_buffers``,
-``reset_iter_state``. Accepted, no effect (fsdp already behaves so, or has no such internal):
-``set_reduce_scatter_unused_params`` (unused parameters always reduce as zeros, so ranks that use
-different parameters never mismatch), ``set_separate_reduce_scatter_group`` (dbuffer owns the
+``reset_iter_state``, ``set_reduce_scatter_unused_params`` (every parameter gets its reduced
+gradient). Accepted, no effect (fsdp already behaves so, or has no such internal):
+``set_separate_reduce_scatter_group`` (dbuffer owns the
 process groups), ``share_comm_ctx`` (units on one device always share their CUDA streams), the
 comm-memory setters on non-CUDA meshes. Refused with ``NotImplementedError`` naming why:
 ``set_custom_all_gather`` / ``set_custom_reduce_scatter`` (FSDP2's comm objects allocate and run
@@ -117,11 +117,15 @@ def set_force_sum_reduction_for_comms(self: "FSDPModule", enable: bool) -> None:
 def set_reduce_scatter_unused_params(
     self: "FSDPModule", reduce_scatter_unused_params: bool, *, recurse: bool = True
 ) -> None:
-    """Accepted; fsdp always behaves as True: a parameter without a gradient reduces as zeros in
-    its group's one collective, so ranks that use different parameters never mismatch (its
-    ``.grad`` stays None where no rank computed one)."""
+    """A parameter without a gradient always reduces as zeros in its group's one collective, so
+    ranks that use different parameters never mismatch (FSDP2 needs this flag for that). True
+    also attaches the reduced gradient to every parameter on every rank (zeros where no rank
+    used it), which ranks running different parameters (MoE routing, multi-modal branches)
+    need: with False a rank's ``.grad`` stays None for a parameter its own backward did not
+    reach, even when other ranks' gradients for it are not zero, and its optimizer skips it."""
     if not isinstance(reduce_scatter_unused_params, bool):
         raise ArgumentTypeError(f"reduce_scatter_unused_params must be a bool, got {reduce_scatter_unused_params!r}")
+    _set_reduction(self, recurse, unused_params=reduce_scatter_unused_params)
 
 
 def set_reduce_scatter_max_input_buffers(self: "FSDPModule", max_input_buffers: int, *, recurse: bool = True) -> None:

@@ -357,6 +357,47 @@ def test_post_optim_event_max_buffers_and_accepted_knobs() -> None:
     assert r["grads"] < 1e-5, r
 
 
+class _Branches(nn.Module):
+    """Rank-dependent control flow: only some ranks run ``b`` (MoE routing, multi-modal)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, use_b: bool) -> torch.Tensor:
+        y = self.a(x)
+        return self.b(y) if use_b else y
+
+
+def _unused_params(model, xs) -> dict:
+    rank = dist.get_rank()
+    out = {}
+    for flag in (False, True):
+        m = fsdp.fully_shard(copy.deepcopy(model))
+        m.set_reduce_scatter_unused_params(flag)
+        m(xs[rank], rank == 0).sum().backward()
+        # each rank's own rows: rank 1 holds b's rows (row-atomic packing of a then b)
+        out[flag] = {n: None if p.grad is None else p.grad.to_local().clone() for n, p in m.named_parameters()}
+        out[(flag, "rows")] = {n: p.to_local().shape[0] for n, p in m.named_parameters()}
+    return out
+
+
+def test_reduce_scatter_unused_params_gives_every_rank_the_reduced_gradient() -> None:
+    torch.manual_seed(0)
+    model, xs = _Branches(), [torch.randn(2, 4) for _ in range(2)]
+    ref = copy.deepcopy(model)
+    for rank in range(2):  # the mean over ranks of each rank's loss, one process
+        (ref(xs[rank], rank == 0).sum() / 2).backward()
+    results = run_ranks(_unused_params, 2, model, xs, backend="threaded", timeout=60)
+    owner = next(r for r in range(2) if results[r][(True, "rows")]["b.weight"] > 0)
+    assert owner != 0, "the test needs b's rows on a rank that does not run b"
+    assert results[owner][False]["b.weight"] is None  # its backward never reached b
+    for name, p in ref.named_parameters():
+        pieces = [results[r][True][name] for r in range(2)]
+        assert torch.allclose(torch.cat(pieces), p.grad, atol=1e-6), name
+
+
 # ----------------------------------------------------------------------------- dp_mesh_dims
 
 
