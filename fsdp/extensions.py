@@ -50,7 +50,7 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 
 from dbuffer import DBuffer
 from dbuffer.agreement import check_agreement

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 import threading
-from typing import Any, Optional
 
 import pytest
 import torch
