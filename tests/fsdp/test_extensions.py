@@ -340,8 +340,10 @@ def _meta_init_and_patch(plain, reference, data) -> dict:
         p._local_tensor.fsdp_pre_all_gather = pre.__get__(p._local_tensor)
         p._local_tensor.fsdp_post_all_gather = post.__get__(p._local_tensor)
     model(data[0].chunk(world)[rank]).square().mean().backward()
-    gathered = model[0].up.weight  # (the root's forward left nothing registered unsharded)
-    return {"worst": worst, "patched_calls": len(seen), "sharded_type": type(gathered._local_tensor).__name__}
+    # the new unsharded parameters (built by the patched post) report their gradients too
+    grads = sum(p.grad is not None for p in model.parameters())
+    sharded = model[0].up.weight
+    return {"worst": worst, "patched_calls": len(seen), "sharded_type": type(sharded._local_tensor).__name__, "grads": grads}
 
 
 def test_meta_init_weights_and_late_monkey_patch() -> None:
@@ -351,7 +353,7 @@ def test_meta_init_weights_and_late_monkey_patch() -> None:
     reference = train_reference(plain, data)
     for r in run_ranks(_meta_init_and_patch, world, plain, reference, data, backend="threaded", timeout=120):
         assert r["worst"] <= 1e-6, r
-        assert r["patched_calls"] == 6 and r["sharded_type"] == "TwoTensor", r
+        assert r["patched_calls"] == 6 and r["sharded_type"] == "TwoTensor" and r["grads"] == 6, r
 
 
 class PreOnly(TwoTensor):
