@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.testing._internal.two_tensor import TwoTensor
 
 import fsdp
+from dbuffer.agreement import RankMismatchError
 from tests.harness import run_ranks
 from tools.float8_weight import Float8RowwiseWeight, cast_count, float8_weights, reference_float8_model
 
@@ -415,3 +416,20 @@ def test_misuse_raises_naming_the_parameter() -> None:
     assert "'0.up.weight'" in msgs["late on plain"] and "before fully_shard" in msgs["late on plain"]
     assert "'0.up.weight'" in msgs["bare tensor"] and "tuple of tensors" in msgs["bare tensor"]
     assert "float64" in msgs["to float64"] and "before sharding" in msgs["to float64"]
+
+
+def _differing_subclass_values() -> str:
+    torch.manual_seed(dist.get_rank())  # a different init on every rank
+    model = as_two_tensor(make_plain(seed=dist.get_rank()))
+    try:
+        fsdp.fully_shard(model)
+    except RankMismatchError as exc:
+        assert not isinstance(model, fsdp.FSDPModule)
+        return str(exc)
+    return "sharded"
+
+
+def test_ranks_with_different_subclass_values_raise_naming_the_parameter() -> None:
+    messages = run_ranks(_differing_subclass_values, 2, backend="gloo")
+    assert messages[0] == messages[1]
+    assert "'0.up.weight values'" in messages[0], messages[0]
