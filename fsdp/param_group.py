@@ -837,14 +837,14 @@ class ParameterGroup:
             return False
         pending, overwrite = self._reduce
         self._reduce = None
-        if self.offload is not None:
-            self._download(pending, overwrite)
-            return True
         result = pending.wait()
         self.streams.wait(self.streams.reduce_scatter)
         if self.divide_factor is not None:
             result.local_buffer.div_(self.divide_factor)
-        if result is not self.main_grad:
+        if self.offload is not None:  # to the host, off the compute stream (which need not wait)
+            with self.streams.launch(self.streams.reduce_scatter):
+                self.offload.download(result.local_buffer, self.main_grad.local_buffer, add=not overwrite)
+        elif result is not self.main_grad:
             if overwrite:
                 self.main_grad.local_buffer.copy_(result.local_buffer)
             else:
@@ -854,19 +854,6 @@ class ParameterGroup:
         if not self._local:
             self.grad_in.release_storage()
         return True
-
-    def _download(self, pending: Pending, overwrite: bool) -> None:
-        """Offload's end of a reduction: on the reduction's stream (compute does not wait for
-        it), copy (or add) the result into the host ``main_grad``; then free ``grad_in``."""
-        with self.streams.use(self.streams.reduce_scatter):
-            result = pending.wait()
-            if self.divide_factor is not None:
-                result.local_buffer.div_(self.divide_factor)
-            self.offload.download(result.local_buffer, self.main_grad.local_buffer, add=not overwrite)
-            if not self._local:  # compute does not wait for this stream: keep grad_in's memory
-                self.offload.used_here(self.grad_in.local_buffer)  # until the reduction has read it
-        if not self._local:
-            self.grad_in.release_storage()
 
     @torch.no_grad()
     def attach_grads(self) -> None:
