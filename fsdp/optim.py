@@ -111,7 +111,7 @@ class FlatOptimizer(torch.optim.Optimizer):
         specs = _param_specs(params)
         self._kernel = kernel
         self._groups: dict[int, ParameterGroup] = {}  # id(flat main buffer) -> its group
-        self._layouts: dict[int, tuple] = {}  # id(flat) -> (main, main_grad, model, spans)
+        self._layouts: dict[int, list[_Span]] = {}  # id(flat) -> where each parameter lies in it
         flat_groups = []
         for options_of_dict, fsdp_groups in specs:
             flats = []
