@@ -15,6 +15,13 @@ Life of a step, per unit (ZeRO-3 shown; the other strategies skip the gathers an
    its reduction starts (async; at most one in flight) and its unsharded storage is freed;
 5. the root's final callback (queued on the autograd engine) reduces whatever is left, reshards
    every unit, waits for every reduction and attaches ``param.grad``.
+
+Activation checkpointing: step 3 also registers the unsharded parameters, for a recomputation
+that runs outside the unit's hooks (``checkpoint_wrapper`` applied before ``fully_shard``,
+transformers 5); a forward whose hooks run inside backward (``checkpoint(layer.__call__)``,
+transformers 4) is a recomputation: it gathers if needed and registers, and its post-hook leaves
+the weights for the backward that follows. Every hook is registered through :func:`_run_eagerly`
+so that ``torch.compile`` of a unit's module calls it instead of tracing it.
 """
 
 from __future__ import annotations
