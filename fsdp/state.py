@@ -270,6 +270,9 @@ class FSDPState:
                 root._in_flight.pop(0).finish_reduce()
         if self.reshard_after_backward:
             group.reshard()
+            # A later pre-backward of this unit in the same backward (it ran forward twice and
+            # its gradients came in two rounds) must gather again.
+            self._pre_backward_done = False
 
     def _queue_final_callback(self) -> None:
         if not self._callback_queued:
