@@ -26,6 +26,8 @@ so that ``torch.compile`` of a unit's module calls it instead of tracing it.
 
 from __future__ import annotations
 
+import functools
+from types import MethodType
 from typing import Any, Callable, Optional
 
 import torch
@@ -44,15 +46,23 @@ __all__ = ["FSDPState", "finish_grad_sync"]
 MAX_REDUCTIONS_IN_FLIGHT = 1
 
 
-def _run_eagerly(hook: Callable) -> Callable:
-    """``hook`` marked so that torch.compile calls it as it is instead of tracing it.
+def _run_eagerly(hook: MethodType) -> MethodType:
+    """``hook`` (a bound method) marked so that torch.compile calls it as it is instead of
+    tracing it.
 
     ``module.compile()`` compiles ``nn.Module._call_impl``, which runs the forward hooks: traced,
     every gather, wait, storage resize and parameter registration in them would break the graph
     (FSDP2 marks its hooks the same way). The marked function is registered as the hook itself,
     so dynamo finds no frame of ours to trace around it: it skips ``_call_impl``'s frames, calls
-    the hooks eagerly and compiles the module's ``forward`` into one graph between them."""
-    return torch.compiler.disable(hook, recursive=True, reason="fsdp's hooks communicate and register parameters")
+    the hooks eagerly and compiles the module's ``forward`` into one graph between them. It stays
+    a method of the state (one marked function per method), so ``copy.deepcopy`` of a sharded
+    module copies the state its hooks call, as it did for plain bound methods."""
+    return MethodType(_disabled(hook.__func__), hook.__self__)
+
+
+@functools.lru_cache(maxsize=None)
+def _disabled(fn: Callable) -> Callable:
+    return torch.compiler.disable(fn, recursive=True, reason="fsdp's hooks communicate and register parameters")
 
 
 class FSDPState:
