@@ -3,6 +3,7 @@
 Run from the repository root (needs matplotlib: ``pip install -e .[pictures]``)::
 
     python3 tools/draw_layout.py --model Llama-3-8B --world 8 --layers 2 --out layout.png
+    python3 tools/draw_layout.py --model Llama-3-70B --world 64 --tp 8 --layers 1 --out tp.png
     python3 tools/draw_layout.py --shapes "[(4, 3), (5,), (7, 2)]" --world 4 --out small.png
 
 One horizontal bar per rank (rank 0 on top) spans that rank's shard, ``shard_numel``

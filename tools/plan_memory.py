@@ -5,6 +5,7 @@ Run from the repository root::
 
     python3 tools/plan_memory.py --model llama3-70b --world 1024 --strategy optim_grads_params \\
         --param-dtype bf16 --main-grads-dtype fp32 --optimizer adamw [--rank R] [--json]
+    python3 tools/plan_memory.py --model llama3-70b --world 1024 --tp 8 [--dp-replicate 2]
 
 or from Python, with a preset name or any callable that builds a module (it is called under
 ``torch.device("meta")``, so a plain constructor will do)::
@@ -67,6 +68,22 @@ are added). Not counted:
 activations, autograd and kernel temporaries, allocator fragmentation, communication workspaces.
 Padding is reported separately ("of which"): bytes of the persistent buffers that hold no tensor
 element, on this rank and on average over the ranks (the last ranks hold the most).
+
+N-D meshes (``--tp T``, ``--dp-replicate R``; ``dp_shard = world / (T * R)``): the planner builds
+the mesh ``(dp_replicate, dp_shard, tp)`` (size-1 axes left out) on the fake group, applies the
+Llama TP plan of :mod:`tools.tp_plan` with torch's own ``parallelize_module`` on the ``tp``
+sub-mesh (torchtitan's: column-parallel q/k/v/gate/up/w1/w3 and ``lm_head``, row-parallel
+o/down/w2 and ``embed_tokens``, both split on the vocabulary; RMSNorm weights and Mixtral's router
+replicated, plain tensors), then shards every block and the root on the dp axes (HSDP when
+``R > 1``), as README "FSDP x TP / EP" does. DTensors work on meta under the fake group: nothing
+is communicated or allocated. The closed form counts each parameter's TP piece (this rank's
+``torch.chunk(weight, T, dim)`` piece for the split ones, the whole weight for the replicated
+ones) and shards that over ``dp_shard``; replicas (``R``) hold copies, so they do not divide
+anything. The TP parameters live in fsdp's chunked groups (``torch.chunk`` pieces over dp,
+fsdp/chunked.py), whose padding (uneven pieces) is the allowance. Not counted with TP: those
+groups' shard-major gather target, which under ZeRO-3 holds one more copy of a unit's gathered
+weights from a gather's start to its copy into the parameters (the schedule probe has no TP groups,
+so it does not see it); and the schedule is the 1-D probe's (fsdp schedules TP units the same way).
 
 Where the buffers live: by default on a ``meta`` mesh. ``fully_shard`` builds the very same
 DBuffers (layouts, dtypes, placements, aliases, released storage), but nothing is allocated or

@@ -82,14 +82,17 @@ class MeshShape:
 
 
 def tp_dim(fqn: str) -> Optional[int]:
-    """The dim the plan splits parameter ``fqn``'s weight on, or None (replicated on TP)."""
+    """The dim the plan splits parameter ``fqn`` on, or None (replicated on TP). A column-parallel
+    Linear's bias is split like its output (dim 0), a row-parallel one's is replicated; the
+    embedding's weight ``[vocab, dim]`` is split on the vocabulary (``RowwiseParallel`` on an
+    ``nn.Embedding``)."""
     parts = fqn.split(".")
-    if len(parts) < 2 or parts[-1] != "weight":
+    if len(parts) < 2 or parts[-1] not in ("weight", "bias"):
         return None
-    module = parts[-2]
-    if module in COLWISE or module == "embed_tokens":
+    module, kind = parts[-2], parts[-1]
+    if module in COLWISE or (module == "embed_tokens" and kind == "weight"):
         return 0
-    if module in ROWWISE:
+    if module in ROWWISE and kind == "weight":
         return 1
     return None
 

@@ -392,3 +392,28 @@ def test_command_line_llama3_70b_tp8_dp128(capsys) -> None:
     main_weights = report["main_weights"]
     assert main_weights["closed"] == math.ceil(4 * local / 128)
     assert abs(main_weights["measured"] - main_weights["closed"]) <= main_weights["allowance"]
+
+
+class BiasedBlock(nn.Module):
+    """Llama-named Linears with biases: a column-parallel bias is split, a row-parallel one not."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q_proj = nn.Linear(32, 64)
+        self.o_proj = nn.Linear(64, 32)
+        self.norm = nn.Parameter(torch.ones(32))
+
+
+class BiasedNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(BiasedBlock() for _ in range(2))
+        self.lm_head = nn.Linear(32, 100, bias=False)
+
+
+def test_tp_plan_on_a_custom_builder_with_biases() -> None:
+    p = plan(BiasedNet, 8, 1, tp=2, strategy="optim_grads")
+    assert p.ok, p.format()
+    # By hand, per TP rank: q weight + bias halved; o weight halved, its bias and the norm whole.
+    block = 64 * 32 // 2 + 64 // 2 + 32 * 64 // 2 + 32 + 32
+    assert p.local_params == 2 * block + 100 * 32 // 2

@@ -266,6 +266,9 @@ def test_draw_layout_writes_png(tmp_path: Path) -> None:
     out2 = tmp_path / "llama.png"
     assert draw_main(["--model", "Llama-3-8B", "--layers", "1", "--world", "8", "--out", str(out2)]) == 0
     assert out2.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    out3 = tmp_path / "llama_tp.png"
+    assert draw_main(["--model", "Llama-3-8B", "--layers", "1", "--world", "16", "--tp", "2", "--out", str(out3)]) == 0
+    assert out3.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_draw_layout_without_matplotlib_says_how_to_install(tmp_path: Path) -> None:
