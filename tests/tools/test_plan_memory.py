@@ -417,3 +417,71 @@ def test_tp_plan_on_a_custom_builder_with_biases() -> None:
     # By hand, per TP rank: q weight + bias halved; o weight halved, its bias and the norm whole.
     block = 64 * 32 // 2 + 64 // 2 + 32 * 64 // 2 + 32 + 32
     assert p.local_params == 2 * block + 100 * 32 // 2
+
+
+# ---------------------------------------------------------------- TP: a real step on dp 2 x tp 2
+
+
+class TPBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.Parameter(torch.ones(DIM))
+        self.up_proj = nn.Linear(DIM, HIDDEN, bias=False)
+        self.down_proj = nn.Linear(HIDDEN, DIM, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down_proj(F.gelu(self.up_proj(x * self.norm)))
+
+
+class TPNet(nn.Module):
+    """Llama-named: the embedding and head split on the (odd) vocabulary, up/down column/row
+    parallel, the norm weights replicated."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(VOCAB + 1, DIM)
+        self.layers = nn.ModuleList(TPBlock() for _ in range(2))
+        self.lm_head = nn.Linear(DIM, VOCAB + 1, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(tokens)
+        for block in self.layers:
+            x = block(x)
+        return self.lm_head(x)
+
+
+def _real_tp_step(model: nn.Module) -> dict:
+    """One AdamW step of ``model`` under parallelize_module on tp 2 and fully_shard on dp 2 (the
+    recipe of README "FSDP x TP / EP"); the bytes torch holds afterwards."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from tools.tp_plan import tp_plan
+
+    torch.manual_seed(0)
+    model = copy.deepcopy(model)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
+    parallelize_module(model, mesh["tp"], tp_plan(model))
+    for block in model.layers:
+        fully_shard(block, mesh=mesh["dp_shard"])
+    fully_shard(model, mesh=mesh["dp_shard"])
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randint(0, VOCAB, (2, 8))).float().square().mean().backward()  # local logits
+    opt.step()
+    local = lambda t: t._local_tensor if isinstance(t, DTensor) else t  # noqa: E731
+    state = [local(t) for s in opt.state.values() for k, t in s.items() if k != "step"]
+    return {"optimizer_state": sum(t.numel() * t.element_size() for t in state)}
+
+
+def test_tp_plan_matches_a_real_tp_training_step() -> None:
+    """The optimizer state torch allocates on each rank of a real dp 2 x tp 2 step (threaded
+    world) is what the planner measures; over all ranks it is two FP32 copies of each TP rank's
+    pieces, independent of any layout."""
+    torch.manual_seed(0)
+    real = run_ranks(_real_tp_step, 4, TPNet(), backend="threaded")
+    hidden_split = 2 * (DIM * HIDDEN)  # up + down per layer, split on tp
+    per_tp_rank = [2 * hidden_split // 2 + 2 * DIM + (VOCAB + 1 + 1 - 2 * t) // 2 * DIM * 2 for t in (0, 1)]
+    assert sum(r["optimizer_state"] for r in real) == 2 * 4 * sum(per_tp_rank)  # vocab 1001: 501 + 500 rows
+    for rank, got in enumerate(real):
+        p = plan(TPNet, 4, rank, tp=2, mp_policy=MixedPrecisionPolicy())
+        assert p.ok and p.optimizer_state.measured == got["optimizer_state"], (rank, got)
