@@ -1,7 +1,9 @@
 """tools/plan_memory.py: measured per-rank bytes against the closed form, the ZeRO ordering of the
 categories, independent checks against real training steps (the bytes torch holds after an AdamW
 step on a threaded world; the peak working set of forward/backward on a fake world), the
-Llama-3-70B preset at world 1024 and the command line.
+Llama-3-70B preset at world 1024 and the command line; N-D meshes (the Llama TP plan on tp, HSDP):
+hand counts with the TP-split weights divided by tp, a real dp 2 x tp 2 AdamW step, the 70B preset
+on dp 128 x tp 8 through the command line.
 
 The planner joins (and leaves) a fake process group itself, so these tests need no harness for it;
 ``test_plan_inside_an_existing_fake_world`` checks that it also works inside ``run_ranks``.
@@ -485,3 +487,9 @@ def test_tp_plan_matches_a_real_tp_training_step() -> None:
     for rank, got in enumerate(real):
         p = plan(TPNet, 4, rank, tp=2, mp_policy=MixedPrecisionPolicy())
         assert p.ok and p.optimizer_state.measured == got["optimizer_state"], (rank, got)
+
+
+def test_tp_meta_and_real_storage_give_the_same_bytes() -> None:
+    meta = plan(tiny_odd, 8, 3, tp=2)
+    cpu = plan(tiny_odd, 8, 3, tp=2, device="cpu")
+    assert meta.categories() == cpu.categories() and cpu.ok and cpu.device == "cpu"
