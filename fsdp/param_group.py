@@ -697,6 +697,10 @@ class ParameterGroup:
             self._pack(k, grad, on_group_start)
         if len(self._seen) == len(self.infos):
             self._pack_held(on_group_start)
+            # Counted afresh: a unit run twice whose gradients arrive in two rounds of one
+            # backward (reentrant checkpointing: each recomputation has its own nested
+            # backward) completes the group once per round, not at every later gradient.
+            self._seen.clear()
             on_group_done(self)
 
     def _pack(self, k: int, grad: torch.Tensor, on_group_start=None) -> None:
