@@ -26,6 +26,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from dbuffer import collectives
 
@@ -67,9 +68,15 @@ def value_digest(t: torch.Tensor) -> str:
     """A short fingerprint of ``t``'s values (xor of their bit patterns): equal values give
     equal digests; differently initialised tensors differ with overwhelming probability (values
     that only trade places are not told apart). One pass over ``t``, no copy of it."""
-    if t.device.type == "meta" or t.numel() == 0 or type(t.detach()) is not torch.Tensor:
-        return "-"  # no values yet, or a tensor subclass (refused elsewhere)
-    t = t.detach().contiguous()
+    if t.device.type == "meta" or t.numel() == 0:
+        return "-"  # no values yet
+    t = t.detach()
+    if type(t) is not torch.Tensor:  # a tensor subclass (float8, NF4): the tensors it holds
+        if not hasattr(t, "__tensor_flatten__") or isinstance(t, DTensor):
+            return "-"
+        names, _ = t.__tensor_flatten__()
+        return "/".join(value_digest(getattr(t, name)) for name in names)
+    t = t.contiguous()
     bits = t.view(_BITS[t.element_size()])  # any dtype, float8 included
     xor = int(torch.hash_tensor(bits).view(torch.int64)) & (2**64 - 1)
     # xor cancels equal values in pairs (ones and twos of even count both give 0); a sum of the

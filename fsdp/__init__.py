@@ -22,6 +22,10 @@ parameters into communication buckets by name, each with its own mesh, placement
 or ``dbuffer.Owned()``: whole tensors on owners balanced over the model, for :class:`Muon`),
 strategy and precision.
 
+Memory: :class:`FlatAdamW` (:mod:`fsdp.optim`) steps each group's flat shard with torch's
+kernels, so BF16 main grads need no FP32 copy; ``MixedPrecisionPolicy(persistent_param_shard=
+False)`` casts the param shard before each gather instead of keeping it.
+
 Checkpoints and meta-device init:
 
 * torch's ``torch.distributed.checkpoint.state_dict.get_state_dict`` / ``set_state_dict`` with

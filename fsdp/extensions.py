@@ -50,7 +50,7 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 
 from dbuffer import DBuffer
 from dbuffer.agreement import check_agreement
@@ -150,8 +150,6 @@ class ExtensionParameterGroup(ChunkedParameterGroup):
         self._outputs: list[list[torch.Tensor]] = []  # all-gather outputs of each parameter
         self._capacity: dict[int, int] = {}  # bytes of each freed storage (by tensor id)
         self._alive = False  # the unsharded parameters have storage and current values
-        self.post_all_gather_calls = 0  # counts, for tests and the benchmark
-        self.pre_all_gather_calls = 0
         self._ready = True
         self.mark_stale()
 
@@ -249,7 +247,6 @@ class ExtensionParameterGroup(ChunkedParameterGroup):
                 f"parameter {name!r}: invalid {PRE}{inspect.signature(pre)}; expected {PRE}(self, mesh) or "
                 f"{PRE}(self, mesh, outer_size, outer_stride, module, mp_policy)"
             )
-        self.pre_all_gather_calls += 1
         if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], (tuple, list))):
             raise TypeError(f"parameter {name!r}: {PRE} must return (tuple of tensors, metadata), got {type(result)}")
         inputs = tuple(result[0])
@@ -391,7 +388,6 @@ class ExtensionParameterGroup(ChunkedParameterGroup):
     def _post_all_gather(self, k: int, out: Optional[torch.Tensor] = None):
         local = self.sharded_params[k]._local_tensor
         outputs = tuple(t.view(-1, *shape[1:]) for t, (shape, _) in zip(self._outputs[k], self._spec[k]))
-        self.post_all_gather_calls += 1
         if out is None:
             return getattr(local, POST)(outputs, self._metadata[k], self.dtypes.model)
         return getattr(local, POST)(outputs, self._metadata[k], self.dtypes.model, out=out)

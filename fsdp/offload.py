@@ -22,10 +22,10 @@ Why the copies are safe on CUDA (``pin_memory=True``: host buffers are pinned an
 * the upload runs on the all-gather side stream, right before the gather that reads it, so
   stream order makes the gather see it; the upload target is allocated on that stream and freed
   after the compute stream has waited for it;
-* the download runs on the reduce-scatter side stream, after the reduction (stream order
-  again), and compute does not wait for it; so the reduction's output and ``grad_in`` are marked
-  used by that stream (``record_stream``), and the caching allocator does not hand their memory
-  out before the reduction and the copy have read them;
+* the download runs on the reduce-scatter side stream, ordered after the reduction and the work
+  queued on the compute stream so far (the division), and compute does not wait for it; its
+  device source is marked used by that stream (``record_stream``), so the caching allocator
+  does not hand that memory out (``grad_in`` is freed right after) before the copy has read it;
 * each non-blocking copy records an event; the host never touches a host buffer a copy may still
   read or write without first waiting for those events (:meth:`HostOffload.settle`): before the
   gradients are attached (so before the optimizer can read them or write the weights), before

@@ -111,7 +111,7 @@ class FlatOptimizer(torch.optim.Optimizer):
         specs = _param_specs(params)
         self._kernel = kernel
         self._groups: dict[int, ParameterGroup] = {}  # id(flat main buffer) -> its group
-        self._layouts: dict[int, tuple] = {}  # id(flat) -> (main, main_grad, model, spans)
+        self._layouts: dict[int, list[_Span]] = {}  # id(flat) -> where each parameter lies in it
         flat_groups = []
         for options_of_dict, fsdp_groups in specs:
             flats = []
@@ -365,6 +365,12 @@ def _param_specs(params) -> list[tuple[dict, list[ParameterGroup]]]:
         for p in given:
             group = _group_of(p)
             if group is None:  # frozen or plain: nothing for this optimizer to do, unless it trains
+                if getattr(p, "_fsdp_unsharded", False):
+                    raise TypeError(
+                        "FlatOptimizer: got an unsharded (gathered) parameter, registered between a unit's forward "
+                        "and the end of its backward; build the optimizer while the model is resharded "
+                        "(model.reshard() first, or right after fully_shard)"
+                    )
                 if p.requires_grad:
                     raise TypeError(
                         f"FlatOptimizer: a parameter of shape {tuple(p.shape)} was not sharded by fsdp.fully_shard; "

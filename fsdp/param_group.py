@@ -702,6 +702,10 @@ class ParameterGroup:
             self._pack(k, grad, on_group_start)
         if len(self._seen) == len(self.infos):
             self._pack_held(on_group_start)
+            # Counted afresh: a unit run twice whose gradients arrive in two rounds of one
+            # backward (reentrant checkpointing: each recomputation has its own nested
+            # backward) completes the group once per round, not at every later gradient.
+            self._seen.clear()
             on_group_done(self)
 
     def _pack(self, k: int, grad: torch.Tensor, on_group_start=None) -> None:
@@ -924,13 +928,13 @@ class ParameterGroup:
             if not self._local:
                 self.grad_in.release_storage()
             return True
-        if self.offload is not None:
-            self._download(pending, overwrite)
-            return True
         result = pending.wait()
         self.streams.wait(self.streams.reduce_scatter)
-        self.reduction.finish(result.local_buffer, self.mesh)
-        if result is not self.main_grad:
+        self.reduction.finish(result.local_buffer, self.mesh)  # divide, hook (FSDP2's knobs)
+        if self.offload is not None:  # to the host, off the compute stream (which need not wait)
+            with self.streams.launch(self.streams.reduce_scatter):
+                self.offload.download(result.local_buffer, self.main_grad.local_buffer, add=not overwrite)
+        elif result is not self.main_grad:
             if overwrite:
                 self.main_grad.local_buffer.copy_(result.local_buffer)
             else:
@@ -940,18 +944,6 @@ class ParameterGroup:
         if not self._local:
             self.grad_in.release_storage()
         return True
-
-    def _download(self, pending: Pending, overwrite: bool) -> None:
-        """Offload's end of a reduction: on the reduction's stream (compute does not wait for
-        it), copy (or add) the result into the host ``main_grad``; then free ``grad_in``."""
-        with self.streams.use(self.streams.reduce_scatter):
-            result = pending.wait()
-            self.reduction.finish(result.local_buffer, self.mesh)  # divide, hook (FSDP2's knobs)
-            self.offload.download(result.local_buffer, self.main_grad.local_buffer, add=not overwrite)
-            if not self._local:  # compute does not wait for this stream: keep grad_in's memory
-                self.offload.used_here(self.grad_in.local_buffer)  # until the reduction has read it
-        if not self._local:
-            self.grad_in.release_storage()
 
     @torch.no_grad()
     def attach_grads(self) -> None:

@@ -15,10 +15,19 @@ Life of a step, per unit (ZeRO-3 shown; the other strategies skip the gathers an
    its reduction starts (async; at most one in flight) and its unsharded storage is freed;
 5. the root's final callback (queued on the autograd engine) reduces whatever is left, reshards
    every unit, waits for every reduction and attaches ``param.grad``.
+
+Activation checkpointing: step 3 also registers the unsharded parameters, for a recomputation
+that runs outside the unit's hooks (``checkpoint_wrapper`` applied before ``fully_shard``,
+transformers 5); a forward whose hooks run inside backward (``checkpoint(layer.__call__)``,
+transformers 4) is a recomputation: it gathers if needed and registers, and its post-hook leaves
+the weights for the backward that follows. Every hook is registered through :func:`_run_eagerly`
+so that ``torch.compile`` of a unit's module calls it instead of tracing it.
 """
 
 from __future__ import annotations
 
+import functools
+from types import MethodType
 from typing import Any, Callable, Optional
 
 import torch
@@ -37,15 +46,23 @@ __all__ = ["FSDPState", "finish_grad_sync"]
 MAX_REDUCTIONS_IN_FLIGHT = 1
 
 
-def _run_eagerly(hook: Callable) -> Callable:
-    """``hook`` marked so that torch.compile calls it as it is instead of tracing it.
+def _run_eagerly(hook: MethodType) -> MethodType:
+    """``hook`` (a bound method) marked so that torch.compile calls it as it is instead of
+    tracing it.
 
     ``module.compile()`` compiles ``nn.Module._call_impl``, which runs the forward hooks: traced,
     every gather, wait, storage resize and parameter registration in them would break the graph
     (FSDP2 marks its hooks the same way). The marked function is registered as the hook itself,
     so dynamo finds no frame of ours to trace around it: it skips ``_call_impl``'s frames, calls
-    the hooks eagerly and compiles the module's ``forward`` into one graph between them."""
-    return torch.compiler.disable(hook, recursive=True, reason="fsdp's hooks communicate and register parameters")
+    the hooks eagerly and compiles the module's ``forward`` into one graph between them. It stays
+    a method of the state (one marked function per method), so ``copy.deepcopy`` of a sharded
+    module copies the state its hooks call, as it did for plain bound methods."""
+    return MethodType(_disabled(hook.__func__), hook.__self__)
+
+
+@functools.lru_cache(maxsize=None)
+def _disabled(fn: Callable) -> Callable:
+    return torch.compiler.disable(fn, recursive=True, reason="fsdp's hooks communicate and register parameters")
 
 
 class FSDPState:
@@ -303,6 +320,9 @@ class FSDPState:
                 root._in_flight.pop(0).finish_reduce()
         if self.reshard_after_backward:
             group.reshard()
+            # A later pre-backward of this unit in the same backward (it ran forward twice and
+            # its gradients came in two rounds) must gather again.
+            self._pre_backward_done = False
 
     def _queue_final_callback(self) -> None:
         if not self._callback_queued:

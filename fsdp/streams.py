@@ -47,17 +47,6 @@ class CommStreams:
         with torch.cuda.stream(stream):
             yield
 
-    @contextlib.contextmanager
-    def use(self, stream: Optional["torch.cuda.Stream"]) -> Iterator[None]:
-        """Run the enclosed work on ``stream`` without ordering it after the current stream (for
-        work that depends only on what is already queued there, e.g. a copy of a reduction's
-        result, which compute must not wait for)."""
-        if not self.enabled or stream is None:
-            yield
-            return
-        with torch.cuda.stream(stream):
-            yield
-
     def wait(self, stream: Optional["torch.cuda.Stream"]) -> None:
         """Order the current stream after everything queued on ``stream``."""
         if self.enabled and stream is not None:

@@ -99,7 +99,7 @@ def joint_placements(dp_ndim: int, dim: int, spec: TensorParallelSpec) -> tuple[
 def check_params(infos: list[ParamInfo], dp_mesh: DeviceMesh, dims: Optional[list[int]], strategy) -> None:
     """Raise a clear ``ValueError`` for a DTensor parameter fully_shard cannot shard over
     ``dp_mesh`` (run before any collective, identically on every rank)."""
-    for k, info in enumerate(infos):
+    for info in infos:
         p = info.param
         if not isinstance(p, DTensor):
             continue
@@ -156,8 +156,8 @@ def _same_root(a: DeviceMesh, b: DeviceMesh) -> bool:
 
 
 def mesh_key(param: torch.Tensor) -> Optional[tuple]:
-    """Parameters of one group share this: None for plain tensors, the TP mesh's identity and
-    the number of its axes for DTensors (so a group has one tensor-parallel mesh)."""
+    """Parameters of one group share this: None for plain tensors; for DTensors, what identifies
+    their mesh across ranks (device type, ranks, shape, axis names), so a group has one TP mesh."""
     if not isinstance(param, DTensor):
         return None
     mesh = param.device_mesh

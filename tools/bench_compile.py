@@ -108,9 +108,10 @@ def run_benchmark(args: argparse.Namespace) -> dict:
     steps = 2 + args.steps
     batches = [torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=g) for _ in range(steps)]
     order = list(METHODS) if args.order == "ours" else list(reversed(METHODS))
-    # Dynamo's and the backend's one-time start-up (imports, first trace) would otherwise be
-    # charged to whichever method compiles first: pay it on a function unrelated to both.
-    torch.compile(_warm_up, backend=args.backend)(torch.ones(4, 4))
+    # Dynamo's and the backend's one-time start-up (imports, first trace, inductor's C++
+    # toolchain probe and headers, forward and backward) would otherwise be charged to whichever
+    # method compiles first: pay it on a function unrelated to both.
+    torch.compile(_warm_up, backend=args.backend)(torch.ones(4, 4, requires_grad=True)).backward()
     torch._dynamo.reset()
     methods: dict[str, Method] = {}
     report: dict = {"world": world, "backend": args.backend, "methods": {}}

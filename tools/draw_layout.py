@@ -3,6 +3,7 @@
 Run from the repository root (needs matplotlib: ``pip install -e .[pictures]``)::
 
     python3 tools/draw_layout.py --model Llama-3-8B --world 8 --layers 2 --out layout.png
+    python3 tools/draw_layout.py --model Llama-3-70B --world 64 --tp 8 --layers 1 --out tp.png
     python3 tools/draw_layout.py --shapes "[(4, 3), (5,), (7, 2)]" --world 4 --out small.png
 
 One horizontal bar per rank (rank 0 on top) spans that rank's shard, ``shard_numel``
@@ -11,6 +12,13 @@ share a color; thin white lines separate neighbours) and the larger ones are lab
 (registration order). Padding is grey and hatched; padding too narrow to see at the figure's
 scale is also marked by a red tick above the bar. ``--layers N`` keeps a model's embedding, its
 first N layers, final norm and head, so that a 32-layer model still gives a readable picture.
+
+``--tp T`` (with ``--model``) draws what one tensor-parallel rank lays out over its data-parallel
+group: each weight is replaced by TP rank ``--tp-rank``'s ``torch.chunk`` piece under the Llama TP
+plan of ``tools/tp_plan.py`` (column-parallel q/k/v/gate/up/w1/w3 and lm_head, row-parallel
+o/down/w2 and the embedding; norms and the router replicated), and the pieces are laid out over
+``world / T`` shards. Every TP rank's picture has the same structure; only uneven splits (e.g. a
+vocabulary not divisible by ``T``) differ between them.
 
 :func:`segments` is the pure part (no matplotlib): it cuts each rank's range into tensor pieces
 and padding.
@@ -28,7 +36,8 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from dbuffer.layout import Layout, compute_layout  # noqa: E402
-from tools.padding_report import MODELS, model_shapes  # noqa: E402
+from tools.padding_report import MODELS, model_shapes, model_tp_dims  # noqa: E402
+from tools.tp_plan import local_shape  # noqa: E402
 
 Shape = tuple[int, ...]
 Segment = tuple[int, int, Optional[int]]  # global [start, end), item index or None for padding
@@ -84,6 +93,13 @@ def truncate_layers(shapes: Sequence[Shape], layers: int) -> list[Shape]:
     if not 1 <= layers <= count:
         raise ValueError(f"--layers must be between 1 and {count} for this model, got {layers}")
     return [tuple(shapes[0])] + middle[: layers * period] + [tuple(s) for s in shapes[-2:]]
+
+
+def tp_shapes(name: str, tp: int, tp_rank: int = 0) -> list[Shape]:
+    """``name``'s shapes as TP rank ``tp_rank`` of ``tp`` holds them (see the module docstring)."""
+    if not 0 <= tp_rank < tp:
+        raise ValueError(f"--tp-rank must be in [0, {tp}), got {tp_rank}")
+    return [local_shape(s, d, tp, tp_rank) for s, d in zip(model_shapes(name), model_tp_dims(name))]
 
 
 def parse_shapes(text: str) -> list[Shape]:
@@ -176,18 +192,25 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     source.add_argument("--shapes", help='custom shapes in registration order, e.g. "[(4, 3), (5,)]"')
     parser.add_argument("--world", type=int, default=8, help="number of shards (ranks), default 8")
     parser.add_argument("--layers", type=int, help="with --model: keep only its first N layers")
+    parser.add_argument("--tp", type=int, default=1, help="with --model: tensor-parallel size (world = dp * tp)")
+    parser.add_argument("--tp-rank", type=int, default=0, help="with --tp: which TP rank's pieces to draw")
     parser.add_argument("--out", default="layout.png", help="PNG to write (default layout.png)")
     args = parser.parse_args(argv)
     if args.world < 1:
         parser.error(f"--world must be >= 1, got {args.world}")
+    if args.tp < 1 or args.world % args.tp:
+        parser.error(f"--tp must be >= 1 and divide --world ({args.world}), got {args.tp}")
+    shards = args.world // args.tp
     try:
         if args.shapes is not None:
-            if args.layers is not None:
-                parser.error("--layers applies to --model, not to --shapes")
+            if args.layers is not None or args.tp > 1:
+                parser.error("--layers and --tp apply to --model, not to --shapes")
             shapes, title = parse_shapes(args.shapes), "custom shapes"
         else:
             name = args.model or "Llama-3-8B"
-            shapes, title = model_shapes(name), name
+            shapes, title = tp_shapes(name, args.tp, args.tp_rank), name
+            if args.tp > 1:
+                title += f", TP rank {args.tp_rank} of {args.tp} (Llama TP plan), dp {shards}"
             if args.layers is not None:
                 shapes = truncate_layers(shapes, args.layers)
                 title += f", first {args.layers} layers" if args.layers > 1 else ", first layer only"
@@ -198,9 +221,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ImportError:
         print(INSTALL_HINT, file=sys.stderr)
         return 1
-    layout = compute_layout(shapes, args.world)
+    layout = compute_layout(shapes, shards)
     draw(layout, args.out, title=title)
-    print(f"wrote {args.out}: {len(shapes)} tensors, world {args.world}, shard {layout.shard_numel:,} elements, "
+    mesh = f"world {args.world}" + (f" = dp {shards} x tp {args.tp}" if args.tp > 1 else "")
+    print(f"wrote {args.out}: {len(shapes)} tensors, {mesh}, shard {layout.shard_numel:,} elements, "
           f"padding {layout.padding_numel:,} ({100 * layout.padding_fraction:.4f}%)")
     return 0
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from typing import Optional
 
 if __package__ in (None, ""):  # run as a script: make the repository root importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -61,6 +62,23 @@ def model_shapes(name: str) -> list[Shape]:
         shapes += [(dim,), (dim,)]  # input_layernorm, post_attention_layernorm
     shapes += [(dim,), (vocab, dim)]  # final norm, lm_head (untied)
     return shapes
+
+
+def model_tp_dims(name: str) -> list[Optional[int]]:
+    """For each of :func:`model_shapes`, the dim tools/tp_plan.py's Llama TP plan splits it on
+    (None: replicated on the TP ranks), in the same order."""
+    if name not in _CONFIGS:
+        raise ValueError(f"unknown model {name!r}; choose one of {', '.join(MODELS)}")
+    layers, experts = _CONFIGS[name][2], _CONFIGS[name][7]
+    layer: list[Optional[int]] = [0, 0, 0, 1]  # q, k, v colwise; o rowwise
+    if experts == 0:
+        layer += [0, 0, 1]  # gate, up colwise; down rowwise
+    elif name.endswith("-stacked"):
+        layer += [None, 1, 2, 1]  # router; stacked w1 [E, ffn, dim], w2 [E, dim, ffn], w3
+    else:
+        layer += [None] + [0, 1, 0] * experts  # router; w1, w3 colwise, w2 rowwise
+    layer += [None, None]  # norms
+    return [0] + layer * layers + [None, 0]  # embedding (vocab), ..., final norm, lm_head (vocab)
 
 
 def unit_shapes(name: str) -> list[list[Shape]]:

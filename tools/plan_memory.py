@@ -5,6 +5,7 @@ Run from the repository root::
 
     python3 tools/plan_memory.py --model llama3-70b --world 1024 --strategy optim_grads_params \\
         --param-dtype bf16 --main-grads-dtype fp32 --optimizer adamw [--rank R] [--json]
+    python3 tools/plan_memory.py --model llama3-70b --world 1024 --tp 8 [--dp-replicate 2]
 
 or from Python, with a preset name or any callable that builds a module (it is called under
 ``torch.device("meta")``, so a plain constructor will do)::
@@ -68,6 +69,22 @@ activations, autograd and kernel temporaries, allocator fragmentation, communica
 Padding is reported separately ("of which"): bytes of the persistent buffers that hold no tensor
 element, on this rank and on average over the ranks (the last ranks hold the most).
 
+N-D meshes (``--tp T``, ``--dp-replicate R``; ``dp_shard = world / (T * R)``): the planner builds
+the mesh ``(dp_replicate, dp_shard, tp)`` (size-1 axes left out) on the fake group, applies the
+Llama TP plan of :mod:`tools.tp_plan` with torch's own ``parallelize_module`` on the ``tp``
+sub-mesh (torchtitan's: column-parallel q/k/v/gate/up/w1/w3 and ``lm_head``, row-parallel
+o/down/w2 and ``embed_tokens``, both split on the vocabulary; RMSNorm weights and Mixtral's router
+replicated, plain tensors), then shards every block and the root on the dp axes (HSDP when
+``R > 1``), as README "FSDP x TP / EP" does. DTensors work on meta under the fake group: nothing
+is communicated or allocated. The closed form counts each parameter's TP piece (this rank's
+``torch.chunk(weight, T, dim)`` piece for the split ones, the whole weight for the replicated
+ones) and shards that over ``dp_shard``; replicas (``R``) hold copies, so they do not divide
+anything. The TP parameters live in fsdp's chunked groups (``torch.chunk`` pieces over dp,
+fsdp/chunked.py), whose padding (uneven pieces) is the allowance. Not counted with TP: those
+groups' shard-major gather target, which under ZeRO-3 holds one more copy of a unit's gathered
+weights from a gather's start to its copy into the parameters (the schedule probe has no TP groups,
+so it does not see it); and the schedule is the 1-D probe's (fsdp schedules TP units the same way).
+
 Where the buffers live: by default on a ``meta`` mesh. ``fully_shard`` builds the very same
 DBuffers (layouts, dtypes, placements, aliases, released storage), but nothing is allocated or
 written, so any model plans in seconds on a laptop. Real storage is available (``device="cpu"``)
@@ -103,6 +120,7 @@ from fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E402
 from fsdp.policy import STRATEGIES, Strategy, parse_strategy  # noqa: E402
 from dbuffer import DBuffer  # noqa: E402
 from dbuffer.teardown import shutdown  # noqa: E402
+from tools.tp_plan import MeshShape, local_shape, tp_dim, tp_plan  # noqa: E402
 
 __all__ = ["Bytes", "Plan", "PRESETS", "OPTIMIZER_STATES", "plan", "main"]
 
@@ -144,8 +162,23 @@ class Weight(nn.Module):
         self.weight = nn.Parameter(torch.empty(shape))
 
 
-def _linear(fan_in: int, fan_out: int) -> Weight:
-    return Weight(fan_out, fan_in)  # nn.Linear's [out, in], no bias
+class Linear(nn.Linear):
+    """An ``nn.Linear`` without bias or init: shapes only, but an ``nn.Linear``, so that torch's
+    ``parallelize_module`` (which dispatches on the module type) can apply a TP plan to it."""
+
+    def reset_parameters(self) -> None:
+        pass
+
+
+class Embedding(nn.Embedding):
+    """An ``nn.Embedding`` without init (its init on meta would import torch._dynamo, 2 s)."""
+
+    def reset_parameters(self) -> None:
+        pass
+
+
+def _linear(fan_in: int, fan_out: int) -> Linear:
+    return Linear(fan_in, fan_out, bias=False)  # weight [out, in]
 
 
 class Attention(nn.Module):
@@ -199,7 +232,7 @@ class CausalLM(nn.Module):
 
     def __init__(self, c: Config) -> None:
         super().__init__()
-        self.embed_tokens = Weight(c.vocab, c.dim)
+        self.embed_tokens = Embedding(c.vocab, c.dim)
         self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.layers))
         self.norm = Weight(c.dim)
         self.lm_head = _linear(c.dim, c.vocab)  # untied
@@ -287,6 +320,8 @@ class Plan:
     param_shard_bytes: int = 0  # closed form of a persistent model shard, whether kept or cast per gather
     persistent_param_shard: bool = True
     grad_copy_bytes: int = 0  # closed form of the FP32 .grad copies, whether made or not (flat)
+    mesh: dict[str, int] = field(default_factory=dict)  # {"dp_replicate": R, "dp_shard": S, "tp": T}
+    local_params: int = 0  # parameter elements on this rank's TP piece (= params without TP)
 
     def categories(self) -> dict[str, Bytes]:
         return {key: getattr(self, key) for key, _ in CATEGORIES}
@@ -310,8 +345,11 @@ class Plan:
         return out
 
     def format(self) -> str:
+        shape = MeshShape(**self.mesh) if self.mesh else MeshShape(1, self.world, 1)
+        mesh = "" if shape.is_1d else f" = {shape.describe()}"
+        tp = "" if shape.tp == 1 else f" ({self.local_params:,} on this TP rank, Llama TP plan)"
         head = (
-            f"{self.model}: {self.params:,} parameters in {self.units} units, world {self.world}, rank {self.rank}, "
+            f"{self.model}: {self.params:,} parameters{tp} in {self.units} units, world {self.world}{mesh}, rank {self.rank}, "
             f"{self.strategy} (ZeRO-{list(STRATEGIES).index(self.strategy)}), {self.dtypes}, {self.optimizer}"
             + ("" if self.device == "meta" else f", shards on {self.device}")
         )
@@ -319,7 +357,7 @@ class Plan:
         for key, label in CATEGORIES:
             rows.append(_row(label, getattr(self, key)))
         rows.append(_row("total", self.total))
-        share = self.layout_padding / max(1, self.params + self.layout_padding)
+        share = self.layout_padding / max(1, (self.local_params or self.params) + self.layout_padding)
         rows.append(
             f"{'of which padding':<24}{self.padding / GiB:>11.4f}  on this rank; {self.padding_mean / GiB:.4f} GiB "
             f"on average (the layouts pad {100 * share:.4f}%)"
@@ -381,6 +419,8 @@ def plan(
     blocks: Optional[Callable[[nn.Module], Iterable[nn.Module]]] = None,
     device: str = "meta",
     flat_optimizer: bool = False,
+    tp: int = 1,
+    dp_replicate: int = 1,
 ) -> Plan:
     """Shard ``model`` (a preset name or a builder) as rank ``rank`` of ``world`` and measure.
 
@@ -388,6 +428,13 @@ def plan(
     first ``nn.ModuleList``, e.g. ``model.layers``). ``device``: where the shards live, ``"meta"``
     (nothing allocated) or a real device type such as ``"cpu"`` (see the module docstring).
     ``flat_optimizer``: the step is fsdp.optim's (no FP32 ``.grad`` copies).
+
+    ``tp`` > 1 or ``dp_replicate`` > 1: an N-D mesh ``(dp_replicate, dp_shard, tp)`` of ``world``
+    ranks (size-1 axes left out; ``dp_shard = world / (tp * dp_replicate)``). With ``tp`` > 1 the
+    model gets :mod:`tools.tp_plan`'s Llama plan from torch's ``parallelize_module`` on the tp
+    sub-mesh (on meta), then ``fully_shard`` on the dp axes (HSDP with ``dp_replicate`` > 1), as in
+    README "FSDP x TP / EP". The closed form divides the TP-split weights by ``tp`` (this TP rank's
+    ``torch.chunk`` piece) and the replicated ones not, then shards both over ``dp_shard``.
 
     Uses the default process group if one exists (it must have this world size and rank, e.g.
     ``tests.harness.run_ranks(..., backend="fake")``); otherwise joins a fake one for the duration
@@ -401,6 +448,7 @@ def plan(
         raise ValueError(f"unknown optimizer {optimizer!r}; use one of {', '.join(OPTIMIZER_STATES)}")
     if not isinstance(world, int) or world < 1 or not isinstance(rank, int) or not 0 <= rank < world:
         raise ValueError(f"need an int world >= 1 and 0 <= rank < world, got world={world!r}, rank={rank!r}")
+    shape = MeshShape.of(world, tp, dp_replicate)
     seconds: dict[str, float] = {}
     with _timed(seconds, "process group"):
         created = _join(world, rank)
@@ -412,12 +460,15 @@ def plan(
         units = list(blocks(root) if blocks is not None else _default_blocks(root))
         with _timed(seconds, "schedule probe"):
             schedule = _schedule(strategy, world)
-        closed = _closed_form(root, units, world, strategy, mp_policy, OPTIMIZER_STATES[optimizer], schedule)
+        local_numel = _tp_local_numel(root, shape, rank)
+        closed = _closed_form(
+            root, units, shape.dp_shard, strategy, mp_policy, OPTIMIZER_STATES[optimizer], schedule, local_numel
+        )
         grad_copy_bytes = closed.bytes["grad_copies"]
         if flat_optimizer:
             closed.bytes["grad_copies"] = 0
         with _timed(seconds, "fully_shard"):
-            mesh = init_device_mesh(device, (world,))
+            mesh = _mesh(device, shape, root)
             for unit in units:
                 fully_shard(unit, mesh=mesh, mp_policy=mp_policy, sharding_strategy=strategy)
             fully_shard(root, mesh=mesh, mp_policy=mp_policy, sharding_strategy=strategy)
@@ -435,8 +486,37 @@ def plan(
         padding=measured.padding, padding_mean=measured.padding_mean, device=device,
         released_between_uses=measured.released, peak_moments=measured.peak_moments, seconds=seconds,
         param_shard_bytes=closed.param_shard_bytes, persistent_param_shard=mp_policy.persistent_param_shard,
-        grad_copy_bytes=grad_copy_bytes,
+        grad_copy_bytes=grad_copy_bytes, mesh=shape.to_dict(), local_params=closed.local_params,
     )
+
+
+def _mesh(device: str, shape: MeshShape, root: nn.Module):
+    """The data-parallel mesh ``fully_shard`` gets; with ``tp`` > 1, after applying the TP plan to
+    ``root`` on the tp sub-mesh of the same N-D mesh."""
+    if shape.is_1d:
+        return init_device_mesh(device, (shape.world,))
+    mesh = init_device_mesh(device, shape.sizes(), mesh_dim_names=shape.names())
+    if shape.tp > 1:
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        styles = tp_plan(root)
+        if not styles:
+            raise ValueError(
+                "tp > 1 but the model has no module the Llama TP plan splits (q_proj, o_proj, gate_proj, ... see "
+                "tools/tp_plan.py); name its modules that way or plan with tp=1"
+            )
+        parallelize_module(root, mesh["tp"], styles)
+    dp = shape.dp_names()
+    return mesh[dp[0]] if len(dp) == 1 else mesh[dp]
+
+
+def _tp_local_numel(root: nn.Module, shape: MeshShape, rank: int) -> dict[int, int]:
+    """id(parameter) -> elements of this rank's TP piece, from the plan and the shapes alone."""
+    out = {}
+    for fqn, p in root.named_parameters():
+        piece = local_shape(tuple(p.shape), tp_dim(fqn), shape.tp, shape.tp_rank(rank))
+        out[id(p)] = math.prod(piece)
+    return out
 
 
 def _default_blocks(root: nn.Module) -> list[nn.Module]:
@@ -491,6 +571,7 @@ class _Closed:
     units: int
     bytes: dict[str, int]
     param_shard_bytes: int = 0  # a persistent model shard's bytes, whether the policy keeps it
+    local_params: int = 0  # elements of this rank's TP pieces
 
 
 def _dtypes(p: MixedPrecisionPolicy, built: torch.dtype) -> tuple[torch.dtype, torch.dtype, torch.dtype, torch.dtype]:
@@ -511,15 +592,18 @@ def _closed_form(
     policy: MixedPrecisionPolicy,
     states: int,
     schedule: dict[str, frozenset[Moment]],
+    local_numel: dict[int, int],
 ) -> _Closed:
-    """Bytes per rank from the parameter shapes alone: sharded totals are ``ceil(bytes / world)``."""
+    """Bytes per rank from the parameter shapes alone: a parameter counts its TP piece's
+    elements (``local_numel``: all of them without TP); sharded totals are ``ceil(bytes / world)``
+    (``world``: the dp shard axis's size)."""
     groups = [_unique(b.parameters()) for b in blocks]
     in_blocks = {id(p) for g in groups for p in g}
     root_params = [p for p in _unique(root.parameters()) if id(p) not in in_blocks]
 
     def total(params: list[nn.Parameter], which: int, trainable_only: bool = False) -> int:
         return sum(
-            p.numel() * _dtypes(policy, p.dtype)[which].itemsize
+            local_numel[id(p)] * _dtypes(policy, p.dtype)[which].itemsize
             for p in params
             if p.requires_grad or not trainable_only
         )
@@ -545,7 +629,10 @@ def _closed_form(
     for key, which, trainable_only in (("unsharded_working_set", 1, False), ("reduce_working_set", 3, True)):
         sizes = [(total(g, which, trainable_only), 0) for g in groups] + [(total(root_params, which, trainable_only), 0)]
         out[key] = _peak(sizes, schedule[key])[0][0]
-    return _Closed(sum(p.numel() for p in every), len(groups) + 1, out, param_shard if s.shard_optim else 0)
+    return _Closed(
+        sum(p.numel() for p in every), len(groups) + 1, out, param_shard if s.shard_optim else 0,
+        sum(local_numel[id(p)] for p in every),
+    )
 
 
 def _peak(units: list[tuple[int, int]], moments: frozenset[Moment]) -> tuple[tuple[int, int], Moment]:
@@ -589,21 +676,21 @@ def _measure(units: list, states: int, schedule: dict[str, frozenset[Moment]], f
     for state in units:
         unit_gather, unit_reduce = (0, 0), (0, 0)
         for g in state.groups:
-            m.layout_padding += g.main.layout.padding_numel
-            _persistent(m, "main_weights", g.main)
+            m.layout_padding += _padding_numel(g, g.main)
+            _persistent(m, "main_weights", g, g.main)
             if g.model is not g.main and not g.lean_model:
-                _persistent(m, "model_weights", g.model)
+                _persistent(m, "model_weights", g, g.model)
             if g.unsharded is not g.model and not g.strategy.shard_params:
-                _persistent(m, "unsharded_weights", g.unsharded)
+                _persistent(m, "unsharded_weights", g, g.unsharded)
             if g.strategy.shard_params:
-                unit_gather = _plus(unit_gather, _transient(m, g.unsharded))
+                unit_gather = _plus(unit_gather, _transient(m, g, g.unsharded))
             if not g.requires_grad:
                 continue
-            _persistent(m, "main_grads", g.main_grad)
-            unit_reduce = _plus(unit_reduce, _transient(m, g.grad_in))
+            _persistent(m, "main_grads", g, g.main_grad)
+            unit_reduce = _plus(unit_reduce, _transient(m, g, g.grad_in))
             # Like the parameter's local piece, in the main dtype: this rank's rows, no padding.
-            data = _data_bytes(g.main)
-            slack = max(_nbytes(g.main) - data, _padding_share(g.main))
+            data = _data_bytes(g, g.main)
+            slack = max(_nbytes(g.main) - data, _padding_share(g, g.main))
             m.bytes["optimizer_state"] += states * data
             m.allowance["optimizer_state"] += states * slack
             if g.main_grad.dtype != g.main.dtype and not flat:
@@ -618,17 +705,17 @@ def _measure(units: list, states: int, schedule: dict[str, frozenset[Moment]], f
     return m
 
 
-def _persistent(m: _Measured, key: str, buf) -> None:
+def _persistent(m: _Measured, key: str, g, buf) -> None:
     m.bytes[key] += _nbytes(buf)
-    m.allowance[key] += _padding_share(buf)
-    m.padding += _nbytes(buf) - _data_bytes(buf)
-    m.padding_mean += _padding_share(buf)
+    m.allowance[key] += _padding_share(g, buf)
+    m.padding += _nbytes(buf) - _data_bytes(g, buf)
+    m.padding_mean += _padding_share(g, buf)
 
 
-def _transient(m: _Measured, buf) -> tuple[int, int]:
+def _transient(m: _Measured, g, buf) -> tuple[int, int]:
     """(bytes, padding bytes) of a full buffer that holds storage only while in use."""
     m.released &= buf.is_storage_released()
-    return _nbytes(buf), _nbytes(buf) - _data_bytes(buf)
+    return _nbytes(buf), _nbytes(buf) - _data_bytes(g, buf)
 
 
 def _plus(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int]:
@@ -641,17 +728,37 @@ def _nbytes(buf) -> int:
     return buf.local_buffer.numel() * buf.local_buffer.element_size()
 
 
-def _data_bytes(buf) -> int:
+def _chunks(g, buf):
+    """The ``torch.chunk`` layout of ``buf`` when it is one of a chunked group's flat shard-major
+    buffers (TP parameters and ``shard_placement_fn``: fsdp/chunked.py), else None. Those hold one
+    flat item, so their padding is the chunk layout's, not the flat item's (none)."""
+    chunks = getattr(g, "chunks", None)
+    return None if chunks is None or buf is g.unsharded else chunks
+
+
+def _padding_numel(g, buf) -> int:
+    chunks = _chunks(g, buf)
+    return buf.layout.padding_numel if chunks is None else chunks.padding_numel
+
+
+def _data_bytes(g, buf) -> int:
     """Bytes of this rank's rows of every tensor in ``buf`` (from the layout: works while the
     storage is released)."""
-    rows = (buf.local_rows(i) for i in range(len(buf)))
-    return sum((r1 - r0) * item.row_numel for (r0, r1), item in zip(rows, buf.layout.items)) * buf.dtype.itemsize
+    chunks = _chunks(g, buf)
+    if chunks is None:
+        rows = (buf.local_rows(i) for i in range(len(buf)))
+        numel = sum((r1 - r0) * item.row_numel for (r0, r1), item in zip(rows, buf.layout.items))
+    elif buf.local_buffer.numel() == chunks.total_numel:  # replicated: every shard's pieces
+        numel = chunks.data_numel
+    else:  # sharded: this rank's torch.chunk pieces
+        numel = sum(chunks.piece(k, g._rank())[1] * it.inner for k, it in enumerate(chunks.items))
+    return numel * buf.dtype.itemsize
 
 
-def _padding_share(buf) -> int:
+def _padding_share(g, buf) -> int:
     """The layout's padding divided evenly over the shards, in bytes (rounded up). A sharded
     buffer holds at most this much more than ``ceil(data / shards)``."""
-    return math.ceil(buf.layout.padding_numel * buf.dtype.itemsize / buf.num_shards)
+    return math.ceil(_padding_numel(g, buf) * buf.dtype.itemsize / buf.num_shards)
 
 
 # ----------------------------------------------------------------------------- schedule probe
@@ -735,7 +842,9 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="llama3-70b", help=f"preset: {', '.join(CONFIGS)}")
-    ap.add_argument("--world", type=int, default=1024, help="data-parallel ranks")
+    ap.add_argument("--world", type=int, default=1024, help="ranks in all (dp_replicate * dp_shard * tp)")
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size: the Llama TP plan of tools/tp_plan.py")
+    ap.add_argument("--dp-replicate", type=int, default=1, help="HSDP replicas (dp_shard = world / (tp * this))")
     ap.add_argument("--rank", type=int, default=0, help="every rank allocates the same; the last ones hold the padding")
     ap.add_argument("--strategy", default="optim_grads_params", choices=list(STRATEGIES), help="ZeRO-0..3")
     ap.add_argument("--param-dtype", default="bf16", choices=list(DTYPES), help="model (compute) weights")
@@ -757,7 +866,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     start = time.perf_counter()
     result = plan(
         args.model, args.world, args.rank, strategy=args.strategy, mp_policy=policy, optimizer=args.optimizer,
-        flat_optimizer=args.flat_optimizer,
+        flat_optimizer=args.flat_optimizer, tp=args.tp, dp_replicate=args.dp_replicate,
     )
     result.seconds["plan total"] = time.perf_counter() - start
     print(json.dumps(result.to_dict(), indent=1) if args.json else result.format())

@@ -95,7 +95,7 @@ def test_a_skipped_forward_raises_on_every_rank() -> None:
     for message in messages:
         assert "different collectives at call #" in message, message
         assert "rank(s) [0]: " in message and "rank(s) [1]: " in message, message
-        assert "_pre_forward" in message and "_pre_backward" in message, message  # where each rank was
+        assert "_pre_forward" in message and "_prepare_backward" in message, message  # where each rank was (the pre-backward hook)
         assert "The last call all ranks agreed on was #" in message
         assert "same calls in the same order" in message
     assert messages[0] == messages[1]

@@ -191,3 +191,37 @@ def test_checkpointed_layers_train_like_one_process_and_fsdp2(how: str, reentran
         # outside forward/backward the sharded DTensor parameters are registered again
         assert all("DTensor" in name for name in r["registered_after_backward"]), r
     assert results[0] == results[1]  # every rank holds the same full weights
+
+
+def _train_double_forward(model: nn.Module, batches, rank: int = 0, world: int = 1) -> None:
+    """Two forwards before one backward (DPO's pattern): each unit's backward and recomputation
+    run twice in one backward."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    per = BATCH // world
+    for tokens in batches:
+        # two global batches (the second: the rows reversed), each rank its own rows of both
+        first, second = tokens[rank * per : (rank + 1) * per], tokens.flip(0)[rank * per : (rank + 1) * per]
+        chosen = loss_fn(model(first[:, :-1]), first)
+        rejected = loss_fn(model(second[:, :-1]), second)
+        (chosen - 0.5 * rejected).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _double_forward(model, batches, ref, how: str, reentrant: bool) -> float:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ours = _checkpointed(copy.deepcopy(model), how, reentrant, fsdp.fully_shard, True)
+    _train_double_forward(ours, batches, rank, world)
+    return _max_diff(_full_state(ours), ref)
+
+
+@pytest.mark.parametrize(
+    "how,reentrant", [("hf4_after", False), ("hf5_before", True), ("wrapper_before", False), ("wrapper_after", True)]
+)
+def test_two_forwards_before_backward_with_checkpointing(how: str, reentrant: bool) -> None:
+    model, batches, _ = _model_and_reference()
+    ref = copy.deepcopy(model)
+    _train_double_forward(ref, batches)
+    ref_state = _full_state(ref)
+    diffs = run_ranks(_double_forward, 2, model, batches, ref_state, how, reentrant)
+    assert max(diffs) <= TOLERANCE, diffs

@@ -76,6 +76,7 @@ def test_buckets_cut_across_modules_and_keep_parity(backend, world) -> None:
 def _bucket_policy_and_placement() -> dict:
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     bf16 = fsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    torch.manual_seed(0)  # every rank builds the same values (fully_shard checks)
     block = fsdp.fully_shard(Block(), mesh=mesh, buckets=[fsdp.Bucket("up.*", mp_policy=bf16)])
     up, rest = block._fsdp_state.groups
     return {

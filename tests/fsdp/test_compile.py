@@ -1,6 +1,7 @@
 """torch.compile of sharded units: fsdp's hooks run outside the compiled region.
 
-``layer.compile()`` after ``fully_shard(layer)`` compiles ``nn.Module._call_impl``, which runs the
+``layer.compile()`` (or ``torch.compile(layer)`` in the layer's place) after ``fully_shard(layer)``
+compiles ``nn.Module._call_impl``, which runs the
 unit's forward hooks. Traced, their gathers, waits and storage resizes would each break the graph;
 fsdp marks them (as FSDP2 marks its own) so that dynamo calls them eagerly and compiles each
 layer's ``forward`` into one graph, reused by every layer and every step. The numbers must be
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -42,12 +44,14 @@ def _train(model: nn.Module, batches, rank: int = 0, world: int = 1) -> list[flo
 
 
 def _full_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Full parameters by name (without the ``_orig_mod.`` of a ``torch.compile`` wrapper)."""
     return {
-        n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for n, p in model.named_parameters()
+        n.replace("_orig_mod.", ""): (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+        for n, p in model.named_parameters()
     }
 
 
-def _compiled_vs_eager(model: nn.Module, batches) -> dict:
+def _compiled_vs_eager(model: nn.Module, batches, how: str) -> dict:
     import torch._dynamo
     from torch._dynamo.testing import CompileCounter
     from torch._dynamo.utils import counters
@@ -57,9 +61,12 @@ def _compiled_vs_eager(model: nn.Module, batches) -> dict:
     counters.clear()
     compiled, eager = copy.deepcopy(model), copy.deepcopy(model)
     counter = CompileCounter()  # counts the graphs dynamo hands the backend, runs them eagerly
-    for layer in compiled.layers:
+    for k, layer in enumerate(compiled.layers):
         fsdp.fully_shard(layer)
-        layer.compile(backend=counter)
+        if how == "module.compile":
+            layer.compile(backend=counter)
+        else:  # torch.compile(layer): a wrapper module in the layer's place
+            compiled.layers[k] = torch.compile(layer, backend=counter)
     fsdp.fully_shard(compiled)
     for layer in eager.layers:
         fsdp.fully_shard(layer)
@@ -82,13 +89,14 @@ def _compiled_vs_eager(model: nn.Module, batches) -> dict:
     }
 
 
-def test_compiled_layers_have_no_graph_break_and_train_as_eager() -> None:
+@pytest.mark.parametrize("how", ["module.compile", "torch.compile"])
+def test_compiled_layers_have_no_graph_break_and_train_as_eager(how: str) -> None:
     torch.manual_seed(0)
     model, batches = Llama(CONFIG), _batches()
     reference = copy.deepcopy(model)
     _train(reference, batches)  # one process, the global batch
     ref_state = _full_state(reference)
-    results = run_ranks(_compiled_vs_eager, 2, model, batches, timeout=300)
+    results = run_ranks(_compiled_vs_eager, 2, model, batches, how, timeout=300)
     for r in results:
         assert r["graph_breaks"] == {}, r["graph_breaks"]
         # one graph: each layer's forward, compiled once and reused by the other layer and the

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 import threading
-from typing import Any, Optional
 
 import pytest
 import torch
@@ -19,6 +18,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.testing._internal.two_tensor import TwoTensor
 
 import fsdp
+from dbuffer.agreement import RankMismatchError
 from tests.harness import run_ranks
 from tools.float8_weight import Float8RowwiseWeight, cast_count, float8_weights, reference_float8_model
 
@@ -341,8 +341,10 @@ def _meta_init_and_patch(plain, reference, data) -> dict:
         p._local_tensor.fsdp_pre_all_gather = pre.__get__(p._local_tensor)
         p._local_tensor.fsdp_post_all_gather = post.__get__(p._local_tensor)
     model(data[0].chunk(world)[rank]).square().mean().backward()
-    gathered = model[0].up.weight  # (the root's forward left nothing registered unsharded)
-    return {"worst": worst, "patched_calls": len(seen), "sharded_type": type(gathered._local_tensor).__name__}
+    # the new unsharded parameters (built by the patched post) report their gradients too
+    grads = sum(p.grad is not None for p in model.parameters())
+    sharded = model[0].up.weight
+    return {"worst": worst, "patched_calls": len(seen), "sharded_type": type(sharded._local_tensor).__name__, "grads": grads}
 
 
 def test_meta_init_weights_and_late_monkey_patch() -> None:
@@ -352,7 +354,7 @@ def test_meta_init_weights_and_late_monkey_patch() -> None:
     reference = train_reference(plain, data)
     for r in run_ranks(_meta_init_and_patch, world, plain, reference, data, backend="threaded", timeout=120):
         assert r["worst"] <= 1e-6, r
-        assert r["patched_calls"] == 6 and r["sharded_type"] == "TwoTensor", r
+        assert r["patched_calls"] == 6 and r["sharded_type"] == "TwoTensor" and r["grads"] == 6, r
 
 
 class PreOnly(TwoTensor):
@@ -414,3 +416,20 @@ def test_misuse_raises_naming_the_parameter() -> None:
     assert "'0.up.weight'" in msgs["late on plain"] and "before fully_shard" in msgs["late on plain"]
     assert "'0.up.weight'" in msgs["bare tensor"] and "tuple of tensors" in msgs["bare tensor"]
     assert "float64" in msgs["to float64"] and "before sharding" in msgs["to float64"]
+
+
+def _differing_subclass_values() -> str:
+    torch.manual_seed(dist.get_rank())  # a different init on every rank
+    model = as_two_tensor(make_plain(seed=dist.get_rank()))
+    try:
+        fsdp.fully_shard(model)
+    except RankMismatchError as exc:
+        assert not isinstance(model, fsdp.FSDPModule)
+        return str(exc)
+    return "sharded"
+
+
+def test_ranks_with_different_subclass_values_raise_naming_the_parameter() -> None:
+    messages = run_ranks(_differing_subclass_values, 2, backend="gloo")
+    assert messages[0] == messages[1]
+    assert "'0.up.weight values'" in messages[0], messages[0]

@@ -1,15 +1,15 @@
-"""CPU offload (``offload_policy=CPUOffloadPolicy(...)``), on 2 gloo ranks (threaded where noted).
+"""CPU offload (``offload_policy=CPUOffloadPolicy(...)``), world 2.
 
-* Parity: every strategy, 1 and 2 micro-batches, fp32 and bf16 compute, ``shard_placement_fn``
-  groups: offloaded training equals training without offload bit for bit, and (fp32) the
-  single-process reference on the global batch within 1e-5, as torch FSDP2 with its
-  CPUOffloadPolicy does in the same run; HSDP (2 x 2, threaded ranks) bit for bit too, and
-  micro-batches without gradient sync until the last, with and without resharding after
-  backward (threaded).
-* Where things live: sharded parameters are views of the host ``main`` buffer, ``.grad`` views of
-  the host ``main_grad``, optimizer state follows them; the unsharded weights, the upload target
-  and ``grad_in`` are other storages; every gather uploads the shard and every reduction
-  downloads its result (counted); ``pin_memory=True`` on a CPU mesh works unpinned.
+* Parity (threaded ranks): every strategy, 1 and 2 micro-batches, fp32 and bf16 compute,
+  ``shard_placement_fn`` groups: offloaded training equals training without offload bit for bit,
+  and (fp32) the single-process reference on the global batch within 1e-5, as torch FSDP2 with
+  its CPUOffloadPolicy does in the same run. Also bit for bit: HSDP (2 x 2) and micro-batches
+  without gradient sync until the last, with and without resharding after backward.
+* Where things live (gloo ranks, as below): sharded parameters are views of the host ``main``
+  buffer, ``.grad`` views of the host ``main_grad``, optimizer state follows them; the unsharded
+  weights, the upload target and ``grad_in`` are other storages; every gather uploads the shard
+  and every reduction downloads its result (counted); ``pin_memory=True`` on a CPU mesh works
+  unpinned.
 * Checkpoints: a DCP save of an offloaded model loads into offloaded and non-offloaded models
   and training continues bit for bit; a full state dict loads by broadcast from rank 0;
   meta-device init with offload equals the eager build.
@@ -95,7 +95,7 @@ def _parity(model, batches, ref) -> dict:
 def test_offload_equals_no_offload_bitwise_and_the_single_process_reference() -> None:
     model, batches = make_model(), make_batches(3)
     ref = reference(model, batches)
-    results = run_ranks(_parity, 2, model, batches, ref, backend="gloo")
+    results = run_ranks(_parity, 2, model, batches, ref, backend="threaded")
     assert results[0] == results[1]
     for key, (same, diff) in results[0].items():
         print(f"{key}: bitwise equal to no offload: {same}, max|d| vs reference {diff:.3g}")

@@ -1,7 +1,9 @@
 """tools/plan_memory.py: measured per-rank bytes against the closed form, the ZeRO ordering of the
 categories, independent checks against real training steps (the bytes torch holds after an AdamW
 step on a threaded world; the peak working set of forward/backward on a fake world), the
-Llama-3-70B preset at world 1024 and the command line.
+Llama-3-70B preset at world 1024 and the command line; N-D meshes (the Llama TP plan on tp, HSDP):
+hand counts with the TP-split weights divided by tp, a real dp 2 x tp 2 AdamW step, the 70B preset
+on dp 128 x tp 8 through the command line.
 
 The planner joins (and leaves) a fake process group itself, so these tests need no harness for it;
 ``test_plan_inside_an_existing_fake_world`` checks that it also works inside ``run_ranks``.
@@ -26,7 +28,8 @@ from torch.distributed.tensor import DTensor
 from dbuffer import DBuffer
 from fsdp import MixedPrecisionPolicy, fully_shard
 from tests.harness import run_ranks
-from tools.plan_memory import plan
+from tools.plan_memory import CausalLM, Config, plan
+from tools.plan_memory import main as plan_main
 
 ROOT = Path(__file__).resolve().parents[2]
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
@@ -295,3 +298,198 @@ def test_lean_param_shard_and_flat_optimizer_drop_their_categories(strategy: str
     assert "grad copies: none, the flat optimizer" in text
     assert ("param shard: cast before every gather" in text) == (strategy != "no_shard")
     assert "--lean-param-shard" in base.format() or strategy == "no_shard"
+
+
+# ---------------------------------------------------------------- N-D meshes: FSDP x TP, HSDP
+
+# Small Llama shapes; every TP-local dim divides by tp 2 and dp 4, so nothing pads.
+TINY = Config("tiny", vocab=1000, dim=64, layers=2, heads=4, kv_heads=2, ffn=128)
+TINY_ODD = dataclasses.replace(TINY, vocab=1001)  # the vocabulary splits unevenly on tp and dp
+
+
+def tiny() -> nn.Module:
+    return CausalLM(TINY)
+
+
+def tiny_odd() -> nn.Module:
+    return CausalLM(TINY_ODD)
+
+
+def _tp_numel(c: Config, tp: int) -> tuple[int, int]:
+    """(TP-split, replicated) parameter elements of one TP rank, by hand from the config (the plan:
+    q/k/v/o, gate/up/down, embedding and head split; norms replicated); tp must divide evenly."""
+    d, kv = c.dim, c.kv_heads * (c.dim // c.heads)
+    split = c.layers * (2 * d * d + 2 * kv * d + 3 * d * c.ffn) + 2 * c.vocab * d
+    return split // tp, (2 * c.layers + 1) * d
+
+
+@pytest.mark.parametrize("strategy", ["optim", "optim_grads", "optim_grads_params"])
+def test_tp2_dp4_matches_a_hand_count(strategy: str) -> None:
+    """world 8 = dp 4 x tp 2: the bytes fsdp holds equal the hand count with the TP-split weights
+    divided by tp and the replicated ones not (no padding here, so exactly)."""
+    bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    split, repl = _tp_numel(TINY, 2)
+    full_split, _ = _tp_numel(TINY, 1)
+    for rank in (0, 5):
+        p = plan(tiny, 8, rank, strategy=strategy, mp_policy=bf16, tp=2)
+        assert p.ok and p.mesh == {"dp_replicate": 1, "dp_shard": 4, "tp": 2}
+        assert p.params == full_split + repl and p.local_params == split + repl
+        local = split + repl
+        assert p.main_weights.measured == p.main_weights.closed == 4 * local // 4
+        assert p.model_weights.measured == 2 * local // 4
+        grads_shards = 4 if strategy != "optim" else 1
+        assert p.main_grads.measured == 4 * local // grads_shards
+        assert p.optimizer_state.measured == 2 * 4 * local // 4
+        if strategy == "optim_grads_params":  # ZeRO-3 gathers the TP-local weights over dp only
+            assert p.unsharded_weights.measured == 0 and p.unsharded_working_set.measured > 0
+        else:
+            assert p.unsharded_weights.measured == 2 * local
+        assert "dp_shard 4 x tp 2" in p.format()
+
+
+def test_uneven_tp_and_dp_splits_stay_within_padding() -> None:
+    """An odd vocabulary: TP rank 0 holds one more embedding row than TP rank 1, and the dp pieces
+    are torch.chunk's (padded); every rank is still within its padding of the closed form."""
+    plans = [plan(tiny_odd, 8, rank, tp=2) for rank in range(8)]
+    for p in plans:
+        assert p.ok, p.format()
+    split, repl = _tp_numel(TINY, 2)  # vocab 1000: 500 rows of the embedding and of the head
+    for rank, p in enumerate(plans):  # vocab 1001: TP rank 0 holds 501 rows of each, TP rank 1 500
+        assert p.local_params == split + repl + (2 * TINY.dim if rank % 2 == 0 else 0)
+    assert plans[0].main_weights.measured > plans[1].main_weights.measured
+
+
+def test_hsdp_with_tp_shards_over_dp_shard_only() -> None:
+    """world 16 = replicate 2 x shard 4 x tp 2: the same per-rank bytes as dp 4 x tp 2 (replicas
+    hold copies), and plain HSDP (tp 1) divides by dp_shard."""
+    plain = plan(tiny, 8, 3, tp=2)
+    hsdp = plan(tiny, 16, 11, tp=2, dp_replicate=2)
+    assert hsdp.ok and hsdp.mesh == {"dp_replicate": 2, "dp_shard": 4, "tp": 2}
+    assert hsdp.main_weights.measured == plain.main_weights.measured
+    assert hsdp.optimizer_state.measured == plain.optimizer_state.measured
+    split, repl = _tp_numel(TINY, 1)
+    only = plan(tiny, 8, 0, dp_replicate=2)
+    hand = 4 * (split + repl) // 4  # row-atomic layout here: within its padding of the hand count
+    assert only.ok and abs(only.main_weights.measured - hand) <= only.main_weights.allowance < hand // 50
+
+
+def test_tp_arguments_are_checked_before_sharding() -> None:
+    with pytest.raises(ValueError, match="not divisible by tp"):
+        plan(tiny, 6, tp=4)
+    with pytest.raises(ValueError, match="Llama TP plan"):
+        plan(Net, 8, tp=2)
+    with pytest.raises(ValueError, match="sharding_strategy"):  # fsdp's own check: TP needs sharded mains
+        plan(tiny, 8, tp=2, strategy="no_shard")
+
+
+def test_command_line_llama3_70b_tp8_dp128(capsys) -> None:
+    """The 70B preset on world 1024 = dp 128 x tp 8, through the command line: the JSON says the
+    mesh, and the main weights are the hand count of one TP rank's pieces over 128 dp ranks."""
+    assert plan_main(["--model", "llama3-70b", "--world", "1024", "--tp", "8", "--rank", "1023", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["ok"] and report["mesh"] == {"dp_replicate": 1, "dp_shard": 128, "tp": 8}
+    d, v, f, kv, layers = 8192, 128256, 28672, 1024, 80
+    local = (2 * v * d + layers * (2 * d * d + 2 * kv * d + 3 * d * f)) // 8 + (2 * layers + 1) * d
+    assert report["local_params"] == local
+    main_weights = report["main_weights"]
+    assert main_weights["closed"] == math.ceil(4 * local / 128)
+    assert abs(main_weights["measured"] - main_weights["closed"]) <= main_weights["allowance"]
+
+
+class BiasedBlock(nn.Module):
+    """Llama-named Linears with biases: a column-parallel bias is split, a row-parallel one not."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q_proj = nn.Linear(32, 64)
+        self.o_proj = nn.Linear(64, 32)
+        self.norm = nn.Parameter(torch.ones(32))
+
+
+class BiasedNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(BiasedBlock() for _ in range(2))
+        self.lm_head = nn.Linear(32, 100, bias=False)
+
+
+def test_tp_plan_on_a_custom_builder_with_biases() -> None:
+    p = plan(BiasedNet, 8, 1, tp=2, strategy="optim_grads")
+    assert p.ok, p.format()
+    # By hand, per TP rank: q weight + bias halved; o weight halved, its bias and the norm whole.
+    block = 64 * 32 // 2 + 64 // 2 + 32 * 64 // 2 + 32 + 32
+    assert p.local_params == 2 * block + 100 * 32 // 2
+
+
+# ---------------------------------------------------------------- TP: a real step on dp 2 x tp 2
+
+
+class TPBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.Parameter(torch.ones(DIM))
+        self.up_proj = nn.Linear(DIM, HIDDEN, bias=False)
+        self.down_proj = nn.Linear(HIDDEN, DIM, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down_proj(F.gelu(self.up_proj(x * self.norm)))
+
+
+class TPNet(nn.Module):
+    """Llama-named: the embedding and head split on the (odd) vocabulary, up/down column/row
+    parallel, the norm weights replicated."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(VOCAB + 1, DIM)
+        self.layers = nn.ModuleList(TPBlock() for _ in range(2))
+        self.lm_head = nn.Linear(DIM, VOCAB + 1, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(tokens)
+        for block in self.layers:
+            x = block(x)
+        return self.lm_head(x)
+
+
+def _real_tp_step(model: nn.Module) -> dict:
+    """One AdamW step of ``model`` under parallelize_module on tp 2 and fully_shard on dp 2 (the
+    recipe of README "FSDP x TP / EP"); the bytes torch holds afterwards."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from tools.tp_plan import tp_plan
+
+    torch.manual_seed(0)
+    model = copy.deepcopy(model)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
+    parallelize_module(model, mesh["tp"], tp_plan(model))
+    for block in model.layers:
+        fully_shard(block, mesh=mesh["dp_shard"])
+    fully_shard(model, mesh=mesh["dp_shard"])
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randint(0, VOCAB, (2, 8))).float().square().mean().backward()  # local logits
+    opt.step()
+    local = lambda t: t._local_tensor if isinstance(t, DTensor) else t  # noqa: E731
+    state = [local(t) for s in opt.state.values() for k, t in s.items() if k != "step"]
+    return {"optimizer_state": sum(t.numel() * t.element_size() for t in state)}
+
+
+def test_tp_plan_matches_a_real_tp_training_step() -> None:
+    """The optimizer state torch allocates on each rank of a real dp 2 x tp 2 step (threaded
+    world) is what the planner measures; over all ranks it is two FP32 copies of each TP rank's
+    pieces, independent of any layout."""
+    torch.manual_seed(0)
+    real = run_ranks(_real_tp_step, 4, TPNet(), backend="threaded")
+    hidden_split = 2 * (DIM * HIDDEN)  # up + down per layer, split on tp
+    per_tp_rank = [2 * hidden_split // 2 + 2 * DIM + (VOCAB + 1 + 1 - 2 * t) // 2 * DIM * 2 for t in (0, 1)]
+    assert sum(r["optimizer_state"] for r in real) == 2 * 4 * sum(per_tp_rank)  # vocab 1001: 501 + 500 rows
+    for rank, got in enumerate(real):
+        p = plan(TPNet, 4, rank, tp=2, mp_policy=MixedPrecisionPolicy())
+        assert p.ok and p.optimizer_state.measured == got["optimizer_state"], (rank, got)
+
+
+def test_tp_meta_and_real_storage_give_the_same_bytes() -> None:
+    meta = plan(tiny_odd, 8, 3, tp=2)
+    cpu = plan(tiny_odd, 8, 3, tp=2, device="cpu")
+    assert meta.categories() == cpu.categories() and cpu.ok and cpu.device == "cpu"

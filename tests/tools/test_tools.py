@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from dbuffer.layout import compute_layout
 from tools.draw_layout import main as draw_main
-from tools.draw_layout import parse_shapes, segments, truncate_layers
+from tools.draw_layout import parse_shapes, segments, tp_shapes, truncate_layers
 from tools.llama import Llama, LlamaConfig, loss_fn
 from tools.padding_report import model_shapes
 from tools.text_data import ByteText
@@ -266,6 +266,9 @@ def test_draw_layout_writes_png(tmp_path: Path) -> None:
     out2 = tmp_path / "llama.png"
     assert draw_main(["--model", "Llama-3-8B", "--layers", "1", "--world", "8", "--out", str(out2)]) == 0
     assert out2.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    out3 = tmp_path / "llama_tp.png"
+    assert draw_main(["--model", "Llama-3-8B", "--layers", "1", "--world", "16", "--tp", "2", "--out", str(out3)]) == 0
+    assert out3.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_draw_layout_without_matplotlib_says_how_to_install(tmp_path: Path) -> None:
@@ -278,3 +281,29 @@ def test_draw_layout_without_matplotlib_says_how_to_install(tmp_path: Path) -> N
     assert run.returncode != 0
     assert "pip install -e .[pictures]" in run.stderr
     assert not (tmp_path / "x.png").exists()
+
+
+def test_draw_layout_tp_shapes_follow_the_planner_presets() -> None:
+    """--tp's shapes are each TP rank's torch.chunk pieces under the Llama plan, and the picture's
+    table of split dims agrees with the plan by module name the planner applies to its presets."""
+    from tools.plan_memory import PRESETS
+    from tools.padding_report import model_tp_dims
+    from tools.tp_plan import tp_dim
+
+    for picture, preset in (("Llama-3-8B", "llama3-8b"), ("Mixtral-8x7B", "mixtral-8x7b")):
+        with torch.device("meta"):
+            named = list(PRESETS[preset]().named_parameters())
+        assert [tuple(p.shape) for _, p in named] == model_shapes(picture)
+        assert [tp_dim(fqn) for fqn, _ in named] == model_tp_dims(picture)
+    full = model_shapes("Llama-3-8B")
+    half = tp_shapes("Llama-3-8B", 2, 1)
+    assert half[0] == (128256 // 2, 4096) and half[-1] == (128256 // 2, 4096)  # embedding, head: vocab
+    assert half[1:5] == [(2048, 4096), (512, 4096), (512, 4096), (4096, 2048)]  # q, k, v col; o row
+    assert half[5:8] == [(7168, 4096), (7168, 4096), (4096, 7168)] and half[8:10] == full[8:10]  # norms
+    odd = tp_shapes("Mixtral-8x7B", 3, 2)
+    assert odd[0] == (32000 - 2 * 10667, 4096) and odd[5] == (8, 4096)  # uneven vocab; router replicated
+    assert len(tp_shapes("Mixtral-8x7B-stacked", 2)) == len(model_shapes("Mixtral-8x7B-stacked"))
+    with pytest.raises(ValueError, match="tp-rank"):
+        tp_shapes("Llama-3-8B", 2, 2)
+    with pytest.raises(SystemExit):  # argparse: --tp must divide --world
+        draw_main(["--model", "Llama-3-8B", "--world", "12", "--tp", "8"])
