@@ -57,7 +57,7 @@ from dbuffer.agreement import check_agreement
 from dbuffer.layout import compute_layout
 from fsdp.chunked import ChunkedParameterGroup, _stride
 from fsdp.offload import mesh_device
-from fsdp.param_group import meta_error
+from fsdp.meta_init import meta_error
 
 __all__ = [
     "ExtensionParameterGroup",

@@ -33,12 +33,13 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
-from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from dbuffer import DBuffer, Owned, Pending
 from dbuffer.layout import OwnedLayout, compute_layout, compute_owned_layout
+from fsdp.meta_init import MetaInit
+from fsdp.optimizer_hooks import note_registration
 from fsdp.offload import CPUOffloadPolicy, HostOffload, mesh_device
 from fsdp.policy import Dtypes, MixedPrecisionPolicy, Strategy
 from fsdp.reduction import ReduceSettings
@@ -72,7 +73,7 @@ class ParamInfo:
     registrations: list[tuple[nn.Module, str]] = field(default_factory=list)
 
 
-class ParameterGroup:
+class ParameterGroup(MetaInit):
     """The DBuffers of one (dtype, requires_grad) group and the moves between them."""
 
     # The parameters fsdp last registered on the modules (None: not yet, the originals are there).
@@ -434,47 +435,6 @@ class ParameterGroup:
 
     # ------------------------------------------------------------------ initialisation
 
-    @property
-    def is_meta(self) -> bool:
-        """Built under ``torch.device("meta")`` and not yet given storage (:meth:`materialize`)."""
-        return self.main.device.type == "meta"
-
-    @torch.no_grad()
-    def materialize(self, device: torch.device) -> None:
-        """``to_empty`` for a meta-built group: every buffer gets (zeroed) storage on ``device``,
-        this rank's device of the mesh; the sharded parameters keep their identity (their
-        contents are swapped, so references and optimizers built on meta stay valid) and become
-        views of the new main weights. Values are meaningless until initialised (``reset_parameters``
-        on the sharded modules, :func:`fsdp.init_weights`) or loaded, exactly as ``to_empty``."""
-        if not self.is_meta:
-            return
-        device = torch.device(device)
-        allowed = {self.mesh.device_type} | ({"cpu"} if self.offload is not None else set())
-        if device.type not in allowed:
-            raise ValueError(
-                f"to_empty(device={device}): the mesh of parameters {self._names()} is for "
-                f"{self.mesh.device_type!r}; pass a {self.mesh.device_type} device (or build the mesh for {device.type!r})"
-            )
-        self._check_swappable()
-        main = self.main
-        if self.offload is None:
-            self.main = DBuffer(
-                self.mesh, main.placements, main.shapes, main.dtype, device, layout=main.layout, check_ranks=False
-            )
-            self.compute_device = device
-        else:  # the shards on the host, compute on the mesh's device
-            self.main = self.offload.buffer(self.mesh, main.placements, main.shapes, main.dtype, main.layout)
-            self.compute_device = self.offload.compute_device
-        self.streams = CommStreams.for_device(self.compute_device)
-        self._build_compute_buffers()
-        if self.requires_grad:
-            self._init_grads()
-            if self._grad_callbacks is not None:
-                self._hook_unsharded_params()
-        self._swap_in(self._new_sharded_params())
-        self._gathered = None
-        self.mark_stale()
-
     def _check_swappable(self) -> None:
         for p in self.sharded_params:
             if weakref.getweakrefs(p):
@@ -492,65 +452,6 @@ class ParameterGroup:
                 if key not in vars(new) and key != "main_grad":
                     setattr(new, key, value)
             torch.utils.swap_tensors(old, new)
-
-    @torch.no_grad()
-    def adopt_assigned(self) -> bool:
-        """Take over parameters assigned to the modules since ``fully_shard`` and before the first
-        forward, as FSDP2's lazy init does (``module.weight = nn.Parameter(dtensor)``,
-        ``load_state_dict(sharded_sd, assign=True)``): a DTensor of the parameter's shape on the
-        group's mesh. Its values are copied into the main weights (materialising a meta-built
-        group on the DTensor's device first) and the assigned object *becomes* fsdp's sharded
-        parameter (contents swapped, identity kept), so an optimizer built on it trains the model.
-        Collective when its layout differs from fsdp's (a ``full_tensor()``): every rank of the
-        mesh adopts the same parameters. Anything else assigned raises, see :meth:`check_registered`.
-        Returns whether anything was adopted."""
-        if self._registered is not self.sharded_params:
-            return False
-        adopted = False
-        for k, info in enumerate(self.infos):
-            want = self.sharded_params[k]
-            found = [m._parameters.get(n) for m, n in info.registrations]
-            assigned = [a for a in found if a is not want and _adoptable(a, want, self.mesh)]
-            if not assigned:
-                continue
-            have = assigned[0]  # tied registrations loaded separately hold equal values
-            for other in assigned[1:]:
-                if other is not have:  # no longer registered: an optimizer holding it is refused
-                    other._fsdp_owner = getattr(want, "_fsdp_owner", "its fsdp unit")
-            if have.device.type != "meta":
-                if self.is_meta:
-                    self.materialize(have.device)
-                self._copy_into_main(k, have)
-            self._swap_in_one(k, have)
-            adopted = True
-        if adopted:
-            self.mark_stale()
-        return adopted
-
-    def _copy_into_main(self, k: int, src: DTensor) -> None:
-        """This rank's part of parameter ``k`` from a DTensor of its full shape. Whether this
-        communicates depends only on types and placements, so every rank decides alike."""
-        target = self.sharded_params[k]
-        local = target.to_local()
-        if type(target) is DTensor and type(src) is DTensor and src.placements == target.placements:
-            local.copy_(src.to_local())  # both DTensor's own pieces: no communication
-        elif type(target) is DTensor:
-            local.copy_(distribute_tensor(src.full_tensor(), self.mesh, target.placements).to_local())
-        else:
-            local.copy_(_rows_of(src.full_tensor(), self.main, k, local))
-
-    def _swap_in_one(self, k: int, assigned: nn.Parameter) -> None:
-        """The assigned object becomes fsdp's sharded parameter ``k``; fsdp's old object gets the
-        assigned contents and is marked, so an optimizer still holding it is refused."""
-        ours = self.sharded_params[k]
-        assigned.grad = ours.grad = None
-        torch.utils.swap_tensors(assigned, ours)
-        ours._fsdp_owner = getattr(assigned, "_fsdp_owner", "its fsdp unit")  # no _fsdp_group: refused
-        self.sharded_params[k] = assigned
-        for m, n in self.infos[k].registrations:
-            m._parameters[n] = assigned
-        global _REGISTRATIONS
-        _REGISTRATIONS += 1  # optimizers are checked again
 
     def begin_init(self) -> None:
         """Register full plain parameters in the main dtype for an init function to fill: the
@@ -591,13 +492,12 @@ class ParameterGroup:
         self._register(self.unsharded_params if unsharded else self.sharded_params)
 
     def _register(self, params: list[nn.Parameter]) -> None:
-        global _REGISTRATIONS
         self.check_registered()
         for info, p in zip(self.infos, params):
             for module, name in info.registrations:
                 module._parameters[name] = p
         if self._registered is None:  # fully_shard: optimizers are checked again
-            _REGISTRATIONS += 1
+            note_registration()
         if params is self.unsharded_params and not hasattr(params[0], "_fsdp_unsharded"):
             for p in params:  # found by the optimizer-step pre-hook below
                 p._fsdp_unsharded = True
@@ -994,33 +894,6 @@ class ParameterGroup:
         self._main_grad_has_data = False
 
 
-def meta_error(fqns: list[str]) -> str:
-    """FSDP2's message (tests match it) for running on parameters still on the meta device."""
-    return (
-        f"FSDP parameters should be materialized from meta device before training, but the following "
-        f"were still on meta device: {fqns}. Call model.to_empty(device=...) and then initialise "
-        f"(reset_parameters() on the sharded modules, fsdp.init_weights(model)) or load a checkpoint."
-    )
-
-
-def _adoptable(assigned, ours: DTensor, mesh: DeviceMesh) -> bool:
-    """An assigned parameter fsdp can take over: a DTensor of the same shape on the same mesh."""
-    return (
-        isinstance(assigned, nn.Parameter)
-        and isinstance(assigned, DTensor)
-        and assigned.shape == ours.shape
-        and assigned.device_mesh == mesh
-        and not weakref.getweakrefs(assigned)
-    )
-
-
-def _rows_of(full: torch.Tensor, main: DBuffer, k: int, local: torch.Tensor) -> torch.Tensor:
-    """This rank's rows of tensor ``k`` of ``main`` cut out of its full value."""
-    r0, r1 = main.local_rows(k)
-    piece = full if main.num_shards == 1 else full[r0:r1]
-    return piece.reshape(local.shape)
-
-
 def check_no_late_extension(group: "ParameterGroup") -> None:
     """A plain parameter whose local tensor was given FSDP2's ``fsdp_pre_all_gather`` (or
     ``fsdp_post_all_gather``) after ``fully_shard``: its shard is the row-atomic layout's rows,
@@ -1082,55 +955,3 @@ def _owned_layout(shapes: list[tuple[int, ...]], mesh: DeviceMesh) -> OwnedLayou
     for k, added in enumerate(layout.loads(n)):
         loads[k] += added
     return layout
-
-
-def _after_optimizer_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
-    """Mark the groups whose parameters a torch.optim optimizer just updated as stale. (State it
-    made like a row-sharded parameter, ``exp_avg = zeros_like(p)``, already carries the
-    parameter's true rows: see :mod:`dbuffer.row_sharded`.)"""
-    for param_group in optimizer.param_groups:
-        for p in param_group["params"]:
-            ref = getattr(p, "_fsdp_group", None)
-            group = ref() if ref is not None else None
-            if group is not None:
-                group.mark_stale()
-
-
-register_optimizer_step_post_hook(_after_optimizer_step)
-
-# Bumped whenever fully_shard registers a group's parameters, so that optimizers checked before
-# are checked again; per optimizer, the (registrations, param-group sizes) it was checked at.
-_REGISTRATIONS = 0
-_CHECKED: "weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple]" = weakref.WeakKeyDictionary()
-
-
-def _before_optimizer_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
-    """Refuse to step an optimizer that holds parameters fsdp does not train: the originals
-    ``fully_shard`` replaced (an optimizer built before it), or the unsharded views registered
-    between a forward and the end of its backward. Its steps would change nothing the model
-    uses, silently. Checked once per optimizer (again if its param groups change size or a
-    module is sharded since), not on every step."""
-    key = (_REGISTRATIONS, tuple(len(g["params"]) for g in optimizer.param_groups))
-    if _CHECKED.get(optimizer) == key:
-        return
-    for i, param_group in enumerate(optimizer.param_groups):
-        for p in param_group["params"]:
-            if getattr(p, "_fsdp_unsharded", False):
-                raise RuntimeError(
-                    f"{type(optimizer).__name__}: param_groups[{i}] holds an unsharded (gathered) view of "
-                    f"a parameter of shape {tuple(p.shape)}, registered between a unit's forward and the "
-                    f"end of its backward; fsdp overwrites it at the next gather, so steps on it are lost. "
-                    f"Build the optimizer from model.parameters() while the model is resharded (call "
-                    f"model.reshard() first, or build it right after fully_shard)"
-                )
-            if hasattr(p, "_fsdp_owner") and not hasattr(p, "_fsdp_group"):
-                raise RuntimeError(
-                    f"{type(optimizer).__name__}: param_groups[{i}] holds a parameter of shape "
-                    f"{tuple(p.shape)} that fully_shard replaced ({getattr(p, '_fsdp_owner')} holds it "
-                    f"as a sharded DTensor now), so its steps would change nothing the model uses. "
-                    f"Build the optimizer after fully_shard, from model.parameters()"
-                )
-    _CHECKED[optimizer] = key
-
-
-register_optimizer_step_pre_hook(_before_optimizer_step)

@@ -35,7 +35,8 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from dbuffer.collectives import release_workspaces
-from fsdp.param_group import ParameterGroup, meta_error
+from fsdp.meta_init import meta_error
+from fsdp.param_group import ParameterGroup
 from fsdp.policy import MixedPrecisionPolicy
 
 __all__ = ["FSDPState", "finish_grad_sync"]

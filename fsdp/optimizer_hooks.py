@@ -1,0 +1,75 @@
+"""torch.optim step hooks that keep fsdp's weights right whatever optimizer the user builds.
+
+Installed once, globally (``register_optimizer_step_pre_hook`` / ``_post_hook``), when fsdp is
+imported: after any ``torch.optim`` step the groups whose parameters it updated refresh their
+compute weights before the next gather; before an optimizer's first step (and again whenever
+fsdp registered new parameters since) it must not hold parameters fsdp no longer trains, which
+would make its steps silently change nothing the model uses.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+__all__ = ["note_registration"]
+
+
+def _after_optimizer_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    """Mark the groups whose parameters a torch.optim optimizer just updated as stale. (State it
+    made like a row-sharded parameter, ``exp_avg = zeros_like(p)``, already carries the
+    parameter's true rows: see :mod:`dbuffer.row_sharded`.)"""
+    for param_group in optimizer.param_groups:
+        for p in param_group["params"]:
+            ref = getattr(p, "_fsdp_group", None)
+            group = ref() if ref is not None else None
+            if group is not None:
+                group.mark_stale()
+
+
+register_optimizer_step_post_hook(_after_optimizer_step)
+
+# Bumped whenever fully_shard registers a group's parameters, so that optimizers checked before
+# are checked again; per optimizer, the (registrations, param-group sizes) it was checked at.
+_REGISTRATIONS = 0
+
+
+def note_registration() -> None:
+    """Parameters were (re)registered on modules: check every optimizer again at its next step."""
+    global _REGISTRATIONS
+    _REGISTRATIONS += 1
+_CHECKED: "weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple]" = weakref.WeakKeyDictionary()
+
+
+def _before_optimizer_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    """Refuse to step an optimizer that holds parameters fsdp does not train: the originals
+    ``fully_shard`` replaced (an optimizer built before it), or the unsharded views registered
+    between a forward and the end of its backward. Its steps would change nothing the model
+    uses, silently. Checked once per optimizer (again if its param groups change size or a
+    module is sharded since), not on every step."""
+    key = (_REGISTRATIONS, tuple(len(g["params"]) for g in optimizer.param_groups))
+    if _CHECKED.get(optimizer) == key:
+        return
+    for i, param_group in enumerate(optimizer.param_groups):
+        for p in param_group["params"]:
+            if getattr(p, "_fsdp_unsharded", False):
+                raise RuntimeError(
+                    f"{type(optimizer).__name__}: param_groups[{i}] holds an unsharded (gathered) view of "
+                    f"a parameter of shape {tuple(p.shape)}, registered between a unit's forward and the "
+                    f"end of its backward; fsdp overwrites it at the next gather, so steps on it are lost. "
+                    f"Build the optimizer from model.parameters() while the model is resharded (call "
+                    f"model.reshard() first, or build it right after fully_shard)"
+                )
+            if hasattr(p, "_fsdp_owner") and not hasattr(p, "_fsdp_group"):
+                raise RuntimeError(
+                    f"{type(optimizer).__name__}: param_groups[{i}] holds a parameter of shape "
+                    f"{tuple(p.shape)} that fully_shard replaced ({getattr(p, '_fsdp_owner')} holds it "
+                    f"as a sharded DTensor now), so its steps would change nothing the model uses. "
+                    f"Build the optimizer after fully_shard, from model.parameters()"
+                )
+    _CHECKED[optimizer] = key
+
+
+register_optimizer_step_pre_hook(_before_optimizer_step)
