@@ -75,16 +75,11 @@ class ItemLayout:
 ItemRef = Union[ItemLayout, int]
 
 
-@dataclass(frozen=True)
-class Layout:
-    """Layout built for ``num_shards`` (N) shards of ``shard_numel`` (S) elements.
+class _Numels:
+    """Element counts every layout answers alike: ``num_shards`` shards of ``shard_numel``
+    elements, of which the items' elements are data and the rest padding."""
 
-    Every query takes an optional ``num_shards`` n dividing N: coarse shard j is
-    fine shards ``[j*N/n, (j+1)*N/n)``. Coarse boundaries are a subset of fine
-    ones, so one layout serves every such sharding with rows still atomic.
-    """
-
-    items: tuple[ItemLayout, ...]
+    items: tuple
     num_shards: int
     shard_numel: int
 
@@ -99,6 +94,20 @@ class Layout:
     @property
     def padding_numel(self) -> int:  # elements that belong to no tensor
         return self.total_numel - self.data_numel
+
+
+@dataclass(frozen=True)
+class Layout(_Numels):
+    """Layout built for ``num_shards`` (N) shards of ``shard_numel`` (S) elements.
+
+    Every query takes an optional ``num_shards`` n dividing N: coarse shard j is
+    fine shards ``[j*N/n, (j+1)*N/n)``. Coarse boundaries are a subset of fine
+    ones, so one layout serves every such sharding with rows still atomic.
+    """
+
+    items: tuple[ItemLayout, ...]
+    num_shards: int
+    shard_numel: int
 
     @property
     def padding_fraction(self) -> float:
@@ -354,7 +363,7 @@ class ChunkItem:
 
 
 @dataclass(frozen=True)
-class ChunkLayout:
+class ChunkLayout(_Numels):
     """``num_shards`` shards of ``shard_numel`` elements; shard ``i`` holds
     ``torch.chunk(t, num_shards, dim)[i]`` of every tensor ``t`` (empty where torch.chunk gives
     fewer pieces), in registration order, each in its own slot (see :class:`ChunkItem`)."""
@@ -362,18 +371,6 @@ class ChunkLayout:
     items: tuple[ChunkItem, ...]
     num_shards: int
     shard_numel: int
-
-    @property
-    def total_numel(self) -> int:
-        return self.num_shards * self.shard_numel
-
-    @property
-    def data_numel(self) -> int:
-        return sum(it.numel for it in self.items)
-
-    @property
-    def padding_numel(self) -> int:
-        return self.total_numel - self.data_numel
 
     def piece(self, item: int, index: int) -> tuple[int, int]:
         """``(start, length)`` along the item's dim of shard ``index``'s piece: torch.chunk's."""
@@ -436,7 +433,7 @@ def compute_chunk_layout(
 
 
 @dataclass(frozen=True)
-class RaggedLayout:
+class RaggedLayout(_Numels):
     """Element-granular ("ragged") layout: tensors packed back to back in order, the buffer cut
     into ``num_shards`` (N) equal shards of ``shard_numel`` (S) wherever the elements fall, so a
     shard boundary may split a row. Padding is only the tail, ``N * S - total < N * align``
@@ -456,18 +453,6 @@ class RaggedLayout:
     items: tuple[ItemLayout, ...]
     num_shards: int
     shard_numel: int
-
-    @property
-    def total_numel(self) -> int:
-        return self.num_shards * self.shard_numel
-
-    @property
-    def data_numel(self) -> int:
-        return sum(it.numel for it in self.items)
-
-    @property
-    def padding_numel(self) -> int:
-        return self.total_numel - self.data_numel
 
     @property
     def padding_fraction(self) -> float:

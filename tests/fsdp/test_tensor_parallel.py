@@ -28,6 +28,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 import fsdp
 from fsdp import fully_shard
+from tests.fsdp.test_dtensor_params import _OPS as _PLAIN_OPS
 from tests.harness import run_ranks
 
 VOCAB, DIM, HEADS, HIDDEN, SEQ, BATCH = 16, 8, 2, 12, 4, 8
@@ -568,13 +569,7 @@ def test_clip_grad_norm_of_plain_tensors_equals_torch(norm_type: float) -> None:
 
 
 _OPS = {
-    "p * 2": lambda p: p * 2,
-    "zeros_like": torch.zeros_like,
-    "detach().clone()": lambda p: p.detach().clone(),
-    "sum": lambda p: p.sum(),
-    "mean": lambda p: p.mean(),
-    "norm": lambda p: p.norm(),
-    "ema": lambda p: p.detach().clone().lerp_(p * 3, 0.1),
+    **_PLAIN_OPS,  # test_dtensor_params' op classes, plus ops that need the joint mesh
     "p @ p.T": lambda p: p @ p.transpose(0, -1) if p.dim() == 2 else p.sum(),
     "redistribute": lambda p: p.redistribute(placements=[Replicate()] * p.device_mesh.ndim) if isinstance(p, DTensor) else p,
 }
