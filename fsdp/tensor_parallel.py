@@ -41,6 +41,7 @@ cannot: it stacks the per-parameter norms, and DTensors on different meshes do n
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 from typing import Iterable, Optional, Union
 
@@ -161,7 +162,15 @@ def mesh_key(param: torch.Tensor) -> Optional[tuple]:
     if not isinstance(param, DTensor):
         return None
     mesh = param.device_mesh
-    return (mesh.device_type, tuple(mesh.mesh.flatten().tolist()), tuple(mesh.mesh.shape), mesh.mesh_dim_names)
+    key = _MESH_KEYS.get(mesh)
+    if key is None:  # flattening a 1024-rank mesh for every parameter cost ~1 s per fully_shard
+        key = (mesh.device_type, tuple(mesh.mesh.flatten().tolist()), tuple(mesh.mesh.shape), mesh.mesh_dim_names)
+        _MESH_KEYS[mesh] = key
+    return key
+
+
+# Weak: a cached key must not keep a mesh (and its process groups) alive past teardown.
+_MESH_KEYS: "weakref.WeakKeyDictionary[DeviceMesh, tuple]" = weakref.WeakKeyDictionary()
 
 
 class TensorParallelGroup(ChunkedParameterGroup):
