@@ -96,18 +96,9 @@ class _Numels:
         return self.total_numel - self.data_numel
 
 
-@dataclass(frozen=True)
-class Layout(_Numels):
-    """Layout built for ``num_shards`` (N) shards of ``shard_numel`` (S) elements.
-
-    Every query takes an optional ``num_shards`` n dividing N: coarse shard j is
-    fine shards ``[j*N/n, (j+1)*N/n)``. Coarse boundaries are a subset of fine
-    ones, so one layout serves every such sharding with rows still atomic.
-    """
-
-    items: tuple[ItemLayout, ...]
-    num_shards: int
-    shard_numel: int
+class _Shards(_Numels):
+    """Shard queries of the layouts that may also be cut into a coarser ``num_shards`` n | N
+    (each defines ``_resolve(num_shards, index=None) -> (n, shard size)``)."""
 
     @property
     def padding_fraction(self) -> float:
@@ -119,8 +110,22 @@ class Layout(_Numels):
 
     def shard_range(self, index: int, num_shards: Optional[int] = None) -> tuple[int, int]:
         """Global ``[start, end)`` of shard ``index``."""
-        n, size = self._resolve(num_shards, index)
+        _, size = self._resolve(num_shards, index)
         return index * size, (index + 1) * size
+
+
+@dataclass(frozen=True)
+class Layout(_Shards):
+    """Layout built for ``num_shards`` (N) shards of ``shard_numel`` (S) elements.
+
+    Every query takes an optional ``num_shards`` n dividing N: coarse shard j is
+    fine shards ``[j*N/n, (j+1)*N/n)``. Coarse boundaries are a subset of fine
+    ones, so one layout serves every such sharding with rows still atomic.
+    """
+
+    items: tuple[ItemLayout, ...]
+    num_shards: int
+    shard_numel: int
 
     def item_rows(self, item: ItemRef, index: int, num_shards: Optional[int] = None) -> tuple[int, int]:
         """Rows ``[r0, r1)`` of ``item`` held by shard ``index``; ``r0 == r1`` if none.
@@ -433,7 +438,7 @@ def compute_chunk_layout(
 
 
 @dataclass(frozen=True)
-class RaggedLayout(_Numels):
+class RaggedLayout(_Shards):
     """Element-granular ("ragged") layout: tensors packed back to back in order, the buffer cut
     into ``num_shards`` (N) equal shards of ``shard_numel`` (S) wherever the elements fall, so a
     shard boundary may split a row. Padding is only the tail, ``N * S - total < N * align``
@@ -453,17 +458,6 @@ class RaggedLayout(_Numels):
     items: tuple[ItemLayout, ...]
     num_shards: int
     shard_numel: int
-
-    @property
-    def padding_fraction(self) -> float:
-        return self.padding_numel / self.total_numel if self.total_numel else 0.0
-
-    def shard_numel_for(self, num_shards: Optional[int] = None) -> int:
-        return self._resolve(num_shards)[1]
-
-    def shard_range(self, index: int, num_shards: Optional[int] = None) -> tuple[int, int]:
-        _, size = self._resolve(num_shards, index)
-        return index * size, (index + 1) * size
 
     def item_elements(self, item: ItemRef, index: int, num_shards: Optional[int] = None) -> tuple[int, int]:
         """Elements ``[e0, e1)`` of ``item`` (flattened, row-major) held by shard ``index``;
