@@ -58,8 +58,9 @@ Differences worth knowing:
 * Meshes are 1-D, or 2-D ``(replicate, shard)`` for HSDP (tensor/expert-parallel DTensor
   parameters add their own axes: :mod:`fsdp.tensor_parallel`); 0-D parameters only with ``no_shard``;
   a parameter tied across two units is an error (put both users in one unit).
-* ``reshard_after_forward`` as an int (FSDP2: reshard to a smaller group) reshards fully; the
-  shards live on the mesh's device (the host under ``CPUOffloadPolicy``), so ``module.to(device)``
+* ``reshard_after_forward`` as an int ``n`` keeps ``1/n`` of the gathered weights after forward
+  and gathers within ``n`` ranks in backward, as FSDP2 (row-atomic ZeRO-3 groups on a 1-D mesh;
+  others reshard fully); the shards live on the mesh's device (the host under ``CPUOffloadPolicy``), so ``module.to(device)``
   accepts that device only. ``module.to(dtype)`` keeps the dtypes a ``MixedPrecisionPolicy`` set explicitly.
 """
 

@@ -30,6 +30,7 @@ from fsdp.extensions import ExtensionParameterGroup, check_extension_params, spl
 from fsdp.offload import CPUOffloadPolicy, OffloadPolicy, check_offload_policy
 from fsdp.param_group import ParamInfo, ParameterGroup
 from fsdp.policy import MixedPrecisionPolicy, Strategy, parse_strategy
+from fsdp.post_forward import post_forward_mesh
 from fsdp import surface
 from fsdp.state import FSDPState, finish_grad_sync
 from fsdp.surface import ArgumentTypeError, DataParallelMeshDims, share_comm_ctx
@@ -256,10 +257,11 @@ def fully_shard(
     forward (and gathers again in backward). ``None`` (default): True, except for the root (the
     first unit run), whose backward starts right after its forward. After forward a unit that
     reshards has its sharded DTensor parameters registered, one that does not its unsharded
-    plain ones, until the end of backward or :meth:`FSDPModule.reshard`. An ``int`` (FSDP2's
-    resharding to a smaller group of that many ranks) is validated as FSDP2 does; 1 means False,
-    any other factor of the shard group's size reshards fully (like True: fsdp has no
-    intermediate mesh).
+    plain ones, until the end of backward or :meth:`FSDPModule.reshard`. An ``int`` ``n`` (FSDP2's
+    resharding to a smaller group) must divide the shard group's size ``W``: 1 means False, ``W``
+    True; in between, each rank keeps ``1/n`` of the gathered weights after forward and backward
+    gathers them within groups of ``n`` consecutive ranks (:mod:`fsdp.post_forward`; row-atomic
+    ZeRO-3 groups on a 1-D mesh without offload; the other groups reshard fully, like True).
 
     ``mesh``: 1-D (the data-parallel ranks) or 2-D ``(replicate, shard)`` for HSDP: parameters
     are sharded and gathered within the inner axis, gradients are reduce-scattered within it and
@@ -316,6 +318,7 @@ def fully_shard(
     _check_devices(infos)
     mesh = _check_mesh(mesh, infos, host_ok=offload is not None)
     config = (strategy, reshard_after_forward, mp_policy, buckets, bucket_size, offload)
+    post_forward_ranks = _post_forward_ranks(reshard_after_forward, mesh)
     reshard_after_forward = _check_reshard_after_forward(reshard_after_forward, mesh)
     if isinstance(buckets, Bucket):
         buckets = [buckets]
@@ -346,6 +349,11 @@ def fully_shard(
         for m in modules:
             m.__class__ = _fsdp_class(type(m))
         groups = _build_groups(infos, specs, offload)
+        if post_forward_ranks is not None:  # every rank gets here: the view's groups are made together
+            view = post_forward_mesh(mesh, post_forward_ranks)
+            for group in groups:
+                if group.mesh is mesh:
+                    group.enable_post_forward_shard(view)
         state = FSDPState(modules, groups, mp_policy, reshard_after_forward)
         for group in groups:
             group.use_params(unsharded=False)
@@ -584,6 +592,14 @@ def _check_reshard_after_forward(value: Optional[Union[bool, int]], mesh: Device
             f"reshard_after_forward as an int must be a factor of the shard group's size {size}, got {value}"
         )
     return value != 1
+
+
+def _post_forward_ranks(value: Optional[Union[bool, int]], mesh: DeviceMesh) -> Optional[int]:
+    """The ``n`` of ``reshard_after_forward=n`` when it keeps a slice: an int strictly between
+    1 and the size of a 1-D shard mesh (validated by :func:`_check_reshard_after_forward`)."""
+    if isinstance(value, bool) or not isinstance(value, int) or mesh.ndim != 1:
+        return None
+    return value if 1 < value < mesh.size() and mesh.size() % value == 0 else None
 
 
 def _check_mesh(

@@ -42,6 +42,7 @@ from fsdp.meta_init import MetaInit
 from fsdp.optimizer_hooks import note_registration
 from fsdp.offload import CPUOffloadPolicy, HostOffload, mesh_device
 from fsdp.policy import Dtypes, MixedPrecisionPolicy, Strategy
+from fsdp.post_forward import PostForwardShard
 from fsdp.reduction import ReduceSettings
 from fsdp.streams import CommStreams
 
@@ -78,6 +79,8 @@ class ParameterGroup(MetaInit):
 
     # The parameters fsdp last registered on the modules (None: not yet, the originals are there).
     _registered: Optional[list[nn.Parameter]] = None
+    # reshard_after_forward=n: the 1/n slice kept between forward and backward (fsdp.post_forward).
+    post_forward: Optional[PostForwardShard] = None
     # weights_version() when fsdp.optim last wrote the model shard with the main weights.
     _written_version: Optional[int] = None
 
@@ -160,6 +163,8 @@ class ParameterGroup(MetaInit):
         self.unsharded_params = [self._module_param(k, self.unsharded.get_local_tensor(k)) for k in range(len(self.infos))]
         if strategy.shard_params:  # gathered before each use (its views exist now)
             self.unsharded.release_storage()
+        if self.post_forward is not None:  # rebuilt (module.to, to_empty): follow the new buffer
+            self.post_forward = PostForwardShard(self.unsharded, self.post_forward.mesh)
 
     def _module_param(self, k: int, full: torch.Tensor) -> nn.Parameter:
         """What modules compute with for parameter ``k`` whose whole values are ``full`` (a view
@@ -297,6 +302,16 @@ class ParameterGroup(MetaInit):
         if self._gathered == self._refreshes and not self.unsharded.is_storage_released():
             return
         self._version_before_gather = self.unsharded.local_buffer._version
+        post = self.post_forward
+        if post is not None and post.holds is not None:
+            if post.holds == self._refreshes:  # backward after reshard_after_forward=n: gather in n ranks
+                self.unsharded.reallocate_storage()
+                with self.streams.launch(self.streams.all_gather):
+                    self._gather_pending = post.gather()
+                if not async_op:
+                    self.wait_unshard()
+                return
+            post.drop()  # the weights changed since
         self.unsharded.reallocate_storage()
         target = self._gather_target()
         if self.lean_model:
@@ -323,6 +338,8 @@ class ParameterGroup(MetaInit):
             if self.offload is not None:
                 self.offload.release_upload()
             self._end_gather()
+            if self.post_forward is not None:
+                self.post_forward.drop()
             self._gathered = self._refreshes
             # A regather restores values autograd saved in forward; it is not a modification.
             # (DBuffer's refill guard covers the launch; this also covers work done in wait().)
@@ -330,11 +347,32 @@ class ParameterGroup(MetaInit):
                 (self.unsharded.local_buffer,), (self._version_before_gather,)
             )
 
-    def reshard(self) -> None:
+    def enable_post_forward_shard(self, mesh: DeviceMesh) -> bool:
+        """FSDP2's ``reshard_after_forward=n`` with the ``(W/n, n)`` view of the shard mesh (see
+        :mod:`fsdp.post_forward`). Only a row-atomic ZeRO-3 group on a 1-D mesh without offload
+        keeps a slice; the others (returns False) reshard fully after forward, like ``True``."""
+        if type(self) is not ParameterGroup or not self.strategy.shard_params or self.mesh.ndim != 1 or self.offload:
+            return False
+        self.post_forward = PostForwardShard(self.unsharded, mesh)
+        return True
+
+    def reshard_after_forward(self) -> None:
+        """After forward: keep this rank's ``1/n`` slice of the gathered weights if
+        ``reshard_after_forward=n`` enabled it, then free them as :meth:`reshard` does."""
+        post = self.post_forward
+        if post is not None:
+            self.wait_unshard()
+            if self._gathered is not None and not self.unsharded.is_storage_released():
+                post.keep(self._gathered)
+        self.reshard(keep_post_forward=True)
+
+    def reshard(self, keep_post_forward: bool = False) -> None:
         """Free the unsharded weights (ZeRO-3 only: the other strategies keep them)."""
         if not self.strategy.shard_params:
             return
         self.wait_unshard()
+        if self.post_forward is not None and not keep_post_forward:
+            self.post_forward.drop()
         if not self.unsharded.is_storage_released():
             self.unsharded.release_storage()
         self._gathered = None

@@ -184,12 +184,15 @@ class FSDPState:
         for group in self.groups:
             group.wait_unshard()
 
-    def reshard(self, free: bool = True) -> None:
+    def reshard(self, free: bool = True, after_forward: bool = False) -> None:
         """Register the sharded parameters again; with ``free``, also release the unsharded
         storage (ZeRO-3). Without it the next unshard skips the gather unless the optimizer
-        has stepped since."""
+        has stepped since. ``after_forward``: groups with ``reshard_after_forward=n`` keep
+        their ``1/n`` slice for backward."""
         for group in self.groups:
-            if free:
+            if free and after_forward:
+                group.reshard_after_forward()
+            elif free:
                 group.reshard()
             group.use_params(unsharded=False)
         self._unsharded = False
@@ -240,7 +243,7 @@ class FSDPState:
             return self._cast_output(output)
         grad = torch.is_grad_enabled()
         if self.reshards_after_forward():
-            self.reshard()
+            self.reshard(after_forward=True)
         # Otherwise the unsharded parameters stay registered and gathered (with or without grad,
         # as in FSDP2) until the end of backward or reshard().
         if grad:

@@ -1,0 +1,80 @@
+"""FSDP2's ``reshard_after_forward=n``: after forward keep 1/n of the gathered weights, gather in n ranks.
+
+Between a unit's forward and its backward, ``reshard_after_forward=True`` frees the gathered
+weights (backward gathers them again over the whole shard group) and ``False`` keeps them all.
+An int ``n`` (a factor of the shard group's size ``W``, e.g. the GPUs of one node) is the middle
+way: each rank keeps the ``1/n`` slice of the gathered weights that its position in its group of
+``n`` consecutive ranks selects (a local copy, no communication), and backward all-gathers only
+inside that group (intra-node on a GPU cluster) instead of over all ``W`` ranks.
+
+The groups of ``n`` ranks are the inner axis of a 2-D view ``(W/n, n)`` of the shard mesh, built
+once per (mesh, n) by :func:`post_forward_mesh` (creating process groups: every rank calls it,
+from ``fully_shard``). The kept slice is shard ``j`` of the unit's own row-atomic layout cut into
+``n`` shards (a layout made for ``W`` shards serves every ``n | W``), so it is a
+:class:`~dbuffer.DBuffer` placed ``[Replicate(), Shard(0)]`` on that view, and the backward
+gather is its ``redistribute`` to ``[Replicate(), Replicate()]`` into the unsharded buffer.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Optional
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+
+from dbuffer import DBuffer, Pending
+
+__all__ = ["PostForwardShard", "post_forward_mesh"]
+
+# Weak: the groups that use a view keep it alive; a cache must not carry process groups past teardown.
+_MESHES: "weakref.WeakValueDictionary[tuple, DeviceMesh]" = weakref.WeakValueDictionary()
+
+
+def post_forward_mesh(mesh: DeviceMesh, n: int) -> DeviceMesh:
+    """The ``(W/n, n)`` view of a 1-D shard mesh whose inner axis groups ``n`` consecutive ranks.
+    Collective the first time for a given (mesh, n): call it on every rank of the mesh."""
+    key = (mesh.device_type, tuple(mesh.mesh.flatten().tolist()), n)
+    view = _MESHES.get(key)
+    if view is None:
+        view = DeviceMesh(
+            mesh.device_type, mesh.mesh.reshape(-1, n), mesh_dim_names=("post_forward_outer", "post_forward_inner")
+        )
+        _MESHES[key] = view
+    return view
+
+
+class PostForwardShard:
+    """One group's ``1/n`` slice of its gathered weights between forward and backward."""
+
+    def __init__(self, unsharded: DBuffer, mesh: DeviceMesh) -> None:
+        self.mesh = mesh
+        self.unsharded = unsharded
+        self.buffer = DBuffer(
+            mesh, [Replicate(), Shard(0)], unsharded.shapes, unsharded.dtype, unsharded.device,
+            layout=unsharded.layout, zero_fill=False, check_ranks=False,
+        )
+        self.buffer.release_storage()
+        self.holds: Optional[int] = None  # the refresh whose weights it holds, None: empty
+
+    def keep(self, refresh: int) -> None:
+        """Copy this rank's slice out of the gathered weights (which the caller then frees)."""
+        start, end = self.buffer.layout.shard_range(self.buffer.shard_index, self.buffer.num_shards)
+        self.buffer.reallocate_storage()
+        self.buffer.local_buffer.copy_(self.unsharded.local_buffer[start:end])
+        self.holds = refresh
+
+    def gather(self) -> Pending:
+        """All-gather the slices of the ``n`` ranks into the unsharded buffer (with storage)."""
+        target = DBuffer(
+            self.mesh, [Replicate(), Replicate()], self.unsharded.shapes, self.unsharded.dtype,
+            self.unsharded.device, layout=self.unsharded.layout, local_buffer=self.unsharded.local_buffer,
+            check_ranks=False,
+        )
+        return self.buffer.redistribute([Replicate(), Replicate()], out=target, async_op=True)
+
+    def drop(self) -> None:
+        if not self.buffer.is_storage_released():
+            self.buffer.release_storage()
+        self.holds = None

@@ -1,0 +1,101 @@
+"""FSDP2's ``reshard_after_forward=n`` (fsdp/post_forward.py), on 4 gloo ranks with n = 2.
+
+* After a block's forward its gathered weights are freed and the rank keeps exactly 1/n of them;
+  the backward gather of those blocks runs in groups of n ranks (all-gathers spied on: group sizes
+  during backward), after backward nothing is kept.
+* Training equals the single-process reference on the global batch and, bit for bit, the same
+  model with ``reshard_after_forward=True`` (the same numbers, another gather).
+* A unit whose weights the optimizer changed since forward is gathered fully again (the slice
+  is stale): checked by a forward, an optimizer step, then a backward of a fresh forward.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import fsdp
+from dbuffer import collectives
+from tests.fsdp.models import full_state, loss_fn, make_batches, make_model, max_diff, reference, train
+from tests.fsdp.test_parity import shard
+from tests.harness import run_ranks
+
+N = 2
+
+
+def _post_forward(model, batches) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out: dict = {}
+    m = shard(copy.deepcopy(model), True, reshard_after_forward=N)
+    ref_true = shard(copy.deepcopy(model), True, reshard_after_forward=True)
+    groups = [g for block in m.blocks for g in block._fsdp_state.groups]
+    assert all(g.post_forward is not None for g in groups)
+    x, y = batches[0]
+    per = x.shape[0] // world
+    x, y = x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
+
+    sizes: list[int] = []
+    original = collectives.all_gather
+
+    def spy(out_t, inp, group, async_op=False):
+        sizes.append(dist.get_world_size(group))
+        return original(out_t, inp, group, async_op)
+
+    loss = loss_fn(m, x, y)
+    out["kept"] = [
+        (g.post_forward.holds is not None, g.unsharded.is_storage_released(),
+         g.post_forward.buffer.local_buffer.numel() * N == g.unsharded.layout.total_numel)
+        for g in groups
+    ]
+    collectives.all_gather = spy
+    try:
+        loss.backward()
+    finally:
+        collectives.all_gather = original
+    out["backward_gather_sizes"] = sorted(set(sizes))
+    out["emptied"] = all(g.post_forward.holds is None for g in groups)
+    m.zero_grad(set_to_none=True)
+
+    # A step between forward and backward makes the kept slices stale: gathered fully again.
+    opt = torch.optim.SGD(m.parameters(), lr=0.0)
+    loss = loss_fn(m, x, y)
+    opt.step()  # marks every group stale, values unchanged (lr 0)
+    sizes.clear()
+    collectives.all_gather = spy
+    try:
+        loss.backward()
+    finally:
+        collectives.all_gather = original
+    out["stale_gather_sizes"] = sorted(set(sizes))
+    m.zero_grad(set_to_none=True)
+
+    train(m, batches, rank=rank, world=world)
+    train(ref_true, batches, rank=rank, world=world)
+    out["weights"] = full_state(m)
+    out["equal_to_true"] = max_diff(full_state(m), full_state(ref_true))
+    return out
+
+
+def test_reshard_after_forward_n_keeps_a_slice_and_gathers_in_n_ranks() -> None:
+    model, batches = make_model(), make_batches(3)
+    want = reference(model, batches)
+    for r in run_ranks(_post_forward, 4, model, batches):
+        assert r["kept"] and all(all(flags) for flags in r["kept"]), r["kept"]
+        assert r["backward_gather_sizes"] == [N], r["backward_gather_sizes"]
+        assert r["emptied"]
+        assert r["stale_gather_sizes"] == [4], r["stale_gather_sizes"]
+        assert r["equal_to_true"] == 0.0
+        assert max_diff(r["weights"], want) < 1e-5
+
+
+def _refuses_a_non_factor(model) -> bool:
+    with pytest.raises(ValueError, match="factor of the shard group's size"):
+        shard(copy.deepcopy(model), True, reshard_after_forward=3)
+    return True
+
+
+def test_reshard_after_forward_int_is_validated() -> None:
+    assert all(run_ranks(_refuses_a_non_factor, 4, make_model()))
