@@ -20,7 +20,7 @@ from __future__ import annotations
 import weakref
 from typing import Optional
 
-import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 
@@ -35,7 +35,10 @@ _MESHES: "weakref.WeakValueDictionary[tuple, DeviceMesh]" = weakref.WeakValueDic
 def post_forward_mesh(mesh: DeviceMesh, n: int) -> DeviceMesh:
     """The ``(W/n, n)`` view of a 1-D shard mesh whose inner axis groups ``n`` consecutive ranks.
     Collective the first time for a given (mesh, n): call it on every rank of the mesh."""
-    key = (mesh.device_type, tuple(mesh.mesh.flatten().tolist()), n)
+    # The world's identity and this rank belong in the key: torch's threaded test group runs
+    # every rank (and every new world) in one process, each with its own process groups.
+    world = id(dist.distributed_c10d._get_default_group())
+    key = (world, dist.get_rank(), mesh.device_type, tuple(mesh.mesh.flatten().tolist()), n)
     view = _MESHES.get(key)
     if view is None:
         view = DeviceMesh(
