@@ -360,10 +360,12 @@ class ParameterGroup(MetaInit):
         """After forward: keep this rank's ``1/n`` slice of the gathered weights if
         ``reshard_after_forward=n`` enabled it, then free them as :meth:`reshard` does."""
         post = self.post_forward
-        if post is not None:
-            self.wait_unshard()
-            if self._gathered is not None and not self.unsharded.is_storage_released():
-                post.keep(self._gathered)
+        if post is None:  # subclasses' reshard() as they define it
+            self.reshard()
+            return
+        self.wait_unshard()
+        if self._gathered is not None and not self.unsharded.is_storage_released():
+            post.keep(self._gathered)
         self.reshard(keep_post_forward=True)
 
     def reshard(self, keep_post_forward: bool = False) -> None:
