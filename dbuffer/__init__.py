@@ -5,7 +5,7 @@ The layout math (:mod:`dbuffer.layout`, :mod:`dbuffer.placements`) is pure; the 
 """
 
 from dbuffer.buffer import DBuffer, distribute_tensors
-from dbuffer.collectives import Pending
+from dbuffer.collectives import Pending, mesh_device
 from dbuffer.row_sharded import RowShardedDTensor
 from dbuffer.layout import Layout, OwnedLayout, assign_owners, compute_layout, compute_owned_layout
 from dbuffer.placements import Owned
@@ -21,4 +21,5 @@ __all__ = [
     "compute_layout",
     "compute_owned_layout",
     "distribute_tensors",
+    "mesh_device",
 ]

@@ -107,7 +107,7 @@ def _first_difference(a: list[Entry], b: list[Entry], rank_a: int, rank_b: int) 
 def _gather_mesh(mesh: DeviceMesh, t: torch.Tensor) -> torch.Tensor:
     """``t`` (same size on every rank) from every rank of ``mesh``, in mesh order: one all-gather
     per axis, innermost first."""
-    device = _device(mesh)
+    device = collectives.mesh_device(mesh)
     current = t.to(device).reshape(-1)
     for axis in reversed(range(mesh.ndim)):
         group = mesh.get_group(axis)
@@ -115,12 +115,6 @@ def _gather_mesh(mesh: DeviceMesh, t: torch.Tensor) -> torch.Tensor:
         collectives.all_gather(out, current, group)
         current = out
     return current.cpu()
-
-
-def _device(mesh: DeviceMesh) -> torch.device:
-    if mesh.device_type == "cuda":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device(mesh.device_type)
 
 
 def _is_fake(mesh: DeviceMesh) -> bool:

@@ -102,7 +102,7 @@ class DBuffer:
         check_layout_kind(self.placements, isinstance(layout, OwnedLayout))
         self.layout = layout
         self.dtype = dtype
-        self.device = torch.device(device) if device is not None else _mesh_device(mesh)
+        self.device = torch.device(device) if device is not None else collectives.mesh_device(mesh)
         self.num_shards = num_shards(mesh.shape, self.placements)
         self.shard_index = shard_index(mesh.shape, self.placements, self._coordinate)
         numel = self.layout.shard_numel_for(self.num_shards)
@@ -568,12 +568,6 @@ def _shapes(shapes: Shapes) -> list[tuple[int, ...]]:
         return [tuple(int(d) for d in s) for s in shapes]
     except TypeError:
         raise TypeError("tensor_shapes must be a sequence of shapes (sequences of ints)") from None
-
-
-def _mesh_device(mesh: DeviceMesh) -> torch.device:
-    if mesh.device_type == "cuda":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device(mesh.device_type)
 
 
 def _empty_for(buf: DBuffer, placements: Sequence[AnyPlacement]) -> torch.Tensor:

@@ -47,6 +47,7 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from dbuffer import debug as _debug
 
@@ -55,10 +56,18 @@ __all__ = [
     "all_gather",
     "all_reduce",
     "broadcast_segments",
+    "mesh_device",
     "reduce_scatter",
     "reduce_to_owners",
     "release_workspaces",
 ]
+
+def mesh_device(mesh: DeviceMesh) -> torch.device:
+    """This rank's device of ``mesh``: where its buffers live and its collectives run."""
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh.device_type)
+
 
 _NATIVE_AVG_BACKENDS = ("nccl", "threaded")
 

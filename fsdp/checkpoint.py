@@ -62,7 +62,7 @@ from torch.futures import Future
 
 from dbuffer import debug
 from dbuffer.dtensor import broadcast_, broadcast_object, row_range
-from fsdp.offload import mesh_device
+from dbuffer import mesh_device
 
 __all__ = ["CheckpointError", "StateDictOptions", "get_state_dict", "load", "save", "set_state_dict"]
 

@@ -56,7 +56,7 @@ from dbuffer import DBuffer
 from dbuffer.agreement import check_agreement
 from dbuffer.layout import compute_layout
 from fsdp.chunked import ChunkedParameterGroup, _stride
-from fsdp.offload import mesh_device
+from dbuffer import mesh_device
 from fsdp.meta_init import meta_error
 
 __all__ = [

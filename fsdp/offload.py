@@ -48,7 +48,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 from dbuffer import DBuffer
 from dbuffer.layout import Layout
 
-__all__ = ["CPUOffloadPolicy", "HostOffload", "OffloadPolicy", "check_offload_policy", "mesh_device"]
+__all__ = ["CPUOffloadPolicy", "HostOffload", "OffloadPolicy", "check_offload_policy"]
 
 
 def check_offload_policy(policy: object) -> Optional[CPUOffloadPolicy]:
@@ -63,13 +63,6 @@ def check_offload_policy(policy: object) -> Optional[CPUOffloadPolicy]:
         f"offload_policy must be torch.distributed.fsdp.OffloadPolicy() (no offload) or "
         f"CPUOffloadPolicy(pin_memory=...) (also exported by fsdp), got {policy!r}"
     )
-
-
-def mesh_device(mesh: DeviceMesh) -> torch.device:
-    """This rank's device of ``mesh``: where compute and collectives run."""
-    if mesh.device_type == "cuda":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device(mesh.device_type)
 
 
 class HostOffload:

@@ -36,11 +36,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from dbuffer import DBuffer, Owned, Pending
+from dbuffer import DBuffer, Owned, Pending, mesh_device
 from dbuffer.layout import OwnedLayout, compute_layout, compute_owned_layout
 from fsdp.meta_init import MetaInit
 from fsdp.optimizer_hooks import note_registration
-from fsdp.offload import CPUOffloadPolicy, HostOffload, mesh_device
+from fsdp.offload import CPUOffloadPolicy, HostOffload
 from fsdp.policy import Dtypes, MixedPrecisionPolicy, Strategy
 from fsdp.post_forward import PostForwardShard
 from fsdp.reduction import ReduceSettings

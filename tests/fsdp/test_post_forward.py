@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -26,6 +27,23 @@ from tests.harness import run_ranks
 N = 2
 
 
+@contextlib.contextmanager
+def _gather_group_sizes():
+    """The group size of every all-gather dbuffer makes inside the block (this process only)."""
+    sizes: list[int] = []
+    original = collectives.all_gather
+
+    def spy(out_t, inp, group, async_op=False):
+        sizes.append(dist.get_world_size(group))
+        return original(out_t, inp, group, async_op)
+
+    collectives.all_gather = spy
+    try:
+        yield sizes
+    finally:
+        collectives.all_gather = original
+
+
 def _post_forward(model, batches) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     out: dict = {}
@@ -37,24 +55,14 @@ def _post_forward(model, batches) -> dict:
     per = x.shape[0] // world
     x, y = x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
 
-    sizes: list[int] = []
-    original = collectives.all_gather
-
-    def spy(out_t, inp, group, async_op=False):
-        sizes.append(dist.get_world_size(group))
-        return original(out_t, inp, group, async_op)
-
     loss = loss_fn(m, x, y)
     out["kept"] = [
         (g.post_forward.holds is not None, g.unsharded.is_storage_released(),
          g.post_forward.buffer.local_buffer.numel() * N == g.unsharded.layout.total_numel)
         for g in groups
     ]
-    collectives.all_gather = spy
-    try:
+    with _gather_group_sizes() as sizes:
         loss.backward()
-    finally:
-        collectives.all_gather = original
     out["backward_gather_sizes"] = sorted(set(sizes))
     out["emptied"] = all(g.post_forward.holds is None for g in groups)
     m.zero_grad(set_to_none=True)
@@ -63,12 +71,8 @@ def _post_forward(model, batches) -> dict:
     opt = torch.optim.SGD(m.parameters(), lr=0.0)
     loss = loss_fn(m, x, y)
     opt.step()  # marks every group stale, values unchanged (lr 0)
-    sizes.clear()
-    collectives.all_gather = spy
-    try:
+    with _gather_group_sizes() as sizes:
         loss.backward()
-    finally:
-        collectives.all_gather = original
     out["stale_gather_sizes"] = sorted(set(sizes))
     m.zero_grad(set_to_none=True)
 
