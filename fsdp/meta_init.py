@@ -21,7 +21,6 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from dbuffer import DBuffer
 from fsdp.optimizer_hooks import note_registration
-from fsdp.streams import CommStreams
 
 __all__ = ["MetaInit", "meta_error"]
 
@@ -52,15 +51,7 @@ class MetaInit:
             )
         self._check_swappable()
         main = self.main
-        if self.offload is None:
-            self.main = DBuffer(
-                self.mesh, main.placements, main.shapes, main.dtype, device, layout=main.layout, check_ranks=False
-            )
-            self.compute_device = device
-        else:  # the shards on the host, compute on the mesh's device
-            self.main = self.offload.buffer(self.mesh, main.placements, main.shapes, main.dtype, main.layout)
-            self.compute_device = self.offload.compute_device
-        self.streams = CommStreams.for_device(self.compute_device)
+        self._place_main(main.placements, main.shapes, main.dtype, main.layout, device)
         self._build_compute_buffers()
         if self.requires_grad:
             self._init_grads()

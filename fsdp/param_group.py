@@ -118,15 +118,7 @@ class ParameterGroup(MetaInit):
         main_pl = pl.sharded if strategy.shard_optim else pl.replicated
         buffer_shapes, layout = self._main_layout(shapes, shard)
         self.offload = None if offload is None else HostOffload(offload, mesh_device(mesh))
-        if self.offload is None or meta:  # built on meta: every buffer on meta until to_empty
-            self.main = DBuffer(
-                mesh, main_pl, buffer_shapes, dtypes.main, device, layout=layout, check_ranks=False
-            )  # fully_shard checked that every rank builds the same unit
-            self.compute_device = self.main.device
-        else:
-            self.main = self.offload.buffer(mesh, main_pl, buffer_shapes, dtypes.main, layout)
-            self.compute_device = self.offload.compute_device
-        self.streams = CommStreams.for_device(self.compute_device)
+        self._place_main(main_pl, buffer_shapes, dtypes.main, layout, device)  # meta: until to_empty
         if not meta:
             self._fill_main([i.param for i in infos])
         self._build_compute_buffers()
@@ -141,6 +133,18 @@ class ParameterGroup(MetaInit):
         if requires_grad:
             self._init_grads()
         self._init_buffer: Optional[DBuffer] = None  # full main-dtype weights during init_weights
+
+    def _place_main(self, placements, shapes, dtype: torch.dtype, layout, device: torch.device) -> None:
+        """Allocate ``main`` on ``device`` (meta for a meta-built group, else this rank's device),
+        or on the host under offload; the compute device and the streams follow. fully_shard
+        checked that every rank builds the same unit, so no rank check here."""
+        if self.offload is None or device.type == "meta":
+            self.main = DBuffer(self.mesh, placements, shapes, dtype, device, layout=layout, check_ranks=False)
+            self.compute_device = self.main.device
+        else:
+            self.main = self.offload.buffer(self.mesh, placements, shapes, dtype, layout)
+            self.compute_device = self.offload.compute_device
+        self.streams = CommStreams.for_device(self.compute_device)
 
     def _main_layout(self, shapes: list[tuple[int, ...]], shard: Placement):
         """The shapes the buffers hold and their layout (None: DBuffer's packed default)."""
