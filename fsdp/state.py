@@ -137,8 +137,6 @@ class FSDPState:
         would have become a root of its own, with its own end-of-backward); parameters assigned
         since ``fully_shard`` (``load_state_dict(..., assign=True)`` of sharded DTensors) are
         adopted now, and parameters still on the meta device raise."""
-        from fsdp.api import FSDPModule
-
         if self.root is not None:
             return
         if len(self.modules) > 1:
@@ -148,8 +146,8 @@ class FSDPState:
             )
         units: list[FSDPState] = []
         for name, m in self.modules[0].named_modules():
-            state = m._fsdp_state if isinstance(m, FSDPModule) else None
-            if state is None or state in units:
+            state = getattr(m, "_fsdp_state", None)  # set by fully_shard on every unit's module
+            if not isinstance(state, FSDPState) or state in units:
                 continue
             if state is not self and state.root is not None:
                 raise RuntimeError(
