@@ -72,18 +72,19 @@ def _parity(model, batches, strategy: str, policy) -> dict:
 
 
 @pytest.mark.parametrize(
-    "strategy,policy",
+    "strategy,policy,backend",
     [
-        ("optim_grads_params", None),
-        ("optim_grads", None),
-        ("optim", None),
-        ("optim_grads_params", fsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)),
+        ("optim_grads_params", None, "threaded"),
+        ("optim_grads_params", None, "gloo"),
+        ("optim_grads", None, "threaded"),
+        ("optim", None, "threaded"),
+        ("optim_grads_params", fsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32), "threaded"),
     ],
-    ids=["zero3", "zero2", "zero1", "zero3-bf16"],
+    ids=["zero3", "zero3-gloo", "zero2", "zero1", "zero3-bf16"],
 )
-def test_hfsdp_matches_hsdp_and_single_process(strategy, policy) -> None:
+def test_hfsdp_matches_hsdp_and_single_process(strategy, policy, backend) -> None:
     model, batches = make_model(), make_batches(3)
-    results = run_ranks(_parity, 4, model, batches, strategy, policy, backend="threaded", timeout=180)
+    results = run_ranks(_parity, 4, model, batches, strategy, policy, backend=backend, timeout=180)
     r0 = results[0]
     assert r0["hfsdp_vs_hsdp"] <= 1e-6, r0["hfsdp_vs_hsdp"]
     if policy is None:  # the same run on one process, global batch, 2 micro-batches
@@ -98,3 +99,76 @@ def test_hfsdp_matches_hsdp_and_single_process(strategy, policy) -> None:
     total_hsdp = sum(r["bytes"][0] for r in results)
     total_hfsdp = sum(r["bytes"][1] for r in results)
     assert total_hfsdp * 2 == total_hsdp, (total_hsdp, total_hfsdp)
+
+
+def _checkpoint_reshards(model, other, batches, path: str) -> tuple:
+    """Train HFSDP 2x2 (AdamW), save with DCP; load into HSDP 2x2 and into 1-D ZeRO-3 over the
+    same four ranks, both built from a different init; the full parameters and AdamW state."""
+    from tests.fsdp.test_checkpoint import _diff, _full, _load, _save, _steps
+
+    mesh = _mesh()
+    m = _shard(model, mesh, "optim")
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1)
+    _steps(m, opt, batches)
+    _save(m, opt, path)
+    saved = _full(m, opt)
+    diffs = []
+    for target in ("hsdp", "fsdp"):
+        if target == "hsdp":
+            o = _shard(other, mesh, "no_shard")
+        else:
+            o = copy.deepcopy(other)
+            for block in o.blocks:
+                fsdp.fully_shard(block)
+            fsdp.fully_shard(o)
+        opt2 = torch.optim.AdamW(o.parameters(), lr=1e-2, weight_decay=0.1)
+        _load(o, opt2, path)
+        diffs.append(_diff(saved, _full(o, opt2)))
+    # and into HFSDP of another init (the same shape)
+    o = _shard(other, mesh, "optim")
+    opt3 = torch.optim.AdamW(o.parameters(), lr=1e-2, weight_decay=0.1)
+    _load(o, opt3, path)
+    diffs.append(_diff(saved, _full(o, opt3)))
+    return diffs, len(saved[0])
+
+
+def test_hfsdp_checkpoint_loads_into_hsdp_and_fsdp_exactly(tmp_path) -> None:
+    diffs, saved = run_ranks(
+        _checkpoint_reshards, 4, make_model(), make_model(seed=3), make_batches(2), str(tmp_path / "c"), timeout=180
+    )[0]
+    assert saved == len(dict(make_model().named_parameters()))  # rank 0 gathered every parameter
+    assert diffs == [[], [], []]  # parameters and AdamW state, bit for bit: HSDP, FSDP, HFSDP again
+
+
+def _refusals(model) -> dict:
+    """Each bad use raises ValueError on every rank before any collective (a collective with
+    only some ranks would hang the threaded world, which the harness reports)."""
+    mesh2 = _mesh()
+    mesh1 = init_device_mesh("cpu", (4,))
+    cases = {
+        "one_d": dict(mesh=mesh1, outer_dp_sharding_strategy="optim"),
+        "no_shard": dict(mesh=mesh2, sharding_strategy="no_shard", outer_dp_sharding_strategy="optim"),
+        "unknown": dict(mesh=mesh2, outer_dp_sharding_strategy="full"),
+        "chunked": dict(mesh=mesh2, outer_dp_sharding_strategy="optim", shard_placement_fn=lambda p: Shard(0)),
+    }
+    out = {}
+    for name, kw in cases.items():
+        m = copy.deepcopy(model)
+        try:
+            fsdp.fully_shard(m, **kw)
+            out[name] = None
+        except ValueError as exc:
+            out[name] = str(exc)
+        out[name + "_untouched"] = not isinstance(m, fsdp.FSDPModule)
+    return out
+
+
+def test_hfsdp_bad_arguments_raise_before_any_collective() -> None:
+    results = run_ranks(_refusals, 4, make_model(), backend="threaded", timeout=60)
+    assert all(r == results[0] for r in results)
+    r = results[0]
+    assert "2-D (replicate, shard) mesh" in r["one_d"]
+    assert "'no_shard'" in r["no_shard"] and "shards the optimizer" in r["no_shard"]
+    assert "unknown outer_dp_sharding_strategy 'full'" in r["unknown"]
+    assert "shard_placement_fn" in r["chunked"]
+    assert all(r[k + "_untouched"] for k in ("one_d", "no_shard", "unknown", "chunked"))
