@@ -172,3 +172,32 @@ def test_hfsdp_bad_arguments_raise_before_any_collective() -> None:
     assert "unknown outer_dp_sharding_strategy 'full'" in r["unknown"]
     assert "shard_placement_fn" in r["chunked"]
     assert all(r[k + "_untouched"] for k in ("one_d", "no_shard", "unknown", "chunked"))
+
+
+def _deferred_replica_reduction(model, batches) -> dict:
+    """set_requires_all_reduce(False) on the first of two micro-batches: HFSDP keeps the shard-
+    axis reduce-scatter's sums and reduce-scatters them over replicas with the second one."""
+    from tests.fsdp.models import loss_fn
+
+    mesh, rank = _mesh(), dist.get_rank()
+    x, y = batches[0]
+    x, y = x[rank * 2 : rank * 2 + 2], y[rank * 2 : rank * 2 + 2]
+    grads, out = {}, {}
+    for outer in ("no_shard", "optim"):
+        m = _shard(model, mesh, outer)
+        for k in range(2):
+            m.set_requires_all_reduce(k == 1)
+            (loss_fn(m, x[k : k + 1], y[k : k + 1]) / 2).backward()
+            if k == 0 and outer == "optim":
+                group = m._fsdp_state.groups[0]
+                out["held"] = group._partial is not None and list(group._partial.placements)[1].is_partial()
+                out["no grad yet"] = all(p.grad is None for p in m.parameters())
+        grads[outer] = {n: p.grad.full_tensor() for n, p in m.named_parameters()}
+    out["diff"] = max_diff(grads["optim"], grads["no_shard"])
+    return out
+
+
+def test_hfsdp_deferred_replica_reduction_matches_hsdp() -> None:
+    results = run_ranks(_deferred_replica_reduction, 4, make_model(), make_batches(1), backend="threaded", timeout=60)
+    for r in results:
+        assert r["held"] and r["no grad yet"] and r["diff"] <= 1e-6, r
