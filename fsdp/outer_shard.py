@@ -155,7 +155,9 @@ class OuterShardedParameterGroup(ParameterGroup):
         ]
         if self.strategy.shard_params:
             self.unsharded.release_storage()
-        self._cast_piece: Optional[DBuffer] = None  # main cast to the model dtype, 1/(R*S)
+        # main cast to the compute dtype, the all-gather's source: 1/(R*S), kept between steps
+        cast = d.model != d.main
+        self.cast_piece: Optional[DBuffer] = self._new(self.main.placements, d.model, zero_fill=False) if cast else None
 
     def _deferred_placements(self, target_pl: tuple) -> tuple:
         return (target_pl[0], self.placements.partial[1])  # reduce-scattered on the shard axis only
@@ -171,11 +173,7 @@ class OuterShardedParameterGroup(ParameterGroup):
             return
         if self.is_meta:
             return
-        source = self.main
-        if self.dtypes.model != self.dtypes.main:
-            if self._cast_piece is None:
-                self._cast_piece = self._new(self.main.placements, self.dtypes.model, zero_fill=False)
-            source = self.main.cast(self.dtypes.model, out=self._cast_piece)
+        source = self.main if self.cast_piece is None else self.main.cast(self.dtypes.model, out=self.cast_piece)
         source.redistribute(self.model_placements, out=self.model)
         if not self.strategy.shard_params:
             self.model.redistribute(self.placements.replicated, out=self.unsharded)
