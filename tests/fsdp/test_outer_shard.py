@@ -201,3 +201,53 @@ def test_hfsdp_deferred_replica_reduction_matches_hsdp() -> None:
     results = run_ranks(_deferred_replica_reduction, 4, make_model(), make_batches(1), backend="threaded", timeout=60)
     for r in results:
         assert r["held"] and r["no grad yet"] and r["diff"] <= 1e-6, r
+
+
+def _features(model, batches) -> dict:
+    """HFSDP with the rest of fsdp: a meta-device build + to_empty + init_weights (full plain
+    parameters per unit, kept as this rank's rows), a full state dict import, clip_grad_norm_ and fsdp.FlatAdamW;
+    compared with the same run on plain HSDP."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    import fsdp.checkpoint as ckpt
+    from tests.fsdp.models import TinyLM
+
+    mesh, rank = _mesh(), dist.get_rank()
+    out = {}
+    with torch.device("meta"):
+        meta = TinyLM()
+    m = _shard(meta, mesh, "optim")
+    m.to_empty(device="cpu")
+    # (threads share the RNG, so the init copies the eager model's values, module by module)
+    names = {id(mod): name for name, mod in m.named_modules()}
+    eager = dict(model.named_modules())
+
+    def init(mod) -> None:
+        for pname, p in mod.named_parameters(recurse=False):  # full plain tensors during init
+            p.copy_(getattr(eager[names[id(mod)]], pname))
+
+    fsdp.init_weights(m, init)
+    out["init"] = max_diff(full_state(m), {n: p.detach() for n, p in model.named_parameters()})
+    # a full state dict of other values, imported row by row
+    other = {n: p.detach() + 1 for n, p in model.named_parameters()}
+    ckpt.set_state_dict(m, model_state_dict=other, options=StateDictOptions(full_state_dict=True))
+    out["import"] = max_diff(full_state(m), other)
+    runs = {}
+    for outer in ("no_shard", "optim"):
+        k = _shard(model, mesh, outer)
+        norms = train(k, batches, rank=rank, world=4, micro=2, clip=0.5,
+                      make_opt=lambda ps: fsdp.FlatAdamW(ps, lr=1e-2, weight_decay=0.1))
+        runs[outer] = (full_state(k), norms)
+    out["flat+clip"] = max_diff(runs["optim"][0], runs["no_shard"][0])
+    out["norms"] = (runs["optim"][1], runs["no_shard"][1])
+    return out
+
+
+def test_hfsdp_meta_init_full_import_clip_and_flat_optimizer() -> None:
+    model, batches = make_model(), make_batches(2)
+    results = run_ranks(_features, 4, model, batches, backend="threaded", timeout=120)
+    r = results[0]
+    assert r["init"] == 0.0 and r["import"] == 0.0, r
+    assert r["flat+clip"] <= 1e-6, r["flat+clip"]
+    hfsdp_norms, hsdp_norms = r["norms"]
+    assert max(abs(a - b) for a, b in zip(hfsdp_norms, hsdp_norms)) <= 1e-6, r["norms"]
