@@ -30,6 +30,13 @@ from tests.harness import run_ranks
 WORLD = 4
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 LAYOUTS = ["dp2xtp2", "dp1xtp4", "tp4", "dp4", "hfsdp"]
+# What each source is loaded into: every layout, less the moves other tests cover (fsdp dp2xtp2 ->
+# dp2xtp2 / dp4: test_tensor_parallel.py; HFSDP -> HFSDP: test_outer_shard.py).
+TARGETS = {
+    "fsdp": ["dp1xtp4", "tp4", "hfsdp"],
+    "fsdp2": LAYOUTS,
+    "hfsdp": ["dp2xtp2", "dp1xtp4", "tp4", "dp4"],
+}
 
 
 def _build(ref, layout: str, impl: str = "fsdp"):
@@ -86,11 +93,11 @@ def _save(ref, batches, path: str, impl: str):
     return get_state_dict(model, opt, options=FULL)
 
 
-def _load_each(other, path: str) -> dict:
+def _load_each(other, path: str, layouts: list[str]) -> dict:
     """Load into ``other`` parallelised as each layout (fsdp, or plain torch TP for tp4); rank 0
     returns the full parameters and AdamW state after each load."""
     out = {}
-    for layout in LAYOUTS:
+    for layout in layouts:
         model, opt, _ = _build(other, layout)
         msd, osd = ckpt.get_state_dict(model, opt)
         state = {"model": msd, "optim": osd}
@@ -106,7 +113,7 @@ def test_fsdp_tp_checkpoint_reshards_to_every_dp_tp_shape(tmp_path, impl) -> Non
     path = os.path.join(str(tmp_path), "ckpt")
     saved = run_ranks(_save, WORLD, model, make_batches(2), path, impl, backend="threaded", timeout=120)[0]
     assert saved[0] and saved[1]["state"]  # rank 0 holds every parameter and its AdamW state
-    loaded = run_ranks(_load_each, WORLD, other, path, backend="threaded", timeout=180)[0]
-    assert list(loaded) == LAYOUTS
+    loaded = run_ranks(_load_each, WORLD, other, path, TARGETS[impl], backend="threaded", timeout=180)[0]
+    assert list(loaded) == TARGETS[impl]
     for layout, state in loaded.items():
         assert _diff(saved, state) == [], (layout, _diff(saved, state)[:5])
