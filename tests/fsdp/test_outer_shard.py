@@ -251,3 +251,46 @@ def test_hfsdp_meta_init_full_import_clip_and_flat_optimizer() -> None:
     assert r["flat+clip"] <= 1e-6, r["flat+clip"]
     hfsdp_norms, hsdp_norms = r["norms"]
     assert max(abs(a - b) for a, b in zip(hfsdp_norms, hsdp_norms)) <= 1e-6, r["norms"]
+
+
+def _collective_groups() -> list:
+    """(collective, ranks of its group) of one HFSDP training step: forward/backward, optimizer
+    step, and the next forward's refresh."""
+    from dbuffer import collectives
+    from tests.fsdp.models import loss_fn
+
+    mesh = _mesh()
+    m = _shard(make_model(), mesh, "optim")
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    x, y = make_batches(1)[0]
+    seen: list[tuple[str, tuple[int, ...]]] = []
+    real = {name: getattr(collectives, name) for name in ("all_gather", "reduce_scatter", "all_reduce")}
+
+    def spy(name):
+        def run(*args, **kwargs):
+            group = next(a for a in args if isinstance(a, dist.ProcessGroup))
+            seen.append((name, tuple(dist.get_process_group_ranks(group))))
+            return real[name](*args, **kwargs)
+
+        return run
+
+    for name in real:
+        setattr(collectives, name, spy(name))
+    try:
+        loss_fn(m, x[:2], y[:2]).backward()
+        opt.step()
+        opt.zero_grad()
+        loss_fn(m, x[:2], y[:2]).backward()  # its forward refreshes the model shard first
+    finally:
+        for name, fn in real.items():
+            setattr(collectives, name, fn)
+    return sorted(set(seen))
+
+
+def test_hfsdp_gathers_weights_in_the_shard_group_only() -> None:
+    results = run_ranks(_collective_groups, 4, backend="gloo")  # processes: the spy is global
+    # rank 0's shard group is {0, 1}, its replica group {0, 2}: forward gathers on the shard
+    # group, gradients reduce-scatter on both, the refresh all-gathers the optimizer piece
+    # across replicas; nothing is all-reduced
+    assert results[0] == [("all_gather", (0, 1)), ("all_gather", (0, 2)), ("reduce_scatter", (0, 1)),
+                          ("reduce_scatter", (0, 2))], results[0]
