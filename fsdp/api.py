@@ -28,9 +28,9 @@ from fsdp.bucket import Bucket, GroupSpec, plan_buckets
 from fsdp.chunked import ChunkedParameterGroup
 from fsdp.extensions import ExtensionParameterGroup, check_extension_params, split_extension_members
 from fsdp.offload import CPUOffloadPolicy, OffloadPolicy, check_offload_policy
+from fsdp.outer_shard import OuterShardedParameterGroup, check_outer_sharding
 from fsdp.param_group import ParamInfo, ParameterGroup
 from fsdp.policy import MixedPrecisionPolicy, Strategy, parse_strategy
-from fsdp.outer_shard import OuterShardedParameterGroup, check_outer_sharding
 from fsdp.post_forward import post_forward_mesh
 from fsdp import surface
 from fsdp.state import FSDPState, finish_grad_sync
