@@ -28,6 +28,7 @@ from fsdp.bucket import Bucket, GroupSpec, plan_buckets
 from fsdp.chunked import ChunkedParameterGroup
 from fsdp.extensions import ExtensionParameterGroup, check_extension_params, split_extension_members
 from fsdp.offload import CPUOffloadPolicy, OffloadPolicy, check_offload_policy
+from fsdp.outer_shard import OuterShardedParameterGroup, check_outer_sharding
 from fsdp.param_group import ParamInfo, ParameterGroup
 from fsdp.policy import MixedPrecisionPolicy, Strategy, parse_strategy
 from fsdp.post_forward import post_forward_mesh
@@ -250,6 +251,7 @@ def fully_shard(
     shard_placement_fn: Optional[Callable[[nn.Parameter], Optional[Shard]]] = None,
     offload_policy: OffloadPolicy = OffloadPolicy(),
     dp_mesh_dims: Optional[DataParallelMeshDims] = None,
+    outer_dp_sharding_strategy: str = "no_shard",
 ):
     """Shard ``module`` (or a list of modules forming one unit) over ``mesh``.
 
@@ -298,6 +300,11 @@ def fully_shard(
     of its dims are the data-parallel ones (``shard``, optionally ``replicate`` for HSDP; several
     names are flattened into one dim); see :func:`fsdp.surface.data_parallel_mesh`.
 
+    ``outer_dp_sharding_strategy`` (Megatron-FSDP's name; not in FSDP2): on a 2-D mesh,
+    ``"no_shard"`` (default) is HSDP; ``"optim"`` (HFSDP) also shards the main weights, main
+    grads and optimizer state across the replicate axis (``1/(R*S)`` per rank) while weights are
+    still gathered on the shard axis only; see :mod:`fsdp.outer_shard`.
+
     ``fully_shard.state(module)`` returns the unit's state, or None for a module not sharded.
     """
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
@@ -317,7 +324,7 @@ def fully_shard(
     infos = _collect_params(modules, ignored)
     _check_devices(infos)
     mesh = _check_mesh(mesh, infos, host_ok=offload is not None)
-    config = (strategy, reshard_after_forward, mp_policy, buckets, bucket_size, offload)
+    config = (strategy, reshard_after_forward, mp_policy, buckets, bucket_size, offload, outer_dp_sharding_strategy)
     post_forward_ranks = _post_forward_ranks(reshard_after_forward, mesh)
     reshard_after_forward = _check_reshard_after_forward(reshard_after_forward, mesh)
     if isinstance(buckets, Bucket):
@@ -341,6 +348,7 @@ def fully_shard(
     check_extension_params([i.fqn for i in infos], [i.param for i in infos], specs)
     if offload is not None:
         _check_offloadable(infos)
+    outer = check_outer_sharding(outer_dp_sharding_strategy, mesh, specs, [i.param for i in infos], offload)
     # The arguments are valid here; now the one collective: do all ranks shard the same thing?
     _check_ranks_agree(mesh, infos, specs, config)
 
@@ -348,7 +356,7 @@ def fully_shard(
     try:
         for m in modules:
             m.__class__ = _fsdp_class(type(m))
-        groups = _build_groups(infos, specs, offload)
+        groups = _build_groups(infos, specs, offload, outer)
         if post_forward_ranks is not None:  # every rank gets here: the view's groups are made together
             view = post_forward_mesh(mesh, post_forward_ranks)
             for group in groups:
@@ -650,7 +658,7 @@ def _check_offloadable(infos: list[ParamInfo]) -> None:
 
 
 def _build_groups(
-    infos: list[ParamInfo], specs: list[GroupSpec], offload: Optional[CPUOffloadPolicy] = None
+    infos: list[ParamInfo], specs: list[GroupSpec], offload: Optional[CPUOffloadPolicy] = None, outer: bool = False
 ) -> list[ParameterGroup]:
     groups = []
     for whole in specs:
@@ -669,8 +677,9 @@ def _build_groups(
                 groups.append(TensorParallelGroup(*args, dims=spec.dims, **kw))
             elif spec.dims is not None:
                 groups.append(ChunkedParameterGroup(*args, dims=spec.dims, **kw))
-            else:
-                groups.append(ParameterGroup(*args, shard=spec.placement, **kw))
+            else:  # outer: HFSDP (fsdp.outer_shard), validated by check_outer_sharding
+                kind = OuterShardedParameterGroup if outer else ParameterGroup
+                groups.append(kind(*args, shard=spec.placement, **kw))
     return groups
 
 

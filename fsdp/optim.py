@@ -145,7 +145,7 @@ class FlatOptimizer(torch.optim.Optimizer):
             state = self._state_for(flat, group, opts)
             grads = group.main_grad.local_buffer
             # the model shard, written in this pass, unless it aliases main or is cast per gather
-            model = group.model.local_buffer if group.model is not group.main and not group.lean_model else None
+            model = group.model.local_buffer if group.step_writes_model else None
             for run in runs:
                 self._step_run(flat, grads, model, state, run, opts, workspace)
             for k in group.params_with_grads():

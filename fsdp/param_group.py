@@ -110,7 +110,7 @@ class ParameterGroup(MetaInit):
         self.policy = policy
         self.requires_grad = requires_grad
         self.reduction = ReduceSettings(divide_factor=gradient_divide_factor)  # FSDP2's reduction knobs
-        self.placements = GroupPlacements.for_mesh(mesh.ndim, shard, self.reduction.op)
+        self.placements = self._group_placements(shard, self.reduction.op)
         device = infos[0].param.device
         meta = device.type == "meta"  # built on meta: so are the shards, until to_empty (FSDP2)
         shapes = [tuple(i.param.shape) for i in infos]
@@ -133,6 +133,11 @@ class ParameterGroup(MetaInit):
         if requires_grad:
             self._init_grads()
         self._init_buffer: Optional[DBuffer] = None  # full main-dtype weights during init_weights
+
+    def _group_placements(self, shard: Placement, reduce_op: str) -> GroupPlacements:
+        """The placements of this group's buffers on its mesh (a subclass may nest the axes
+        differently: :mod:`fsdp.outer_shard`)."""
+        return GroupPlacements.for_mesh(self.mesh.ndim, shard, reduce_op)
 
     def _place_main(self, placements, shapes, dtype: torch.dtype, layout, device: torch.device) -> None:
         """Allocate ``main`` on ``device`` (meta for a meta-built group, else this rank's device),
@@ -186,6 +191,12 @@ class ParameterGroup(MetaInit):
             and self.model is not self.main
             and self.strategy.shard_optim
         )
+
+    @property
+    def step_writes_model(self) -> bool:
+        """Whether :mod:`fsdp.optim` may write the model shard in its step: a persistent copy
+        at ``main``'s placements (same local ranges), not ``main`` itself."""
+        return self.model is not self.main and not self.lean_model
 
     def _release_lean_model(self) -> None:
         if self.lean_model:
@@ -700,7 +711,7 @@ class ParameterGroup(MetaInit):
         self._zero_unwritten()
         target_pl = self.main_grad.placements
         if self._defers_all_reduce():
-            partial_pl = self.placements.partial[:-1] + target_pl[-1:]
+            partial_pl = self._deferred_placements(target_pl)
             with self.streams.launch(self.streams.reduce_scatter):
                 pending = self.grad_in.redistribute(partial_pl, out=self._new(partial_pl, self.dtypes.reduce), async_op=True)
             self._partial_members |= self._local
@@ -732,6 +743,11 @@ class ParameterGroup(MetaInit):
         self._local = set()
         self._reduce = (pending, overwrite)
 
+    def _deferred_placements(self, target_pl: tuple) -> tuple:
+        """Where reduce-scattered sums wait while the all-reduce across replicas is deferred:
+        sharded on the shard axis (the last), still partial on the replicate axis."""
+        return self.placements.partial[:-1] + target_pl[-1:]
+
     def _defers_all_reduce(self) -> bool:
         return self.mesh.ndim == 2 and not self.reduction.all_reduce and self.strategy.shard_grads
 
@@ -752,14 +768,12 @@ class ParameterGroup(MetaInit):
                     f"cannot change how gradients of {self._names()} are reduced while some wait to be "
                     f"reduced; change it before the backward (or after finish_grad_sync())"
                 )
-            shard = self.placements.sharded[-1]
-            self.placements = GroupPlacements.for_mesh(self.mesh.ndim, shard, new.op)
+            self.placements = self._group_placements(self.placements.sharded[-1], new.op)
             self.grad_in = self._new(self.placements.partial, self.dtypes.reduce, zero_fill=False)
             self.grad_in.release_storage()
             self._gaps = None
         elif new.op != self.reduction.op:
-            shard = self.placements.sharded[-1]
-            self.placements = GroupPlacements.for_mesh(self.mesh.ndim, shard, new.op)
+            self.placements = self._group_placements(self.placements.sharded[-1], new.op)
         self.reduction = new
 
     def discard_grads_in_flight(self) -> None:

@@ -67,7 +67,9 @@ def set_requires_all_reduce(self: "FSDPModule", requires_all_reduce: bool, *, re
     the all-reduce across replicas; the reduce-scattered sums accumulate and are all-reduced by
     the next reduction with it on (e.g. the last microbatch). ``param.grad`` is not updated by
     a backward that defers. No effect on a 1-D mesh. Needs a strategy that reduce-scatters
-    gradients (``optim_grads``, ``optim_grads_params``)."""
+    gradients (``optim_grads``, ``optim_grads_params``). Under HFSDP
+    (``outer_dp_sharding_strategy="optim"``) the deferred step is the reduce-scatter across
+    replicas."""
     if not isinstance(requires_all_reduce, bool):
         raise ArgumentTypeError(f"requires_all_reduce must be a bool, got {requires_all_reduce!r}")
     groups = [g for state in _units(self, recurse) for g in state.groups if g.requires_grad]

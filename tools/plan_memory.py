@@ -6,6 +6,7 @@ Run from the repository root::
     python3 tools/plan_memory.py --model llama3-70b --world 1024 --strategy optim_grads_params \\
         --param-dtype bf16 --main-grads-dtype fp32 --optimizer adamw [--rank R] [--json]
     python3 tools/plan_memory.py --model llama3-70b --world 1024 --tp 8 [--dp-replicate 2]
+    python3 tools/plan_memory.py --model llama3-70b --world 1024 --dp-replicate 8 --outer-dp-sharding-strategy optim
 
 or from Python, with a preset name or any callable that builds a module (it is called under
 ``torch.device("meta")``, so a plain constructor will do)::
@@ -84,6 +85,13 @@ fsdp/chunked.py), whose padding (uneven pieces) is the allowance. Not counted wi
 groups' shard-major gather target, which under ZeRO-3 holds one more copy of a unit's gathered
 weights from a gather's start to its copy into the parameters (the schedule probe has no TP groups,
 so it does not see it); and the schedule is the 1-D probe's (fsdp schedules TP units the same way).
+
+HFSDP (``--outer-dp-sharding-strategy optim`` with ``--dp-replicate R``, no TP; see
+:mod:`fsdp.outer_shard`): main weights, main grads, ``.grad`` copies and optimizer state are
+sharded over ``R * dp_shard`` ranks instead of ``dp_shard``; the model weights are the
+``dp_shard``-sharded compute copy (kept even when its dtype is the main one: it is the replicate
+all-gather's result) plus, when the dtypes differ, the ``1/(R * dp_shard)`` cast piece that
+all-gather reads.
 
 Where the buffers live: by default on a ``meta`` mesh. ``fully_shard`` builds the very same
 DBuffers (layouts, dtypes, placements, aliases, released storage), but nothing is allocated or
@@ -322,6 +330,7 @@ class Plan:
     grad_copy_bytes: int = 0  # closed form of the FP32 .grad copies, whether made or not (flat)
     mesh: dict[str, int] = field(default_factory=dict)  # {"dp_replicate": R, "dp_shard": S, "tp": T}
     local_params: int = 0  # parameter elements on this rank's TP piece (= params without TP)
+    outer_dp_sharding_strategy: str = "no_shard"  # "optim": HFSDP (fsdp.outer_shard)
 
     def categories(self) -> dict[str, Bytes]:
         return {key: getattr(self, key) for key, _ in CATEGORIES}
@@ -347,6 +356,8 @@ class Plan:
     def format(self) -> str:
         shape = MeshShape(**self.mesh) if self.mesh else MeshShape(1, self.world, 1)
         mesh = "" if shape.is_1d else f" = {shape.describe()}"
+        if self.outer_dp_sharding_strategy == "optim":
+            mesh += " (HFSDP: optimizer sharded over dp_replicate x dp_shard)"
         tp = "" if shape.tp == 1 else f" ({self.local_params:,} on this TP rank, Llama TP plan)"
         head = (
             f"{self.model}: {self.params:,} parameters{tp} in {self.units} units, world {self.world}{mesh}, rank {self.rank}, "
@@ -421,6 +432,7 @@ def plan(
     flat_optimizer: bool = False,
     tp: int = 1,
     dp_replicate: int = 1,
+    outer_dp_sharding_strategy: str = "no_shard",
 ) -> Plan:
     """Shard ``model`` (a preset name or a builder) as rank ``rank`` of ``world`` and measure.
 
@@ -436,6 +448,9 @@ def plan(
     README "FSDP x TP / EP". The closed form divides the TP-split weights by ``tp`` (this TP rank's
     ``torch.chunk`` piece) and the replicated ones not, then shards both over ``dp_shard``.
 
+    ``outer_dp_sharding_strategy="optim"`` (with ``dp_replicate`` > 1, ``tp`` 1): HFSDP, passed to
+    ``fully_shard``; the optimizer's buffers are then sharded over ``dp_replicate * dp_shard``.
+
     Uses the default process group if one exists (it must have this world size and rank, e.g.
     ``tests.harness.run_ranks(..., backend="fake")``); otherwise joins a fake one for the duration
     of the call.
@@ -449,6 +464,12 @@ def plan(
     if not isinstance(world, int) or world < 1 or not isinstance(rank, int) or not 0 <= rank < world:
         raise ValueError(f"need an int world >= 1 and 0 <= rank < world, got world={world!r}, rank={rank!r}")
     shape = MeshShape.of(world, tp, dp_replicate)
+    outer = outer_dp_sharding_strategy == "optim"
+    if outer and (shape.dp_replicate < 2 or shape.tp > 1):
+        raise ValueError(
+            f"outer_dp_sharding_strategy='optim' (HFSDP) needs dp_replicate > 1 and tp = 1, got dp_replicate="
+            f"{shape.dp_replicate}, tp={shape.tp}; fsdp shards the optimizer over the replicate axis of an HSDP mesh"
+        )
     seconds: dict[str, float] = {}
     with _timed(seconds, "process group"):
         created = _join(world, rank)
@@ -462,16 +483,18 @@ def plan(
             schedule = _schedule(strategy, world)
         local_numel = _tp_local_numel(root, shape, rank)
         closed = _closed_form(
-            root, units, shape.dp_shard, strategy, mp_policy, OPTIMIZER_STATES[optimizer], schedule, local_numel
+            root, units, shape.dp_shard, strategy, mp_policy, OPTIMIZER_STATES[optimizer], schedule, local_numel,
+            optim_world=shape.dp_shard * shape.dp_replicate if outer else shape.dp_shard,
         )
         grad_copy_bytes = closed.bytes["grad_copies"]
         if flat_optimizer:
             closed.bytes["grad_copies"] = 0
         with _timed(seconds, "fully_shard"):
             mesh = _mesh(device, shape, root)
+            kw = dict(mp_policy=mp_policy, sharding_strategy=strategy, outer_dp_sharding_strategy=outer_dp_sharding_strategy)
             for unit in units:
-                fully_shard(unit, mesh=mesh, mp_policy=mp_policy, sharding_strategy=strategy)
-            fully_shard(root, mesh=mesh, mp_policy=mp_policy, sharding_strategy=strategy)
+                fully_shard(unit, mesh=mesh, **kw)
+            fully_shard(root, mesh=mesh, **kw)
         with _timed(seconds, "measure"):
             states = [u._fsdp_state for u in units] + [root._fsdp_state]
             measured = _measure(states, OPTIMIZER_STATES[optimizer], schedule, flat_optimizer)
@@ -487,6 +510,7 @@ def plan(
         released_between_uses=measured.released, peak_moments=measured.peak_moments, seconds=seconds,
         param_shard_bytes=closed.param_shard_bytes, persistent_param_shard=mp_policy.persistent_param_shard,
         grad_copy_bytes=grad_copy_bytes, mesh=shape.to_dict(), local_params=closed.local_params,
+        outer_dp_sharding_strategy=outer_dp_sharding_strategy,
     )
 
 
@@ -593,10 +617,16 @@ def _closed_form(
     states: int,
     schedule: dict[str, frozenset[Moment]],
     local_numel: dict[int, int],
+    optim_world: Optional[int] = None,
 ) -> _Closed:
     """Bytes per rank from the parameter shapes alone: a parameter counts its TP piece's
     elements (``local_numel``: all of them without TP); sharded totals are ``ceil(bytes / world)``
-    (``world``: the dp shard axis's size)."""
+    (``world``: the dp shard axis's size). ``optim_world``: the ranks the main weights, main
+    grads and optimizer state are sharded over (HFSDP: replicate x shard; default ``world``);
+    when it differs from ``world`` the model weights are the separate ``world``-sharded copy
+    plus the cast piece of the optimizer's shard."""
+    optim_world = world if optim_world is None else optim_world
+    outer = optim_world != world
     groups = [_unique(b.parameters()) for b in blocks]
     in_blocks = {id(p) for g in groups for p in g}
     root_params = [p for p in _unique(root.parameters()) if id(p) not in in_blocks]
@@ -608,8 +638,8 @@ def _closed_form(
             if p.requires_grad or not trainable_only
         )
 
-    def per_rank(nbytes: int, sharded: bool) -> int:
-        return -(-nbytes // world) if sharded else nbytes
+    def per_rank(nbytes: int, sharded: bool, over: int = optim_world) -> int:
+        return -(-nbytes // over) if sharded else nbytes
 
     every = root_params + [p for g in groups for p in g]
     trainable = [p for p in every if p.requires_grad]
@@ -617,10 +647,14 @@ def _closed_form(
     regrad = [p for p in trainable if _dtypes(policy, p.dtype)[2] != _dtypes(policy, p.dtype)[0]]
     main_trainable = per_rank(total(trainable, 0), s.shard_optim)
     param_shard = per_rank(total(cast, 1), s.shard_optim)
-    lean = s.shard_optim and not policy.persistent_param_shard  # no_shard's model weights are its full ones
+    # no_shard's model weights are its full ones; HFSDP's model shard is always kept
+    lean = s.shard_optim and not policy.persistent_param_shard and not outer
+    model_weights = 0 if lean else param_shard
+    if outer:  # the shard-axis copy every gather reads, and the cast piece gathered into it
+        model_weights = per_rank(total(every, 1), True, world) + param_shard
     out = {
         "main_weights": per_rank(total(every, 0), s.shard_optim),
-        "model_weights": 0 if lean else param_shard,
+        "model_weights": model_weights,
         "unsharded_weights": total(every, 1) if s.shard_optim and not s.shard_params else 0,
         "main_grads": per_rank(total(trainable, 2), s.shard_grads),
         "grad_copies": per_rank(total(regrad, 0), s.shard_optim),
@@ -630,7 +664,7 @@ def _closed_form(
         sizes = [(total(g, which, trainable_only), 0) for g in groups] + [(total(root_params, which, trainable_only), 0)]
         out[key] = _peak(sizes, schedule[key])[0][0]
     return _Closed(
-        sum(p.numel() for p in every), len(groups) + 1, out, param_shard if s.shard_optim else 0,
+        sum(p.numel() for p in every), len(groups) + 1, out, param_shard if s.shard_optim and not outer else 0,
         sum(local_numel[id(p)] for p in every),
     )
 
@@ -680,6 +714,8 @@ def _measure(units: list, states: int, schedule: dict[str, frozenset[Moment]], f
             _persistent(m, "main_weights", g, g.main)
             if g.model is not g.main and not g.lean_model:
                 _persistent(m, "model_weights", g, g.model)
+            if getattr(g, "cast_piece", None) is not None:  # HFSDP: the cast optimizer shard
+                _persistent(m, "model_weights", g, g.cast_piece)
             if g.unsharded is not g.model and not g.strategy.shard_params:
                 _persistent(m, "unsharded_weights", g, g.unsharded)
             if g.strategy.shard_params:
@@ -845,6 +881,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--world", type=int, default=1024, help="ranks in all (dp_replicate * dp_shard * tp)")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size: the Llama TP plan of tools/tp_plan.py")
     ap.add_argument("--dp-replicate", type=int, default=1, help="HSDP replicas (dp_shard = world / (tp * this))")
+    ap.add_argument(
+        "--outer-dp-sharding-strategy", default="no_shard", choices=["no_shard", "optim"],
+        help="optim: HFSDP, the optimizer also sharded over --dp-replicate (fsdp.outer_shard)",
+    )
     ap.add_argument("--rank", type=int, default=0, help="every rank allocates the same; the last ones hold the padding")
     ap.add_argument("--strategy", default="optim_grads_params", choices=list(STRATEGIES), help="ZeRO-0..3")
     ap.add_argument("--param-dtype", default="bf16", choices=list(DTYPES), help="model (compute) weights")
@@ -867,6 +907,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     result = plan(
         args.model, args.world, args.rank, strategy=args.strategy, mp_policy=policy, optimizer=args.optimizer,
         flat_optimizer=args.flat_optimizer, tp=args.tp, dp_replicate=args.dp_replicate,
+        outer_dp_sharding_strategy=args.outer_dp_sharding_strategy,
     )
     result.seconds["plan total"] = time.perf_counter() - start
     print(json.dumps(result.to_dict(), indent=1) if args.json else result.format())

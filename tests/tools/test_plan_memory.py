@@ -493,3 +493,44 @@ def test_tp_meta_and_real_storage_give_the_same_bytes() -> None:
     meta = plan(tiny_odd, 8, 3, tp=2)
     cpu = plan(tiny_odd, 8, 3, tp=2, device="cpu")
     assert meta.categories() == cpu.categories() and cpu.ok and cpu.device == "cpu"
+
+
+# ----------------------------------------------------------------------------- HFSDP
+
+
+def _real_hfsdp_step(model: nn.Module) -> dict:
+    """_real_step's bytes on a 2 x 2 (replicate, shard) mesh with the optimizer sharded over both."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    model = copy.deepcopy(model)
+    kw = dict(mesh=mesh, mp_policy=POLICIES["bf16"], outer_dp_sharding_strategy="optim")
+    for block in model.blocks:
+        fully_shard(block, **kw)
+    fully_shard(model, **kw)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+    tokens = torch.randint(0, VOCAB, (2, 8))
+    F.cross_entropy(model(tokens).float().flatten(0, 1), tokens.flatten()).backward()
+    opt.step()
+    local = lambda t: t._local_tensor if isinstance(t, DTensor) else t  # noqa: E731
+    state = [local(t) for s in opt.state.values() for k, t in s.items() if k != "step"]
+    storages = {local(p).untyped_storage().data_ptr(): local(p).untyped_storage().nbytes() for p in model.parameters()}
+    return {"optimizer_state": sum(t.numel() * t.element_size() for t in state), "main_weights": sum(storages.values())}
+
+
+def test_hfsdp_plan_matches_a_real_step_and_divides_the_optimizer_by_the_replicas() -> None:
+    """--outer-dp-sharding-strategy optim: the planner's main weights and optimizer state are a
+    real HFSDP step's on every rank of 2 x 2, and R = 2 times less than HSDP's within padding."""
+    torch.manual_seed(0)
+    real = run_ranks(_real_hfsdp_step, WORLD, Net(), backend="threaded")
+    assert sum(r["optimizer_state"] for r in real) == 2 * 4 * _numel(trainable_only=True)  # each element once
+    for rank, got in enumerate(real):
+        p = plan(Net, WORLD, rank, mp_policy=POLICIES["bf16"], dp_replicate=2, outer_dp_sharding_strategy="optim")
+        assert p.ok, p.format()
+        for key, nbytes in got.items():
+            assert getattr(p, key).measured == nbytes, (rank, key)
+        hsdp = plan(Net, WORLD, rank, mp_policy=POLICIES["bf16"], dp_replicate=2)
+        state = p.optimizer_state
+        assert abs(2 * state.measured - hsdp.optimizer_state.measured) <= 2 * (state.allowance + hsdp.optimizer_state.allowance)
+    with pytest.raises(ValueError, match="dp_replicate > 1"):
+        plan(Net, WORLD, 0, outer_dp_sharding_strategy="optim")
