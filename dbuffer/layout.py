@@ -29,7 +29,9 @@ copy-in for gradients). It describes where things are; it does not pack rows.
 :func:`compute_ragged_layout` builds the fourth kind, a :class:`RaggedLayout`: element-granular
 shards (a boundary may split a row), padding only the last shard's tail, for when row atomicity
 pads too much (Llama-3-70B at 1024 ranks: 2.78%); :func:`choose_layout` picks between it and the
-row-atomic layout by a padding threshold. Not yet accepted by ``DBuffer`` (see its docstring).
+row-atomic layout by a padding threshold. ``DBuffer`` accepts it (``layout=``): a tensor whose
+rows a boundary splits is then handed out as 1-D element pieces
+(:class:`dbuffer.element_sharded.ElementShardedDTensor`).
 """
 
 from __future__ import annotations
@@ -485,6 +487,12 @@ class RaggedLayout(_Shards):
         if e0 == e1:
             return (0, 0) if it.offset >= self.shard_range(index, num_shards)[1] else (it.num_rows, it.num_rows)
         return e0 // it.row_numel, -(-e1 // it.row_numel)
+
+    def rows_per_shard(self, item: ItemRef, num_shards: Optional[int] = None) -> tuple[int, ...]:
+        """Rows of ``item`` on every shard; a true row split only where :meth:`splits_rows` is
+        False (otherwise a partial row counts on both shards holding part of it)."""
+        n, _ = self._resolve(num_shards)
+        return tuple(r1 - r0 for r0, r1 in (self.item_rows(item, k, n) for k in range(n)))
 
     def elements_per_shard(self, item: ItemRef, num_shards: Optional[int] = None) -> tuple[int, ...]:
         n, _ = self._resolve(num_shards)
