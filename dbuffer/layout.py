@@ -483,6 +483,10 @@ class RaggedLayout(_Shards):
         """Rows ``[r0, r1)`` of which shard ``index`` holds at least one element (the first and
         last may be partial: see :meth:`splits_rows`)."""
         it = self._item(item)
+        n, size = self._resolve(num_shards, index)
+        if it.numel == 0:  # rows without elements (shape (3, 0)): all on the shard holding offset
+            home = Layout._home(it, n, size)
+            return (0, 0) if index < home else (it.num_rows, it.num_rows) if index > home else (0, it.num_rows)
         e0, e1 = self.item_elements(it, index, num_shards)
         if e0 == e1:
             return (0, 0) if it.offset >= self.shard_range(index, num_shards)[1] else (it.num_rows, it.num_rows)
