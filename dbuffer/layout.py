@@ -548,15 +548,19 @@ def choose_layout(
     *,
     align: int = 1,
     max_padding: float = MAX_ROW_ATOMIC_PADDING,
+    min_padding_numel: int = 0,
 ) -> Union[Layout, RaggedLayout]:
     """The row-atomic :func:`compute_layout` when it pads at most ``max_padding`` (a fraction
-    of the buffer), else :func:`compute_ragged_layout`, whose padding is below
-    ``num_shards * align`` elements. Row atomicity is worth keeping where it is cheap: every
-    piece is then a row range (a DTensor without flattening)."""
+    of the buffer) or at most ``min_padding_numel`` elements, else :func:`compute_ragged_layout`,
+    whose padding is below ``num_shards * align`` elements. Row atomicity is worth keeping where
+    it is cheap: every piece is then a row range (a DTensor without flattening)."""
     if not isinstance(max_padding, (int, float)) or isinstance(max_padding, bool) or not 0 <= max_padding < 1:
         raise ValueError(f"max_padding must be a fraction in [0, 1), got {max_padding!r}; e.g. 0.001 for 0.1%")
+    min_padding_numel = _as_int(min_padding_numel, "min_padding_numel")
+    if min_padding_numel < 0:
+        raise ValueError(f"min_padding_numel must be >= 0, got {min_padding_numel}")
     packed = compute_layout(shapes, num_shards, align=align)
-    if packed.padding_fraction <= max_padding:
+    if packed.padding_fraction <= max_padding or packed.padding_numel <= min_padding_numel:
         return packed
     return compute_ragged_layout(shapes, num_shards, align=align)
 
