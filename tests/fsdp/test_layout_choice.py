@@ -56,6 +56,14 @@ def _parity(model, batches, ref, ref_clip) -> dict:
         clipped = _shard(copy.deepcopy(model), "ragged", sharding_strategy=strategy)
         train(clipped, batches, rank=rank, world=world, clip=0.5)
         out[strategy + "+clip"] = (max_diff(full_state(clipped), ref_clip), None)  # no row-atomic twin
+    if world % 2 == 0:  # reshard_after_forward=2: the kept slice is a coarser cut of the ragged buffer
+        m = _shard(copy.deepcopy(model), "ragged", reshard_after_forward=2)
+        assert _flat_params(m) > 0
+        train(m, batches, rank=rank, world=world)
+        out["reshard_after_forward=2"] = (max_diff(full_state(m), ref), None)
+    flat_opt = _shard(copy.deepcopy(model), "ragged")  # fsdp.optim's flat AdamW over the ragged shards
+    train(flat_opt, batches, rank=rank, world=world, make_opt=lambda params: fsdp.FlatAdamW(params, lr=1e-2, weight_decay=0.1))
+    out["FlatAdamW"] = (max_diff(full_state(flat_opt), ref), None)
     return out
 
 
