@@ -34,7 +34,7 @@ from dbuffer.layout import (
     compute_ragged_layout,
 )
 
-__all__ = ["LAYOUT_KINDS", "group_layout", "layout_policy"]
+__all__ = ["LAYOUT_KINDS", "describe_layout_policy", "group_layout", "layout_policy"]
 
 LAYOUT_KINDS = ("auto", "row", "ragged")
 MIN_PADDING_PER_SHARD = 1024
@@ -69,6 +69,12 @@ def layout_policy(
         yield
     finally:
         _local.policy = before
+
+
+def describe_layout_policy() -> str:
+    """This thread's policy, for fully_shard's check that every rank builds the same layouts."""
+    policy = _current()
+    return f"{policy['kind']} (max_padding={policy['max_padding']}, min_padding_per_shard={policy['min_padding_per_shard']})"
 
 
 def group_layout(shapes: Sequence[Sequence[int]], num_shards: int) -> Union[Layout, RaggedLayout]:

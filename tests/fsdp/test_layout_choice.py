@@ -136,3 +136,21 @@ def test_auto_policy_keeps_small_models_row_atomic_and_cuts_large_padding() -> N
     with pytest.raises(ValueError, match="kind must be one of"):
         with layout_policy("chunk"):
             pass
+
+
+def _disagreeing_policies() -> str:
+    from dbuffer.agreement import RankMismatchError
+
+    model = make_model()
+    kind = "ragged" if dist.get_rank() == 0 else "row"
+    try:
+        with layout_policy(kind):
+            fsdp.fully_shard(model)
+    except RankMismatchError as exc:
+        return str(exc)
+    return ""
+
+
+def test_ranks_with_different_layout_policies_raise_together() -> None:
+    messages = run_ranks(_disagreeing_policies, 2, backend="threaded")
+    assert all("layout policy" in m for m in messages), messages
