@@ -61,6 +61,14 @@ def _parity(model, batches, ref, ref_clip) -> dict:
         assert _flat_params(m) > 0
         train(m, batches, rank=rank, world=world)
         out["reshard_after_forward=2"] = (max_diff(full_state(m), ref), None)
+    if world == 4:  # HSDP: the ragged layout of 4 shards, cut into 2 per replica
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        m = _shard(copy.deepcopy(model), "ragged", mesh=mesh)
+        assert _flat_params(m) > 0
+        train(m, batches, rank=rank, world=world)
+        out["HSDP 2x2"] = (max_diff(full_state(m), ref), None)
     flat_opt = _shard(copy.deepcopy(model), "ragged")  # fsdp.optim's flat AdamW over the ragged shards
     train(flat_opt, batches, rank=rank, world=world, make_opt=lambda params: fsdp.FlatAdamW(params, lr=1e-2, weight_decay=0.1))
     out["FlatAdamW"] = (max_diff(full_state(flat_opt), ref), None)
