@@ -6,20 +6,34 @@ The layout math (:mod:`dbuffer.layout`, :mod:`dbuffer.placements`) is pure; the 
 
 from dbuffer.buffer import DBuffer, distribute_tensors
 from dbuffer.collectives import Pending, mesh_device
+from dbuffer.element_sharded import ElementShardedDTensor
 from dbuffer.row_sharded import RowShardedDTensor
-from dbuffer.layout import Layout, OwnedLayout, assign_owners, compute_layout, compute_owned_layout
+from dbuffer.layout import (
+    Layout,
+    OwnedLayout,
+    RaggedLayout,
+    assign_owners,
+    choose_layout,
+    compute_layout,
+    compute_owned_layout,
+    compute_ragged_layout,
+)
 from dbuffer.placements import Owned
 
 __all__ = [
     "DBuffer",
+    "ElementShardedDTensor",
     "Layout",
     "Owned",
     "OwnedLayout",
     "Pending",
+    "RaggedLayout",
     "RowShardedDTensor",
     "assign_owners",
+    "choose_layout",
     "compute_layout",
     "compute_owned_layout",
+    "compute_ragged_layout",
     "distribute_tensors",
     "mesh_device",
 ]

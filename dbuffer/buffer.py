@@ -9,6 +9,14 @@ A buffer built with :class:`~dbuffer.placements.Owned` in its placements is laid
 :func:`dbuffer.layout.compute_owned_layout` instead (each tensor whole on one rank); buffers that
 exchange data with it (its gather target, its gradient buffer) pass ``layout=`` that layout.
 
+``layout=`` may also be a :class:`~dbuffer.layout.RaggedLayout` (element-granular: a shard
+boundary may split a row, padding < one element per shard). Every primitive is a flat-buffer op
+and works unchanged; views of unsharded placements are unchanged; under sharding, a tensor whose
+rows a boundary splits is handed out as this rank's 1-D range of its flattened elements
+(:meth:`DBuffer.get_local_tensor`) and as an exact
+:class:`~dbuffer.element_sharded.ElementShardedDTensor` (:meth:`DBuffer.get_dtensor`); the other
+tensors keep their row views.
+
 Guarantees:
 
 * Every primitive validates its arguments (``out`` included) before any collective, so a bad call
@@ -32,8 +40,8 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from dbuffer import collectives
 from dbuffer.agreement import check_agreement
 from dbuffer.collectives import Pending
-from dbuffer.dtensor import make_dtensor
-from dbuffer.layout import Layout, OwnedLayout, compute_layout, compute_owned_layout
+from dbuffer.dtensor import make_dtensor, make_element_dtensor
+from dbuffer.layout import Layout, OwnedLayout, RaggedLayout, compute_layout, compute_owned_layout
 from dbuffer.placements import (
     AnyPlacement,
     Owned,
@@ -69,7 +77,7 @@ class DBuffer:
         dtype: torch.dtype,
         device: torch.device | str | None = None,
         *,
-        layout: Layout | None = None,
+        layout: Layout | RaggedLayout | None = None,
         local_buffer: torch.Tensor | None = None,
         zero_fill: bool = True,
         check_ranks: bool = True,
@@ -97,8 +105,8 @@ class DBuffer:
         if layout is None:
             owned = any(isinstance(p, Owned) for p in self.placements)
             layout = (compute_owned_layout if owned else compute_layout)(_shapes(tensor_shapes), mesh.size())
-        elif not isinstance(layout, Layout):
-            raise TypeError(f"layout must be a dbuffer Layout (or None), got {type(layout).__name__}")
+        elif not isinstance(layout, (Layout, RaggedLayout)):
+            raise TypeError(f"layout must be a dbuffer Layout or RaggedLayout (or None), got {type(layout).__name__}")
         check_layout_kind(self.placements, isinstance(layout, OwnedLayout))
         self.layout = layout
         self.dtype = dtype
@@ -190,8 +198,41 @@ class DBuffer:
         )
 
     def local_rows(self, i: int) -> tuple[int, int]:
-        """Rows ``[start, end)`` of tensor ``i`` held by this rank."""
+        """Rows ``[start, end)`` of tensor ``i`` held by this rank (of a ragged layout: rows of
+        which it holds at least one element; see :meth:`is_flat`)."""
         return self.layout.item_rows(self._item(i), self.shard_index, self.num_shards)
+
+    def local_elements(self, i: int) -> tuple[int, int]:
+        """Elements ``[start, end)`` of the flattened tensor ``i`` held by this rank."""
+        i = self._item(i)
+        if isinstance(self.layout, RaggedLayout):
+            return self.layout.item_elements(i, self.shard_index, self.num_shards)
+        r0, r1 = self.local_rows(i)
+        return r0 * self.layout.items[i].row_numel, r1 * self.layout.items[i].row_numel
+
+    def is_flat(self, i: int) -> bool:
+        """Whether tensor ``i``'s pieces are element ranges (1-D) rather than row ranges: a
+        ragged layout whose shard boundaries, under these placements, split one of its rows.
+        The same answer on every rank (it depends on the layout and placements only)."""
+        if not isinstance(self.layout, RaggedLayout) or self.num_shards == 1:
+            return False
+        cache = self.__dict__.setdefault("_flat_cache", {})
+        key = (self._item(i), self.num_shards)
+        if key not in cache:
+            cache[key] = self.layout.splits_rows(key[0], self.num_shards)
+        return cache[key]
+
+    def local_piece(self, i: int, full: torch.Tensor) -> torch.Tensor:
+        """This rank's piece of tensor ``i`` cut out of ``full`` (its whole value), shaped like
+        :meth:`get_local_tensor` (a view of ``full`` where possible): what to copy into it."""
+        local_shape = self.get_local_tensor(i).shape
+        if self.num_shards == 1:
+            return full.reshape(local_shape)
+        if self.is_flat(i):
+            e0, e1 = self.local_elements(i)
+            return full.reshape(-1)[e0:e1]
+        r0, r1 = self.local_rows(i)
+        return (full.reshape(1) if full.dim() == 0 else full)[r0:r1].reshape(local_shape)
 
     @property
     def is_owned(self) -> bool:
@@ -215,21 +256,28 @@ class DBuffer:
         Unsharded placements give the whole tensor in its own shape; sharded ones give
         ``(k, *shape[1:])`` with ``k`` possibly 0 (a 0-D tensor is one row: ``(k,)``). Under
         ``Owned()`` that is all rows on the owner and 0 rows elsewhere, so a loop over tensors
-        needs no special case for the tensors a rank does not own.
+        needs no special case for the tensors a rank does not own. Of a ragged layout, a tensor
+        whose rows a shard boundary splits (:meth:`is_flat`) gives this rank's elements, 1-D.
         """
         item = self.layout.items[self._item(i)]
         start, end = self.layout.item_local_range(self._item(i), self.shard_index, self.num_shards)
         flat = self.local_buffer[start:end]
         if self.num_shards == 1:
             return flat.view(item.shape)
+        if self.is_flat(i):  # rows cut by a shard boundary: this rank's elements
+            return flat
         r0, r1 = self.local_rows(i)
         return flat.view(r1 - r0, *item.shape[1:])
 
     def get_dtensor(self, i: int):
         """Tensor ``i`` as an exact DTensor view of this buffer; see :mod:`dbuffer.dtensor`."""
         i = self._item(i)
-        rows = self.layout.rows_per_shard(i, self.num_shards)
         shape = self.layout.items[i].shape
+        if self.is_flat(i):
+            counts = self.layout.elements_per_shard(i, self.num_shards)
+            start = self.local_elements(i)[0]
+            return make_element_dtensor(self.get_local_tensor(i), self.mesh, self.placements, shape, counts, start)
+        rows = self.layout.rows_per_shard(i, self.num_shards)
         return make_dtensor(self.get_local_tensor(i), self.mesh, self.placements, shape, rows, self.shard_index)
 
     def _item(self, i: int) -> int:
@@ -557,9 +605,7 @@ def distribute_tensors(
     )
     if holds:
         for i, t in enumerate(tensors):
-            r0, r1 = buf.local_rows(i)
-            local = buf.get_local_tensor(i)
-            local.copy_((t.reshape(1) if t.dim() == 0 else t)[r0:r1].reshape(local.shape))
+            buf.get_local_tensor(i).copy_(buf.local_piece(i, t))
     return buf
 
 

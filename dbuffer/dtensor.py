@@ -8,7 +8,9 @@ therefore returns:
   be split exactly as DTensor expects;
 * otherwise a :class:`~dbuffer.row_sharded.RowShardedDTensor` view: a DTensor that knows its true
   row ranges and is exact under every op (see :mod:`dbuffer.row_sharded` for how);
-* for a 0-D tensor under sharding (DTensor cannot shard a scalar), a replicated copy.
+* for a 0-D tensor under sharding (DTensor cannot shard a scalar), a replicated copy;
+* :func:`make_element_dtensor`: for a ragged layout's tensor cut mid-row, an
+  :class:`~dbuffer.element_sharded.ElementShardedDTensor` over its 1-D element range.
 
 DTensor does not know dbuffer's ``Owned()`` placement, so views of an Owned buffer say
 ``Shard(0)``: the owner's piece is every row, the others' pieces are empty.
@@ -34,9 +36,20 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from dbuffer import collectives
 from dbuffer.broadcast import broadcast_, broadcast_object
 from dbuffer.placements import Owned, is_shard, sharded_axes
+from dbuffer.element_sharded import ElementShardedDTensor, element_range
 from dbuffer.row_sharded import RowShardedDTensor, chunk_rows, row_range
 
-__all__ = ["RowShardedDTensor", "broadcast_", "broadcast_object", "chunk_rows", "make_dtensor", "row_range"]
+__all__ = [
+    "ElementShardedDTensor",
+    "RowShardedDTensor",
+    "broadcast_",
+    "broadcast_object",
+    "chunk_rows",
+    "element_range",
+    "make_dtensor",
+    "make_element_dtensor",
+    "row_range",
+]
 
 
 def dtensor_placements(placements: Sequence[Any]) -> tuple:
@@ -68,6 +81,22 @@ def make_dtensor(
         return DTensor.from_local(local, mesh, dt_placements, run_check=False, shape=shape, stride=stride)
     spec = DTensorSpec(mesh, dt_placements, TensorMeta(shape, stride, local.dtype))
     return RowShardedDTensor.wrap(local, spec, rows, sum(rows[:shard]))
+
+
+def make_element_dtensor(
+    local: torch.Tensor,
+    mesh: DeviceMesh,
+    placements: Sequence[Any],
+    shape: Sequence[int],
+    elements_per_shard: Sequence[int],
+    start: int,
+) -> ElementShardedDTensor:
+    """The DTensor view of ``local``: this rank's elements ``[start, start + local.numel())`` of
+    the flattened tensor of ``shape`` (1-D), ``elements_per_shard`` the counts of every shard
+    (row-major over the sharded mesh axes), placed by the DBuffer ``placements``."""
+    shape = torch.Size(shape)
+    spec = DTensorSpec(mesh, dtensor_placements(placements), TensorMeta(shape, _contiguous_stride(shape), local.dtype))
+    return ElementShardedDTensor.wrap(local, spec, tuple(elements_per_shard), start)
 
 
 def _replicated_scalar(local: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Any]) -> DTensor:

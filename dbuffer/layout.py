@@ -29,7 +29,9 @@ copy-in for gradients). It describes where things are; it does not pack rows.
 :func:`compute_ragged_layout` builds the fourth kind, a :class:`RaggedLayout`: element-granular
 shards (a boundary may split a row), padding only the last shard's tail, for when row atomicity
 pads too much (Llama-3-70B at 1024 ranks: 2.78%); :func:`choose_layout` picks between it and the
-row-atomic layout by a padding threshold. Not yet accepted by ``DBuffer`` (see its docstring).
+row-atomic layout by a padding threshold. ``DBuffer`` accepts it (``layout=``): a tensor whose
+rows a boundary splits is then handed out as 1-D element pieces
+(:class:`dbuffer.element_sharded.ElementShardedDTensor`).
 """
 
 from __future__ import annotations
@@ -481,10 +483,20 @@ class RaggedLayout(_Shards):
         """Rows ``[r0, r1)`` of which shard ``index`` holds at least one element (the first and
         last may be partial: see :meth:`splits_rows`)."""
         it = self._item(item)
+        n, size = self._resolve(num_shards, index)
+        if it.numel == 0:  # rows without elements (shape (3, 0)): all on the shard holding offset
+            home = Layout._home(it, n, size)
+            return (0, 0) if index < home else (it.num_rows, it.num_rows) if index > home else (0, it.num_rows)
         e0, e1 = self.item_elements(it, index, num_shards)
         if e0 == e1:
             return (0, 0) if it.offset >= self.shard_range(index, num_shards)[1] else (it.num_rows, it.num_rows)
         return e0 // it.row_numel, -(-e1 // it.row_numel)
+
+    def rows_per_shard(self, item: ItemRef, num_shards: Optional[int] = None) -> tuple[int, ...]:
+        """Rows of ``item`` on every shard; a true row split only where :meth:`splits_rows` is
+        False (otherwise a partial row counts on both shards holding part of it)."""
+        n, _ = self._resolve(num_shards)
+        return tuple(r1 - r0 for r0, r1 in (self.item_rows(item, k, n) for k in range(n)))
 
     def elements_per_shard(self, item: ItemRef, num_shards: Optional[int] = None) -> tuple[int, ...]:
         n, _ = self._resolve(num_shards)
@@ -536,15 +548,19 @@ def choose_layout(
     *,
     align: int = 1,
     max_padding: float = MAX_ROW_ATOMIC_PADDING,
+    min_padding_numel: int = 0,
 ) -> Union[Layout, RaggedLayout]:
     """The row-atomic :func:`compute_layout` when it pads at most ``max_padding`` (a fraction
-    of the buffer), else :func:`compute_ragged_layout`, whose padding is below
-    ``num_shards * align`` elements. Row atomicity is worth keeping where it is cheap: every
-    piece is then a row range (a DTensor without flattening)."""
+    of the buffer) or at most ``min_padding_numel`` elements, else :func:`compute_ragged_layout`,
+    whose padding is below ``num_shards * align`` elements. Row atomicity is worth keeping where
+    it is cheap: every piece is then a row range (a DTensor without flattening)."""
     if not isinstance(max_padding, (int, float)) or isinstance(max_padding, bool) or not 0 <= max_padding < 1:
         raise ValueError(f"max_padding must be a fraction in [0, 1), got {max_padding!r}; e.g. 0.001 for 0.1%")
+    min_padding_numel = _as_int(min_padding_numel, "min_padding_numel")
+    if min_padding_numel < 0:
+        raise ValueError(f"min_padding_numel must be >= 0, got {min_padding_numel}")
     packed = compute_layout(shapes, num_shards, align=align)
-    if packed.padding_fraction <= max_padding:
+    if packed.padding_fraction <= max_padding or packed.padding_numel <= min_padding_numel:
         return packed
     return compute_ragged_layout(shapes, num_shards, align=align)
 

@@ -241,8 +241,8 @@ def _rows(t: DTensor) -> Optional[tuple]:
     equal for two DTensors exactly when their local pieces are the same rows of same-shaped
     tensors (``"other"`` for layouts this module does not reason about: Partial, other dims)."""
     placements = tuple(t.placements)
-    if any(isinstance(p, Partial) for p in placements):
-        return ("other", id(t))
+    if any(isinstance(p, Partial) for p in placements) or hasattr(t, "_elements_per_shard"):
+        return ("other", id(t))  # element pieces (dbuffer.element_sharded) are not row ranges
     if any(isinstance(p, Shard) and (p.dim != 0 or type(p) is not Shard) for p in placements):
         return ("other", id(t))
     axes = sharded_axes(placements)
@@ -419,7 +419,7 @@ def _run_full(func, args: tuple, kwargs: dict, flat: list, tree):
     fulls = []
     for t in flat:
         if isinstance(t, DTensor):
-            whole = t.full_tensor() if isinstance(t, RowShardedDTensor) else _plain_full(t)
+            whole = t.full_tensor() if isinstance(t, RowShardedDTensor) or hasattr(t, "_elements_per_shard") else _plain_full(t)
             originals[id(whole)] = t
             fulls.append(whole)
         else:
@@ -452,6 +452,9 @@ def _piece(full: torch.Tensor, t: DTensor) -> torch.Tensor:
     """``t``'s local piece of ``full`` (a whole tensor shaped like ``t``)."""
     if isinstance(t, RowShardedDTensor):
         return full[t._row_start : t._row_start + t._local_tensor.shape[0]]
+    if hasattr(t, "_elements_per_shard"):  # an ElementShardedDTensor: a range of the flat elements
+        start = t._element_start
+        return full.reshape(-1)[start : start + t._local_tensor.numel()]
     whole = DTensor.from_local(full, t.device_mesh, [Replicate()] * t.device_mesh.ndim, run_check=False)
     return whole.redistribute(t.device_mesh, t.placements)._local_tensor
 

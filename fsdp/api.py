@@ -27,6 +27,7 @@ from dbuffer.agreement import check_agreement, value_digest, values_comparable
 from fsdp.bucket import Bucket, GroupSpec, plan_buckets
 from fsdp.chunked import ChunkedParameterGroup
 from fsdp.extensions import ExtensionParameterGroup, check_extension_params, split_extension_members
+from fsdp.layout_choice import describe_layout_policy
 from fsdp.offload import CPUOffloadPolicy, OffloadPolicy, check_offload_policy
 from fsdp.outer_shard import OuterShardedParameterGroup, check_outer_sharding
 from fsdp.param_group import ParamInfo, ParameterGroup
@@ -547,7 +548,7 @@ def _check_ranks_agree(mesh: DeviceMesh, infos: list[ParamInfo], specs: list[Gro
         "Every rank must build the same model with the same values (same code and seed) and call "
         "fully_shard with the same arguments; or load one checkpoint on every rank."
     )
-    structure = [("fully_shard arguments", repr(config))]
+    structure = [("fully_shard arguments", repr(config)), ("layout policy", describe_layout_policy())]
     structure += [(i.fqn, f"shape {tuple(i.param.shape)} {i.param.dtype} requires_grad={i.param.requires_grad}") for i in infos]
     structure += [(f"{infos[k].fqn} placement", f"Shard({d})") for s in specs if s.dims for k, d in zip(s.members, s.dims)]
     values: dict[int, tuple[DeviceMesh, list]] = {}

@@ -3,8 +3,9 @@
 * **Sharded** (the normal case). torch's ``get_state_dict`` / ``set_state_dict`` (from
   ``torch.distributed.checkpoint.state_dict``) work on fsdp modules unchanged: parameters and
   optimizer state are DTensors whose DCP hooks describe the exact rows each rank holds
-  (:class:`dbuffer.RowShardedDTensor`), so a checkpoint saved at one world size and sharding
-  strategy loads at any other. :func:`save` / :func:`load` are ``dcp.save`` / ``dcp.load`` with
+  (:class:`dbuffer.RowShardedDTensor`; a ragged layout's piece cut mid-row,
+  :class:`dbuffer.ElementShardedDTensor`, as the few boxes its elements cover), so a checkpoint
+  saved at one world size, sharding strategy and layout loads at any other. :func:`save` / :func:`load` are ``dcp.save`` / ``dcp.load`` with
   the safety described below.
 * **Full.** ``get_state_dict(..., options=StateDictOptions(full_state_dict=True,
   cpu_offload=True))`` gathers plain CPU tensors on rank 0 (export). To load a full state dict use
@@ -61,7 +62,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from torch.futures import Future
 
 from dbuffer import debug
-from dbuffer.dtensor import broadcast_, broadcast_object, row_range
+from dbuffer.dtensor import ElementShardedDTensor, broadcast_, broadcast_object, row_range
 from dbuffer import mesh_device
 
 __all__ = ["CheckpointError", "StateDictOptions", "get_state_dict", "load", "save", "set_state_dict"]
@@ -528,6 +529,9 @@ def _copy_rows(leaf: torch.Tensor, value: torch.Tensor) -> None:
             local.copy_(distribute_tensor(value, leaf.device_mesh, leaf.placements, src_data_rank=None)._local_tensor)
         elif any(isinstance(p, Shard) and p.dim != 0 for p in leaf.placements):
             local.copy_(_chunk_piece(leaf, value))  # a plain DTensor (shard_placement_fn's)
+        elif isinstance(leaf, ElementShardedDTensor):  # a ragged layout's piece: elements, 1-D
+            e0, e1 = leaf.element_range
+            local.copy_(value.reshape(-1)[e0:e1])
         else:
             r0, r1 = row_range(leaf)
             local.copy_(value[r0:r1].reshape(local.shape))

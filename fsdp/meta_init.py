@@ -142,6 +142,4 @@ def _adoptable(assigned, ours: DTensor, mesh: DeviceMesh) -> bool:
 
 def _rows_of(full: torch.Tensor, main: DBuffer, k: int, local: torch.Tensor) -> torch.Tensor:
     """This rank's rows of tensor ``k`` of ``main`` cut out of its full value."""
-    r0, r1 = main.local_rows(k)
-    piece = full if main.num_shards == 1 else full[r0:r1]
-    return piece.reshape(local.shape)
+    return main.local_piece(k, full).reshape(local.shape)

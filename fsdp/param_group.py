@@ -38,6 +38,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from dbuffer import DBuffer, Owned, Pending, mesh_device
 from dbuffer.layout import OwnedLayout, compute_layout, compute_owned_layout
+from fsdp.layout_choice import group_layout
 from fsdp.meta_init import MetaInit
 from fsdp.optimizer_hooks import note_registration
 from fsdp.offload import CPUOffloadPolicy, HostOffload
@@ -157,7 +158,7 @@ class ParameterGroup(MetaInit):
             return shapes, compute_layout(shapes, 1)
         if isinstance(shard, Owned):
             return shapes, _owned_layout(shapes, self.mesh)
-        return shapes, None
+        return shapes, group_layout(shapes, self.mesh.size())  # row-atomic unless it pads too much
 
     def _build_compute_buffers(self) -> None:
         """``model``, ``unsharded`` and the unsharded parameters (views of it) for ``main`` and
@@ -249,10 +250,7 @@ class ParameterGroup(MetaInit):
     def _fill_main(self, params: list[torch.Tensor]) -> None:
         """Copy this rank's rows of every (identically initialised) full parameter."""
         for k, p in enumerate(params):
-            r0, r1 = self.main.local_rows(k)
-            local = self.main.get_local_tensor(k)
-            src = p.detach() if self.main.num_shards == 1 else p.detach()[r0:r1]
-            local.copy_(src.reshape(local.shape))
+            self.main.get_local_tensor(k).copy_(self.main.local_piece(k, p.detach()))
 
     # ------------------------------------------------------------------ weights
 
@@ -364,7 +362,7 @@ class ParameterGroup(MetaInit):
 
     def enable_post_forward_shard(self, mesh: DeviceMesh) -> bool:
         """FSDP2's ``reshard_after_forward=n`` with the ``(W/n, n)`` view of the shard mesh (see
-        :mod:`fsdp.post_forward`). Only a row-atomic ZeRO-3 group on a 1-D mesh without offload
+        :mod:`fsdp.post_forward`). Only a default (row-atomic or ragged) ZeRO-3 group on a 1-D mesh without offload
         keeps a slice; the others (returns False) reshard fully after forward, like ``True``."""
         if type(self) is not ParameterGroup or not self.strategy.shard_params or self.mesh.ndim != 1 or self.offload:
             return False

@@ -339,6 +339,12 @@ def test_choose_layout_keeps_rows_atomic_only_when_cheap(shapes, n, align, limit
     else:
         assert isinstance(chosen, RaggedLayout) and chosen == compute_ragged_layout(shapes, n, align=align)
         assert chosen.padding_numel < n * align
+    # min_padding_numel: row atomicity is also kept while it pads at most that many elements
+    floor = packed.padding_numel
+    assert choose_layout(shapes, n, align=align, max_padding=limit, min_padding_numel=floor) == packed
+    if floor and packed.padding_fraction > limit:
+        lower = choose_layout(shapes, n, align=align, max_padding=limit, min_padding_numel=floor - 1)
+        assert isinstance(lower, RaggedLayout)
 
 
 @pytest.mark.parametrize("model", ["Llama-3-8B", "Llama-3-70B", "Mixtral-8x7B", "Mixtral-8x7B-stacked"])
