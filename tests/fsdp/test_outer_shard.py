@@ -15,6 +15,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
 import fsdp
+from fsdp.layout_choice import layout_policy
 from tests.fsdp.models import full_state, make_batches, make_model, max_diff, reference, train
 from tests.harness import run_ranks
 
@@ -42,15 +43,17 @@ def _state_bytes(opt: torch.optim.Optimizer) -> int:
     return total
 
 
-def _parity(model, batches, strategy: str, policy) -> dict:
+def _parity(model, batches, strategy: str, policy, layout: str = "auto") -> dict:
     mesh = _mesh()
     rank = dist.get_rank()
     kw = {} if policy is None else {"mp_policy": policy}
     out = {}
     opts = {}
     for outer in ("no_shard", "optim"):
-        m = _shard(model, mesh, outer, strategy, **kw)
+        with layout_policy(layout):  # "ragged": every group cut element-granularly
+            m = _shard(model, mesh, outer, strategy, **kw)
         group = m._fsdp_state.groups[0]
+        assert (type(group.main.layout).__name__ == "RaggedLayout") == (layout == "ragged")
         if outer == "optim":
             # this rank's main piece is finest piece s*R + r of R*S = 4: inside its HSDP shard s
             r, s = mesh.get_coordinate()
@@ -72,19 +75,20 @@ def _parity(model, batches, strategy: str, policy) -> dict:
 
 
 @pytest.mark.parametrize(
-    "strategy,policy,backend",
+    "strategy,policy,backend,layout",
     [
-        ("optim_grads_params", None, "threaded"),
-        ("optim_grads_params", None, "gloo"),
-        ("optim_grads", None, "threaded"),
-        ("optim", None, "threaded"),
-        ("optim_grads_params", fsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32), "threaded"),
+        ("optim_grads_params", None, "threaded", "auto"),
+        ("optim_grads_params", None, "gloo", "auto"),
+        ("optim_grads", None, "threaded", "auto"),
+        ("optim", None, "threaded", "auto"),
+        ("optim_grads_params", fsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32), "threaded", "auto"),
+        ("optim_grads_params", None, "threaded", "ragged"),
     ],
-    ids=["zero3", "zero3-gloo", "zero2", "zero1", "zero3-bf16"],
+    ids=["zero3", "zero3-gloo", "zero2", "zero1", "zero3-bf16", "zero3-ragged"],
 )
-def test_hfsdp_matches_hsdp_and_single_process(strategy, policy, backend) -> None:
+def test_hfsdp_matches_hsdp_and_single_process(strategy, policy, backend, layout) -> None:
     model, batches = make_model(), make_batches(3)
-    results = run_ranks(_parity, 4, model, batches, strategy, policy, backend=backend, timeout=180)
+    results = run_ranks(_parity, 4, model, batches, strategy, policy, layout, backend=backend, timeout=180)
     r0 = results[0]
     assert r0["hfsdp_vs_hsdp"] <= 1e-6, r0["hfsdp_vs_hsdp"]
     if policy is None:  # the same run on one process, global batch, 2 micro-batches
