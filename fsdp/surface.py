@@ -12,13 +12,13 @@ Real (same effect as FSDP2): ``set_all_reduce_hook``, ``set_gradient_divide_fact
 deprecated alias), ``set_force_sum_reduction_for_comms``, ``set_requires_all_reduce``,
 ``set_unshard_in_backward``, ``set_post_optim_event``, ``set_reduce_scatter_max_input_buffers``,
 ``reset_iter_state``, ``set_reduce_scatter_unused_params`` (every parameter gets its reduced
-gradient). Accepted, no effect (fsdp already behaves so, or has no such internal):
-``set_separate_reduce_scatter_group`` (dbuffer owns the
-process groups), ``share_comm_ctx`` (units on one device always share their CUDA streams), the
-comm-memory setters on non-CUDA meshes. Refused with ``NotImplementedError`` naming why:
-``set_custom_all_gather`` / ``set_custom_reduce_scatter`` (FSDP2's comm objects allocate and run
-c10d calls on FSDP2's own flat buffers; fsdp's buffers and collectives are dbuffer's), and the
-comm-memory setters on CUDA meshes (dbuffer allocates its buffers with the caching allocator).
+gradient), ``set_custom_all_gather`` / ``set_custom_reduce_scatter`` (FSDP2's comm objects
+called on fsdp's flat buffers, :mod:`fsdp.custom_comm`), and the comm-memory setters on CUDA
+meshes (fsdp's comm objects allocating from the process group or symmetric memory). Accepted,
+no effect (fsdp already behaves so, or has no such internal): ``set_separate_reduce_scatter_group``
+(dbuffer owns the process groups), ``share_comm_ctx`` (units on one device always share their
+CUDA streams), ``set_allocate_memory_from_process_group_for_comm`` on gloo (no allocator of its
+own, as in FSDP2). ``set_symm_mem_for_comm`` off CUDA raises ``RuntimeError``, as FSDP2's does.
 """
 
 from __future__ import annotations
