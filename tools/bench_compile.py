@@ -75,13 +75,18 @@ class Method:
         shard(self.model)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
         self.losses: list[float] = []
+        self.phases: list[tuple[float, float, float]] = []
 
     def step(self, tokens: torch.Tensor) -> None:
+        t0 = time.perf_counter()
         loss = loss_fn(self.model(tokens[:, :-1]), tokens)
+        t1 = time.perf_counter()
         loss.backward()
+        t2 = time.perf_counter()
         self.opt.step()
         self.opt.zero_grad()
         self.losses.append(loss.item())
+        self.phases.append((t1 - t0, t2 - t1, time.perf_counter() - t2))  # this rank's forward, backward, step
 
 
 def _warm_up(x: torch.Tensor) -> torch.Tensor:
@@ -124,6 +129,7 @@ def run_method(args: argparse.Namespace, name: str) -> dict:
     method.step(batches[1])
     result = {
         "first_s": first,
+        "first_phases_s": method.phases[0],
         "graph_breaks": sum(counters["graph_break"].values()),
         "frames": frames,
         "recompiles": counters["frames"]["ok"] - frames,  # frames compiled again by the second step
@@ -144,6 +150,7 @@ def summarize(pairs: list[dict[str, dict]], backend: str, world: int) -> dict:
         runs = [p[name] for p in pairs]
         methods[name] = {
             "first_median_s": statistics.median(r["first_s"] for r in runs),
+            "first_phases_s": [statistics.median(r["first_phases_s"][i] for r in runs) for i in range(3)],
             "steady_median_s": statistics.median(r["steady_median_s"] for r in runs),
             "graph_breaks": max(r["graph_breaks"] for r in runs),
             "frames": max(r["frames"] for r in runs),
@@ -170,12 +177,14 @@ def format_report(report: dict) -> str:
         f"world {report['world']} (gloo, cpu, 1 thread per rank); every layer compiled with "
         f"layer.compile(backend={report['backend']!r}) after fully_shard; each method in fresh processes "
         f"with an empty inductor cache, {report['repeats']} pairs, order alternating",
-        f"{'method':8} {'first step':>11} {'steady':>10} {'graph breaks':>13} {'frames':>7} {'recompiles':>11}   (medians)",
+        f"{'method':8} {'first step':>11} {'(fwd/bwd/optim)':>19} {'steady':>10} {'graph breaks':>13} {'frames':>7} "
+        f"{'recompiles':>11}   (medians)",
     ]
     for name, m in report["methods"].items():
+        phases = "/".join(f"{t:.2f}" for t in m["first_phases_s"])
         lines.append(
-            f"{name:8} {m['first_median_s']:10.2f}s {m['steady_median_s'] * 1e3:8.1f}ms {m['graph_breaks']:13d} "
-            f"{m['frames']:7d} {m['recompiles']:11d}"
+            f"{name:8} {m['first_median_s']:10.2f}s {phases:>19} {m['steady_median_s'] * 1e3:8.1f}ms "
+            f"{m['graph_breaks']:13d} {m['frames']:7d} {m['recompiles']:11d}"
         )
     r = report["ratios"]
     pairs = " ".join(f"{x:.2f}" for x in report["first_ratios"])
