@@ -347,7 +347,7 @@ class ParameterGroup(MetaInit):
         if tuple(placements[:-1]) == tuple(source.placements[:-1]):
             pending = custom_comm.reduce_scatter(comm, source, out)
         else:  # HSDP: reduce-scatter within the shard group, then dbuffer's all-reduce across replicas
-            mid = custom_comm.reduce_scatter(comm, source, self._new(tuple(source.placements[:-1]) + tuple(placements[-1:]), out.dtype)).wait()
+            mid = custom_comm.reduce_scatter(comm, source, self._new(tuple(source.placements[:-1]) + tuple(placements[-1:]), out.dtype, zero_fill=False)).wait()
             pending = mid.redistribute(placements, out=out, async_op=True)
         return pending if async_op else pending.wait()
 

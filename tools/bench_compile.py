@@ -35,6 +35,7 @@ import argparse
 import copy
 import json
 import os
+import resource
 import socket
 import statistics
 import sys
@@ -93,6 +94,13 @@ def _warm_up(x: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(x @ x).sum()
 
 
+def _cpu_seconds() -> float:
+    """CPU time of this process and its finished children (the compiler): unlike wall time,
+    barely moved by other work on a shared machine."""
+    me, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + children.ru_utime + children.ru_stime
+
+
 def _timed(fn: Callable[[], None]) -> float:
     dist.barrier()
     start = time.perf_counter()
@@ -107,10 +115,12 @@ def run_method(args: argparse.Namespace, name: str) -> dict:
     import torch._dynamo
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
+    import torch._inductor.metrics as inductor_metrics
     from torch._dynamo.utils import counters
 
     inductor_config.fx_graph_cache = False  # nothing from an earlier launch is reused
     functorch_config.enable_autograd_cache = False
+    inductor_config.compile_threads = 1  # compile in this process (and its reaped gcc children): CPU time counts it
     rank = dist.get_rank()
     cfg = LlamaConfig(vocab_size=args.vocab, dim=args.dim, n_layers=args.layers, n_heads=args.heads,
                       hidden_dim=args.hidden, max_seq_len=args.seq)
@@ -123,13 +133,23 @@ def run_method(args: argparse.Namespace, name: str) -> dict:
     torch.compile(_warm_up, backend=args.backend)(torch.ones(4, 4, requires_grad=True)).backward()
     torch._dynamo.reset()
     counters.clear()
+    inductor_metrics.reset()
     method = Method(name, base, args.backend)
+    cpu = _cpu_seconds()
     first = _timed(lambda: method.step(batches[0]))
+    cpu = _cpu_seconds() - cpu
     frames = counters["frames"]["ok"]
+    work = {  # what was compiled: independent of the machine's load
+        "ops_captured": counters["stats"]["calls_captured"],
+        "graphs": counters["stats"]["unique_graphs"],
+        "kernels": inductor_metrics.generated_kernel_count,
+    }
     method.step(batches[1])
     result = {
         "first_s": first,
         "first_phases_s": method.phases[0],
+        "first_cpu_s": cpu,
+        "compiled": work,
         "graph_breaks": sum(counters["graph_break"].values()),
         "frames": frames,
         "recompiles": counters["frames"]["ok"] - frames,  # frames compiled again by the second step
@@ -144,6 +164,7 @@ def run_method(args: argparse.Namespace, name: str) -> dict:
 def summarize(pairs: list[dict[str, dict]], backend: str, world: int) -> dict:
     """The report from ``pairs`` (one ``{method: run_method's result}`` per repeat)."""
     first = [p["ours"]["first_s"] / p["fsdp2"]["first_s"] for p in pairs]
+    first_cpu = [p["ours"]["first_cpu_s"] / p["fsdp2"]["first_cpu_s"] for p in pairs]
     steady = [p["ours"]["steady_median_s"] / p["fsdp2"]["steady_median_s"] for p in pairs]
     methods = {}
     for name in METHODS:
@@ -151,6 +172,8 @@ def summarize(pairs: list[dict[str, dict]], backend: str, world: int) -> dict:
         methods[name] = {
             "first_median_s": statistics.median(r["first_s"] for r in runs),
             "first_phases_s": [statistics.median(r["first_phases_s"][i] for r in runs) for i in range(3)],
+            "first_cpu_median_s": statistics.median(r["first_cpu_s"] for r in runs),
+            "compiled": runs[0]["compiled"],
             "steady_median_s": statistics.median(r["steady_median_s"] for r in runs),
             "graph_breaks": max(r["graph_breaks"] for r in runs),
             "frames": max(r["frames"] for r in runs),
@@ -163,9 +186,12 @@ def summarize(pairs: list[dict[str, dict]], backend: str, world: int) -> dict:
         "repeats": len(pairs),
         "methods": methods,
         "first_ratios": first,
+        "first_cpu_ratios": first_cpu,
         "ratios": {
             "first_step_median": statistics.median(first),
             "first_step_max": max(first),
+            "first_step_cpu_median": statistics.median(first_cpu),
+            "first_step_cpu_max": max(first_cpu),
             "steady_step_median": statistics.median(steady),
         },
         "max_loss_diff": loss_diff,
@@ -191,6 +217,11 @@ def format_report(report: dict) -> str:
     lines.append(
         f"ours / fsdp2: first step median {r['first_step_median']:.2f}x, max {r['first_step_max']:.2f}x "
         f"(target <= 1.2x in every pair; pairs: {pairs}); steady step median {r['steady_step_median']:.2f}x"
+    )
+    lines.append(
+        f"first step CPU time (rank 0 and its compiler processes): ours / fsdp2 median "
+        f"{r['first_step_cpu_median']:.2f}x, max {r['first_step_cpu_max']:.2f}x; compiled (ops captured, graphs, "
+        f"kernels): " + ", ".join(f"{n} {tuple(m['compiled'].values())}" for n, m in report["methods"].items())
     )
     lines.append(f"max |loss difference| between the methods: {report['max_loss_diff']:.3g}")
     return "\n".join(lines)

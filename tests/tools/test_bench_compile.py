@@ -17,10 +17,11 @@ def test_bench_compile_core_on_a_tiny_model() -> None:
         assert m["first_s"] > 0 and len(m["steady_s"]) == 1 and m["frames"] >= 1, (name, m)
         assert len(m["losses"]) == 3, (name, m)
         assert m["graph_breaks"] == 0 and m["recompiles"] == 0, (name, m)
+        assert m["first_cpu_s"] > 0 and m["compiled"]["graphs"] >= 1 and m["compiled"]["ops_captured"] > 0, (name, m)
     report = bench_compile.summarize([pair, pair], "eager", 2)
     # the same model and batches under the same arithmetic: the losses agree to rounding
     assert report["max_loss_diff"] <= 1e-5, report["max_loss_diff"]
     assert report["repeats"] == 2 and len(report["first_ratios"]) == 2
     assert report["ratios"]["first_step_max"] >= report["ratios"]["first_step_median"] > 0
     text = bench_compile.format_report(report)
-    assert "ours / fsdp2: first step median" in text and "recompiles" in text
+    assert "ours / fsdp2: first step median" in text and "recompiles" in text and "CPU time" in text
