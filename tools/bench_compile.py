@@ -220,7 +220,8 @@ def format_report(report: dict) -> str:
     )
     lines.append(
         f"first step CPU time (rank 0 and its compiler processes): ours / fsdp2 median "
-        f"{r['first_step_cpu_median']:.2f}x, max {r['first_step_cpu_max']:.2f}x; compiled (ops captured, graphs, "
+        f"{r['first_step_cpu_median']:.2f}x, max {r['first_step_cpu_max']:.2f}x (pairs: "
+        + " ".join(f"{x:.2f}" for x in report["first_cpu_ratios"]) + "); compiled (ops captured, graphs, "
         f"kernels): " + ", ".join(f"{n} {tuple(m['compiled'].values())}" for n, m in report["methods"].items())
     )
     lines.append(f"max |loss difference| between the methods: {report['max_loss_diff']:.3g}")
@@ -300,6 +301,9 @@ def main(argv: Optional[list[str]] = None) -> None:
         for k in range(args.repeats):
             order = METHODS if k % 2 == 0 else tuple(reversed(METHODS))
             pairs.append({name: _launch(args, name, Path(scratch)) for name in order})
+    for k, pair in enumerate(pairs):  # each launch, in the order run
+        for name, r in pair.items():
+            print(f"pair {k} {name:6} first step {r['first_s']:7.2f}s wall, {r['first_cpu_s']:7.2f}s CPU", flush=True)
     print(format_report(summarize(pairs, args.backend, args.world)), flush=True)
 
 
