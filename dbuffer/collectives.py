@@ -56,7 +56,12 @@ __all__ = [
     "all_gather",
     "all_reduce",
     "broadcast_segments",
+    "c10d_reduce_op",
+    "group_allocator",
+    "rendezvous_symmetric",
+    "symmetric_allocator",
     "mesh_device",
+    "reduce_op_name",
     "reduce_scatter",
     "reduce_to_owners",
     "release_workspaces",
@@ -111,6 +116,77 @@ def _reduce_op(op: str, backend: str) -> tuple[dist.ReduceOp, bool]:
             return dist.ReduceOp.AVG, False
         return dist.ReduceOp.SUM, True
     raise ValueError(f"reduce op must be 'sum' or 'avg', got {op!r}")
+
+
+def c10d_reduce_op(op: str, group: dist.ProcessGroup) -> tuple[dist.ReduceOp, bool]:
+    """The c10d op this module issues for ``op`` (``"sum"``/``"avg"``) on ``group``, and whether
+    the result is then divided by the group size: for code that hands dbuffer's buffers to a
+    user's collective (fsdp's ``set_custom_reduce_scatter``) and must reduce exactly as we do."""
+    return _reduce_op(op, _backend(group))
+
+
+def reduce_op_name(op: dist.ReduceOp) -> str:
+    """``"sum"`` / ``"avg"`` for c10d's ``SUM`` / ``AVG`` (the names this module's functions take)."""
+    if op == dist.ReduceOp.SUM:
+        return "sum"
+    if op == dist.ReduceOp.AVG:
+        return "avg"
+    raise ValueError(f"dbuffer's collectives reduce with SUM or AVG, got {op}")
+
+
+def group_allocator(group: dist.ProcessGroup, device: torch.device) -> Callable[[int, torch.dtype], torch.Tensor] | None:
+    """``allocate(numel, dtype)`` from ``group``'s own allocator on ``device`` (NCCL: memory
+    registered with the communicator, which zero-copy transfers such as SHARP need), or None
+    where the backend has none (gloo, CPU)."""
+    try:
+        backend = group._get_backend(device)
+    except RuntimeError:  # no backend for this device type (torch's threaded test group)
+        return None
+    if not backend.supports_tensor_alloc(device):
+        return None
+
+    def allocate(numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return backend.allocate_tensor(numel, dtype=dtype, device=device)
+
+    return allocate
+
+
+def symmetric_allocator(
+    group: dist.ProcessGroup, device: torch.device, backend: str = "NCCL"
+) -> Callable[[int, torch.dtype], torch.Tensor]:
+    """``allocate(numel, dtype)`` from the symmetric-memory pool of ``device`` (CUDA, NCCL), for
+    buffers that :func:`rendezvous_symmetric` registers with ``group`` before a collective. A
+    barrier first initialises the communicator (the rendezvous needs it), so every rank of
+    ``group`` must call this together. Raises RuntimeError where symmetric memory is missing
+    (CPU, gloo), as torch does."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    if device.type != "cuda":
+        raise RuntimeError(
+            f"symmetric memory needs CUDA devices and NCCL; this group's device is {device} (torch: "
+            f"'SymmetricMemory does not find allocation backend {backend}')"
+        )
+    if _debug.ENABLED:
+        _debug.check(group, "symmetric_allocator", f"{backend} {device.type}")
+    symm_mem.set_backend(backend)
+    dist.barrier(group=group)
+    pool = symm_mem.get_mem_pool(device)
+
+    def allocate(numel: int, dtype: torch.dtype) -> torch.Tensor:
+        with torch.cuda.use_mem_pool(pool):  # the pool reuses blocks: one rendezvous per block
+            return torch.empty(numel, dtype=dtype, device=device)
+
+    return allocate
+
+
+def rendezvous_symmetric(t: torch.Tensor, group: dist.ProcessGroup) -> None:
+    """Register a :func:`symmetric_allocator` tensor with ``group`` (collective: every rank, same
+    order) so that NCCL runs its symmetric-memory algorithms on it."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    if _debug.ENABLED:
+        _debug.check(group, "rendezvous_symmetric", _describe(t))
+    symm_mem.rendezvous(t, group=group.group_name)
 
 
 def _div_by(size: int, t: torch.Tensor) -> Callable[[], torch.Tensor]:

@@ -51,6 +51,7 @@ __all__ = [
 
 # Attribute naming the unit that owns a parameter (set on the original and the sharded one).
 _OWNER = "_fsdp_owner"
+_IS_SHARD = "_fsdp_is_shard"  # on the sharded parameters fsdp registers (not on the originals)
 _CLASS_CACHE: dict[type, type] = {}
 
 
@@ -322,7 +323,7 @@ def fully_shard(
         if isinstance(m, FSDPModule):
             raise ValueError(f"{type(m).__name__} is already sharded; fully_shard each module once")
     ignored = set(map(id, ignored_params or ()))
-    infos = _collect_params(modules, ignored)
+    infos, shared_with_other_units = _collect_params(modules, ignored)
     _check_devices(infos)
     mesh = _check_mesh(mesh, infos, host_ok=offload is not None)
     config = (strategy, reshard_after_forward, mp_policy, buckets, bucket_size, offload, outer_dp_sharding_strategy)
@@ -364,6 +365,7 @@ def fully_shard(
                 if group.mesh is mesh:
                     group.enable_post_forward_shard(view)
         state = FSDPState(modules, groups, mp_policy, reshard_after_forward)
+        state.shared_with_other_units = shared_with_other_units
         for group in groups:
             group.use_params(unsharded=False)
     except BaseException:
@@ -374,6 +376,7 @@ def fully_shard(
     for info, group_param in _sharded_of(groups):
         setattr(info.param, _OWNER, owner)  # a tied registration elsewhere still refers to it
         setattr(group_param, _OWNER, owner)
+        setattr(group_param, _IS_SHARD, True)
         info.param = None  # the full tensor is no longer needed
     state.install_hooks()
     for m in modules:
@@ -467,10 +470,14 @@ def _fsdp_class(cls: type) -> type:
     return _CLASS_CACHE[cls]
 
 
-def _collect_params(modules: list[nn.Module], ignored: set[int]) -> list[ParamInfo]:
+def _collect_params(modules: list[nn.Module], ignored: set[int]) -> tuple[list[ParamInfo], list[str]]:
     """Parameters registered below ``modules`` outside nested units, in registration order,
-    each with all of its registrations (tied parameters appear once)."""
+    each with all of its registrations (tied parameters appear once); and the error messages
+    for parameters another unit already owns (a tie split across units). Like FSDP2, such a
+    unit is still built (from the tensor the other registration keeps) and the error is raised
+    at lazy initialisation, the first forward, before any collective (``FSDPState._lazy_init``)."""
     infos: dict[int, ParamInfo] = {}
+    shared: list[str] = []
     seen_modules: set[int] = set()
     for top in modules:
         stack: list[tuple[str, nn.Module]] = [("", top)]
@@ -483,17 +490,24 @@ def _collect_params(modules: list[nn.Module], ignored: set[int]) -> list[ParamIn
                 if p is None or id(p) in ignored:
                     continue
                 fqn = prefix + name
-                if hasattr(p, _OWNER):
+                if getattr(p, _IS_SHARD, False):  # a module another unit already sharded
                     raise ValueError(
                         f"parameter {fqn!r} is already owned by {getattr(p, _OWNER)} (already managed by another "
-                        f"FSDP unit); a parameter (tied ones included) must belong to one unit: shard a module "
-                        f"that holds all its uses, or fully_shard([module_a, module_b]) as one unit"
+                        f"FSDP unit): its module belongs to that unit; a parameter (tied ones included) must "
+                        f"belong to one unit: shard a module that holds all its uses, or fully_shard([module_a, "
+                        f"module_b]) as one unit"
+                    )
+                if hasattr(p, _OWNER) and id(p) not in infos:  # a tie: this registration kept the original
+                    shared.append(
+                        f"parameter {fqn!r} is shared with a parameter already managed by another FSDP unit "
+                        f"({getattr(p, _OWNER)}); a parameter (tied ones included) must belong to one unit: shard a "
+                        f"module that holds all its uses, or fully_shard([module_a, module_b]) as one unit"
                     )
                 info = infos.setdefault(id(p), ParamInfo(fqn, p))
                 info.registrations.append((m, name))
             children = [(f"{prefix}{n}.", c) for n, c in m.named_children() if not isinstance(c, FSDPModule)]
             stack.extend(reversed(children))
-    return list(infos.values())
+    return list(infos.values()), shared
 
 
 class MeshDimNamesError(ValueError, AssertionError):

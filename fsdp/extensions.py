@@ -354,7 +354,7 @@ class ExtensionParameterGroup(ChunkedParameterGroup):
     def _launch_gather(self) -> None:
         self.gathered.reallocate_storage()
         with self.streams.launch(self.streams.all_gather):
-            self._gather_pending = self.send.redistribute(self.placements.replicated, out=self.gathered, async_op=True)
+            self._gather_pending = self.all_gather(self.send, self.gathered)
 
     @torch.no_grad()
     def wait_unshard(self) -> None:

@@ -39,6 +39,7 @@ from torch.distributed.tensor.placement_types import Placement
 from dbuffer import DBuffer, Owned, Pending, mesh_device
 from dbuffer.layout import OwnedLayout, compute_layout, compute_owned_layout
 from fsdp.layout_choice import group_layout
+from fsdp import custom_comm
 from fsdp.meta_init import MetaInit
 from fsdp.optimizer_hooks import note_registration
 from fsdp.offload import CPUOffloadPolicy, HostOffload
@@ -84,6 +85,9 @@ class ParameterGroup(MetaInit):
     post_forward: Optional[PostForwardShard] = None
     # weights_version() when fsdp.optim last wrote the model shard with the main weights.
     _written_version: Optional[int] = None
+    # FSDP2's comm objects (set_custom_all_gather / set_custom_reduce_scatter; see fsdp.custom_comm)
+    custom_all_gather: Optional[object] = None
+    custom_reduce_scatter: Optional[object] = None
 
     def __init__(
         self,
@@ -290,7 +294,7 @@ class ParameterGroup(MetaInit):
         if self.strategy.shard_optim and not self.strategy.shard_params:
             if lean:
                 self._cast_model()
-            self._gather_source().redistribute(self.placements.replicated, out=self._gather_target())
+            self.all_gather(self._gather_source(), self._gather_target()).wait()
             self._end_gather()
             self._release_lean_model()
             if self.offload is not None:
@@ -330,10 +334,31 @@ class ParameterGroup(MetaInit):
         if self.lean_model:
             self._cast_model()
         with self.streams.launch(self.streams.all_gather):
-            source = self._gather_source()
-            self._gather_pending = source.redistribute(self.placements.replicated, out=target, async_op=True)
+            self._gather_pending = self.all_gather(self._gather_source(), target)
         if not async_op:
             self.wait_unshard()
+
+    def all_gather(self, source: DBuffer, target: DBuffer) -> Pending:
+        """Gather ``source`` (sharded) into ``target`` (replicated), in flight: by dbuffer, or
+        by the unit's FSDP2 comm object if one is set (:mod:`fsdp.custom_comm`)."""
+        comm = self.custom_all_gather
+        if comm is not None and custom_comm.routes(source, self.placements.replicated):
+            return custom_comm.all_gather(comm, source, target)
+        return source.redistribute(self.placements.replicated, out=target, async_op=True)
+
+    def reduce_into(self, source: DBuffer, placements: tuple, out: DBuffer, async_op: bool = True):
+        """``source.redistribute(placements, out=out)``, the reduce-scatter on the shard axis by
+        the unit's FSDP2 comm object if one is set; an HSDP all-reduce across replicas after it
+        stays dbuffer's."""
+        comm = self.custom_reduce_scatter
+        if comm is None or not custom_comm.routes(source, placements):
+            return source.redistribute(placements, out=out, async_op=async_op)
+        if tuple(placements[:-1]) == tuple(source.placements[:-1]):
+            pending = custom_comm.reduce_scatter(comm, source, out)
+        else:  # HSDP: reduce-scatter within the shard group, then dbuffer's all-reduce across replicas
+            mid = custom_comm.reduce_scatter(comm, source, self._new(tuple(source.placements[:-1]) + tuple(placements[-1:]), out.dtype, zero_fill=False)).wait()
+            pending = mid.redistribute(placements, out=out, async_op=True)
+        return pending if async_op else pending.wait()
 
     def _gather_target(self) -> DBuffer:
         """Where the all-gather of the model weights lands (with storage): the unsharded weights."""
@@ -711,7 +736,7 @@ class ParameterGroup(MetaInit):
         if self._defers_all_reduce():
             partial_pl = self._deferred_placements(target_pl)
             with self.streams.launch(self.streams.reduce_scatter):
-                pending = self.grad_in.redistribute(partial_pl, out=self._new(partial_pl, self.dtypes.reduce), async_op=True)
+                pending = self.reduce_into(self.grad_in, partial_pl, self._new(partial_pl, self.dtypes.reduce))
             self._partial_members |= self._local
             self._local = set()
             self._reduce = (pending, None)
@@ -721,7 +746,7 @@ class ParameterGroup(MetaInit):
             members = set(range(len(self.infos)))
         if self._partial is not None:  # reduce-scatter now, add the deferred sums, all-reduce below
             partial, self._partial = self._partial, None
-            source = self.grad_in.redistribute(partial.placements, out=self._new(partial.placements, self.dtypes.reduce))
+            source = self.reduce_into(self.grad_in, partial.placements, self._new(partial.placements, self.dtypes.reduce), async_op=False)
             source.local_buffer.add_(partial.local_buffer)
             members = members | self._partial_members
             self._partial_members = set()
@@ -732,10 +757,9 @@ class ParameterGroup(MetaInit):
             self.main_grad.reallocate_storage()
         with self.streams.launch(self.streams.reduce_scatter):
             if direct:
-                pending = source.redistribute(target_pl, out=self.main_grad, async_op=True)
+                pending = self.reduce_into(source, target_pl, self.main_grad)
             elif self.strategy.shard_grads:
-                target = self._new(target_pl, self.dtypes.reduce)
-                pending = source.redistribute(target_pl, out=target, async_op=True)
+                pending = self.reduce_into(source, target_pl, self._new(target_pl, self.dtypes.reduce))
             else:
                 pending = self._allreduce_in_place()
         self._local = set()

@@ -95,6 +95,7 @@ class FSDPState:
         self._callback_queued = False
         self._in_flight: list[ParameterGroup] = []  # root only: reductions launched, oldest first
         self._filling: list[ParameterGroup] = []  # root only: groups with some gradients, not all
+        self.shared_with_other_units: list[str] = []  # tied parameters another unit owns: lazy init raises
 
     def install_hooks(self) -> None:
         """Called once the unit is fully built, so a failed setup leaves no hook behind."""
@@ -134,7 +135,8 @@ class FSDPState:
     def _lazy_init(self) -> None:
         """The first unit to run forward is the root of every unit below it. As in FSDP2 (same
         errors): the root must be one module; no unit below it may have run forward first (it
-        would have become a root of its own, with its own end-of-backward); parameters assigned
+        would have become a root of its own, with its own end-of-backward); no parameter may be
+        tied across two units (each would train its own copy); parameters assigned
         since ``fully_shard`` (``load_state_dict(..., assign=True)`` of sharded DTensors) are
         adopted now, and parameters still on the meta device raise."""
         if self.root is not None:
@@ -155,6 +157,9 @@ class FSDPState:
                     f"forward through the root module first"
                 )
             units.append(state)
+        shared = [message for state in units for message in state.shared_with_other_units]
+        if shared:  # local and identical on every rank (same model): raised before any collective
+            raise ValueError(shared[0])
         for state in units:
             for group in state.groups:
                 group.adopt_assigned()

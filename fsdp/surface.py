@@ -12,13 +12,13 @@ Real (same effect as FSDP2): ``set_all_reduce_hook``, ``set_gradient_divide_fact
 deprecated alias), ``set_force_sum_reduction_for_comms``, ``set_requires_all_reduce``,
 ``set_unshard_in_backward``, ``set_post_optim_event``, ``set_reduce_scatter_max_input_buffers``,
 ``reset_iter_state``, ``set_reduce_scatter_unused_params`` (every parameter gets its reduced
-gradient). Accepted, no effect (fsdp already behaves so, or has no such internal):
-``set_separate_reduce_scatter_group`` (dbuffer owns the
-process groups), ``share_comm_ctx`` (units on one device always share their CUDA streams), the
-comm-memory setters on non-CUDA meshes. Refused with ``NotImplementedError`` naming why:
-``set_custom_all_gather`` / ``set_custom_reduce_scatter`` (FSDP2's comm objects allocate and run
-c10d calls on FSDP2's own flat buffers; fsdp's buffers and collectives are dbuffer's), and the
-comm-memory setters on CUDA meshes (dbuffer allocates its buffers with the caching allocator).
+gradient), ``set_custom_all_gather`` / ``set_custom_reduce_scatter`` (FSDP2's comm objects
+called on fsdp's flat buffers, :mod:`fsdp.custom_comm`), and the comm-memory setters on CUDA
+meshes (fsdp's comm objects allocating from the process group or symmetric memory). Accepted,
+no effect (fsdp already behaves so, or has no such internal): ``set_separate_reduce_scatter_group``
+(dbuffer owns the process groups), ``share_comm_ctx`` (units on one device always share their
+CUDA streams), ``set_allocate_memory_from_process_group_for_comm`` on gloo (no allocator of its
+own, as in FSDP2). ``set_symm_mem_for_comm`` off CUDA raises ``RuntimeError``, as FSDP2's does.
 """
 
 from __future__ import annotations
@@ -30,6 +30,8 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import DataParallelMeshDims
 
+from dbuffer import mesh_device
+from fsdp import custom_comm
 from fsdp.reduction import check_divide_factor
 
 if TYPE_CHECKING:
@@ -175,19 +177,23 @@ def reset_iter_state(self: "FSDPModule") -> None:
 
 
 def set_custom_all_gather(self: "FSDPModule", comm: Any) -> None:
-    raise NotImplementedError(
-        "set_custom_all_gather: FSDP2's AllGather objects allocate FSDP2's own all-gather buffers and "
-        "run c10d calls on them; fsdp gathers with dbuffer's collectives into persistent flat buffers "
-        "(fsdp never calls c10d itself), so there is nothing such an object could replace"
-    )
+    """FSDP2's: gather this unit's weights (not recursive) with ``comm``, an object of FSDP2's
+    ``AllGather`` protocol (``allocate`` + ``__call__(output_tensor=, input_tensor=, group=,
+    async_op=)``), on the flat buffers dbuffer would have used; see :mod:`fsdp.custom_comm`.
+    Every group of the unit uses it (FSDP2 refuses units with several groups; fsdp calls the
+    object once per group, with that group's process group). Set it on every rank."""
+    custom_comm.check_comm(comm, "set_custom_all_gather", "AllGather")
+    for group in self._fsdp_state.groups:
+        group.custom_all_gather = comm
 
 
 def set_custom_reduce_scatter(self: "FSDPModule", comm: Any) -> None:
-    raise NotImplementedError(
-        "set_custom_reduce_scatter: FSDP2's ReduceScatter objects allocate FSDP2's own reduce-scatter "
-        "buffers and run c10d calls on them; fsdp reduces with dbuffer's collectives (fsdp never calls "
-        "c10d itself). To change what a reduced gradient becomes, use set_all_reduce_hook"
-    )
+    """FSDP2's: reduce-scatter this unit's gradients (not recursive) with ``comm``, an object of
+    FSDP2's ``ReduceScatter`` protocol (``allocate`` + ``__call__(output_tensor=, input_tensor=,
+    group=, op=, async_op=)``); see :mod:`fsdp.custom_comm`. Set it on every rank."""
+    custom_comm.check_comm(comm, "set_custom_reduce_scatter", "ReduceScatter")
+    for group in self._fsdp_state.groups:
+        group.custom_reduce_scatter = comm
 
 
 def set_separate_reduce_scatter_group(self: "FSDPModule", enable: bool = True, *, recurse: bool = True) -> None:
@@ -197,28 +203,57 @@ def set_separate_reduce_scatter_group(self: "FSDPModule", enable: bool = True, *
         raise ArgumentTypeError(f"enable must be a bool, got {enable!r}")
 
 
-def _comm_memory(self: "FSDPModule", what: str, enable: bool) -> None:
-    cuda = [g for state in self._states(True) for g in state.groups if g.main.device.type == "cuda"]
-    if enable and cuda:
-        raise NotImplementedError(
-            f"{what}: dbuffer allocates its communication buffers (persistent, reused every step) with "
-            f"the caching allocator, not from the process group or symmetric memory; leave it off"
-        )
+class CustomCommConflictError(ValueError, AssertionError):
+    """A comm-memory setter on a unit with a custom comm object. A ``ValueError``; also an
+    ``AssertionError``, which is what torch FSDP2 raises for it."""
+
+
+def _comm_memory(self: "FSDPModule", what: str, kind: str, enable: bool, backend: str = "NCCL") -> None:
+    """Install (``enable``) or remove fsdp's comm objects that allocate from special memory
+    (:mod:`fsdp.custom_comm`) on this unit's groups whose mesh is on CUDA (not recursive, as in
+    FSDP2). A unit with a user's comm object raises first, changing nothing."""
+    groups = self._fsdp_state.groups
+    for group in groups:
+        for comm, name in ((group.custom_all_gather, "all gather"), (group.custom_reduce_scatter, "reduce scatter")):
+            if comm is not None and not isinstance(comm, custom_comm._MemoryComm):
+                raise CustomCommConflictError(
+                    f"cannot call {what}() when {name} comm is custom: {type(comm).__name__} (set by "
+                    f"set_custom_all_gather/set_custom_reduce_scatter; it decides its own allocation)"
+                )
+    for group in groups:
+        device = mesh_device(group.mesh)
+        if kind == "symmetric" and device.type != "cuda":
+            raise RuntimeError(
+                f"{what}: symmetric memory needs CUDA devices and NCCL; this unit's mesh is on {device.type} "
+                f"(FSDP2 raises too: 'SymmetricMemory does not find allocation backend {backend}')"
+            )
+        comms = custom_comm.memory_comms(kind, group.mesh, device, backend) if enable else None
+        if comms is None:  # off, or a backend without its own allocator (gloo): dbuffer's buffers
+            group.custom_all_gather = group.custom_reduce_scatter = None
+        else:
+            group.custom_all_gather, group.custom_reduce_scatter = comms
 
 
 def set_allocate_memory_from_process_group_for_comm(self: "FSDPModule", enable: bool) -> None:
-    """No effect off CUDA (gloo has no allocator of its own); on a CUDA mesh True raises
-    ``NotImplementedError`` (not supported yet; see :mod:`fsdp.surface`)."""
+    """FSDP2's: this unit's (not recursive) collectives read and write buffers allocated by the
+    process group (NCCL: registered memory, for zero-copy transfers such as SHARP), staged to and
+    from fsdp's persistent buffers by one copy each (:mod:`fsdp.custom_comm`). No effect where the
+    backend has no allocator of its own (gloo, as in FSDP2). A unit with a custom comm object
+    raises ``CustomCommConflictError`` (a ``ValueError`` and FSDP2's ``AssertionError``)."""
     if not isinstance(enable, bool):
         raise ArgumentTypeError(f"enable must be a bool, got {enable!r}")
-    _comm_memory(self, "set_allocate_memory_from_process_group_for_comm", enable)
+    _comm_memory(self, "set_allocate_memory_from_process_group_for_comm", "process_group", enable)
 
 
 def set_symm_mem_for_comm(self: "FSDPModule", backend: Literal["NCCL"] = "NCCL") -> None:
-    """No effect off CUDA; on a CUDA mesh raises ``NotImplementedError`` (not supported yet)."""
+    """FSDP2's: this unit's (not recursive) collectives use buffers from the symmetric-memory pool
+    (NCCL's copy-engine / symmetric-kernel algorithms; the reduce-scatter's only when it sums,
+    e.g. with ``set_force_sum_reduction_for_comms(True)``, as NCCL's symmetric reduce-scatter only
+    sums). Collective (a barrier): call on every rank. Off CUDA it raises ``RuntimeError``, as
+    FSDP2 does (symmetric memory needs CUDA and NCCL)."""
     if backend != "NCCL":
         raise ValueError(f"set_symm_mem_for_comm: only backend='NCCL' exists, got {backend!r}")
-    _comm_memory(self, "set_symm_mem_for_comm", True)
+    _comm_memory(self, "set_symm_mem_for_comm", "symmetric", True, backend)
 
 
 def share_comm_ctx(modules: list["FSDPModule"]) -> None:

@@ -340,7 +340,6 @@ def _small_knobs(model, x, y, ref) -> dict:
     m.set_reduce_scatter_unused_params(True)
     m.set_separate_reduce_scatter_group(True)
     m.set_allocate_memory_from_process_group_for_comm(True)  # gloo / CPU: no effect
-    m.set_symm_mem_for_comm()
     fsdp.share_comm_ctx([m, m.blocks[0]])
     loss_fn(m, xl, yl).backward()
     loss_fn(m, xl, yl).backward()  # the event is used once
@@ -455,6 +454,9 @@ class _Tied(nn.Module):
         self.out = nn.Linear(4, 5, bias=False)
         self.out.weight = self.embed.weight
 
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.out(self.embed(ids))
+
 
 def _raises(fn, types: tuple, text: str) -> bool:
     try:
@@ -486,14 +488,18 @@ def _errors() -> dict:
     torch.manual_seed(0)  # the same values on every rank from here: fully_shard compares them
     tied = _Tied()
     fsdp.fully_shard(tied.embed, mesh=mesh)
-    out["tied split"] = _raises(lambda: fsdp.fully_shard(tied.out, mesh=mesh), (ValueError,), "already managed by another")
+    fsdp.fully_shard(tied.out, mesh=mesh)  # as in FSDP2, a tie split across units raises at the first forward
+    fsdp.fully_shard(tied, mesh=mesh)
+    ids = torch.tensor([[0, 4, 2]])
+    out["tied split"] = _raises(lambda: tied(ids), (ValueError,), "'weight' is shared with a parameter already managed by another")
+    out["tied split, again"] = _raises(lambda: tied(ids), (ValueError,), "already managed by another")
     hsdp = fsdp.fully_shard(Block(), mesh=init_device_mesh("cpu", (2, WORLD // 2), mesh_dim_names=("r", "s")))
     out["hook stream on HSDP"] = _raises(
         lambda: hsdp.set_all_reduce_hook(lambda t: None, stream=torch.cpu.Stream()), (ValueError,), "stream cannot be set when using native HSDP"
     )
     out["raf int setter"] = _raises(lambda: hsdp.set_reshard_after_forward(2), (ValueError, TypeError), "should be a bool")
-    out["custom all-gather"] = _raises(lambda: hsdp.set_custom_all_gather(object()), (NotImplementedError,), "dbuffer")
-    out["custom reduce-scatter"] = _raises(lambda: hsdp.set_custom_reduce_scatter(object()), (NotImplementedError,), "dbuffer")
+    out["custom all-gather"] = _raises(lambda: hsdp.set_custom_all_gather(object()), (TypeError,), "AllGather protocol")
+    out["custom reduce-scatter"] = _raises(lambda: hsdp.set_custom_reduce_scatter(object()), (TypeError,), "ReduceScatter protocol")
     out["divide factor"] = _raises(lambda: hsdp.set_gradient_divide_factor(0), (ValueError,), "positive")
     out["share_comm_ctx"] = _raises(lambda: fsdp.share_comm_ctx([hsdp, nn.Linear(2, 2)]), (ValueError,), "FSDPModule")
     # fully_shard.state and the lazy-initialisation errors (first forward)
@@ -515,4 +521,4 @@ def _errors() -> dict:
 def test_misuse_raises_fsdp2_exception_types() -> None:
     results = run_ranks(_errors, WORLD, backend="threaded", timeout=60)
     assert all(v is True for v in results[0].values()), results[0]
-    assert len(results[0]) == 15, results[0]
+    assert len(results[0]) == 16, results[0]

@@ -1,0 +1,192 @@
+"""FSDP2's communication objects on fsdp's flat buffers: ``set_custom_all_gather``,
+``set_custom_reduce_scatter`` and the comm-memory setters built on them.
+
+FSDP2 (torch 2.13, ``torch.distributed.fsdp._fully_shard._fsdp_api``) defines two protocols:
+
+* ``AllGather``: ``allocate(size, *, dtype, device) -> Tensor`` and
+  ``__call__(output_tensor=, input_tensor=, group=, async_op=) -> Work | None``;
+* ``ReduceScatter``: the same ``allocate`` and
+  ``__call__(output_tensor=, input_tensor=, group=, op=, async_op=) -> Work | None``.
+
+When a group of a unit has one, its gather (Shard -> Replicate on the shard axis) or gradient
+reduce-scatter (Partial -> Shard on the shard axis) calls the object instead of dbuffer's
+collective, on exactly the flat tensors dbuffer would have handed c10d: this rank's shard of the
+gather source and the unsharded buffer (all-gather), the packed gradient buffer and this rank's
+reduced shard (reduce-scatter), each ``(W * shard,)`` / ``(shard,)`` with the shard-major layout
+c10d's ``*_single`` collectives expect. fsdp never calls c10d itself; the object does.
+
+``allocate`` is honoured as FSDP2 does: the collective's output (all-gather) or input and output
+(reduce-scatter) are tensors the object allocated, then copied into (out of) fsdp's persistent
+buffers, which parameters and gradients are views of and which cannot change storage. An object
+whose ``allocate`` is FSDP2's default (``torch.empty``, ``DefaultAllocMixin``) is handed fsdp's
+buffers directly: the result is the same and the copies are skipped.
+
+The reduce op passed is what dbuffer would pass: ``SUM``, or for an averaging reduction ``AVG``
+where the backend has it (NCCL) and otherwise ``SUM`` followed by a division by the group size
+(gloo), so a torch.distributed-backed object gives bitwise dbuffer's result. On an HSDP mesh only
+the reduce-scatter within the shard group is the object's; the all-reduce across replicas stays
+dbuffer's (as FSDP2's stays ``dist.all_reduce``). Not routed through the object (dbuffer's
+collectives stay): ``Owned()`` groups (their gathers are broadcasts of used ranges), the
+``n``-rank regather of ``reshard_after_forward=n`` and all-reduces of unsharded gradients
+(``no_shard``, ``optim``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Optional
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+from dbuffer import DBuffer, Pending, collectives
+from dbuffer.collectives import c10d_reduce_op
+
+try:  # FSDP2's default allocator mixin: torch.empty, nothing an extra copy would buy
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllocMixin as _DefaultAlloc
+except ImportError:  # pragma: no cover - another torch
+    _DefaultAlloc = None
+
+__all__ = ["MemoryAllGather", "MemoryReduceScatter", "all_gather", "check_comm", "memory_comms", "reduce_scatter", "routes"]
+
+
+def check_comm(comm: Any, what: str, needs: str) -> None:
+    """``comm`` implements FSDP2's protocol (duck-typed: ``allocate`` and ``__call__``)."""
+    if not callable(comm) or not callable(getattr(comm, "allocate", None)):
+        raise TypeError(
+            f"{what}: comm must implement torch.distributed.fsdp's {needs} protocol: a callable object "
+            f"with allocate(size, *, dtype, device); got {type(comm).__name__}"
+        )
+
+
+def _default_alloc(comm: Any) -> bool:
+    return _DefaultAlloc is not None and getattr(type(comm), "allocate", None) is _DefaultAlloc.allocate
+
+
+def routes(source: DBuffer, after: tuple) -> bool:
+    """Whether going from ``source`` to placements ``after`` is a gather (``Shard`` ->
+    ``Replicate``) or reduce-scatter (``Partial`` -> ``Shard``) on the last (shard) axis of a
+    packed buffer, which is what a comm object replaces; other moves stay dbuffer's."""
+    if source.is_owned:
+        return False
+    have, want = source.placements[-1], after[-1]
+    gather = isinstance(have, Shard) and isinstance(want, Replicate)
+    reduce = isinstance(have, Partial) and isinstance(want, Shard)
+    return gather or reduce
+
+
+def _flat(t: torch.Tensor, numel: int, what: str) -> torch.Tensor:
+    if t.numel() != numel or not t.is_contiguous():
+        raise ValueError(f"{what}.allocate returned a tensor of {t.numel()} elements (contiguous: "
+                         f"{t.is_contiguous()}); it must return {numel} contiguous elements")
+    return t.view(-1)
+
+
+def _finish(work: Any, then: Callable[[], Any]) -> Pending:
+    return Pending([work], then)
+
+
+def all_gather(comm: Any, source: DBuffer, target: DBuffer) -> Pending:
+    """``target`` (Replicate on the last axis) = every shard-group rank's ``source`` shard, by
+    ``comm``. ``wait()`` returns ``target``."""
+    axis = source.mesh.ndim - 1
+    group = source.mesh.get_group(axis)
+    shard, full = source.local_buffer, target.local_buffer
+    direct = _default_alloc(comm)
+    out = full if direct else _flat(comm.allocate((full.numel(),), dtype=full.dtype, device=full.device),
+                                    full.numel(), "all-gather comm")
+    work = comm(output_tensor=out, input_tensor=shard, group=group, async_op=True)
+
+    def finish() -> DBuffer:
+        if out is not full:
+            full.copy_(out)
+            _keep_until_used(out)
+        return target
+
+    return _finish(work, finish)
+
+
+def reduce_scatter(comm: Any, source: DBuffer, target: DBuffer) -> Pending:
+    """``target`` (Shard on the last axis; other axes as ``source``) = this rank's chunk of the
+    reduction of ``source`` (Partial) over the shard group, by ``comm``. ``wait()`` returns
+    ``target``."""
+    axis = source.mesh.ndim - 1
+    group, size = source.mesh.get_group(axis), source.mesh.shape[axis]
+    full, shard = source.local_buffer, target.local_buffer
+    if size == 1:  # as FSDP2: nothing to reduce, no call
+        shard.copy_(full)
+        return Pending([], lambda: target)
+    op, divide = c10d_reduce_op(source.placements[axis].reduce_op, group)
+    direct = _default_alloc(comm)
+    if direct:
+        inp, out = full, shard
+    else:
+        inp = _flat(comm.allocate((full.numel(),), dtype=full.dtype, device=full.device), full.numel(), "reduce-scatter comm")
+        inp.copy_(full)
+        out = _flat(comm.allocate((shard.numel(),), dtype=shard.dtype, device=shard.device), shard.numel(), "reduce-scatter comm")
+    work = comm(output_tensor=out, input_tensor=inp, group=group, op=op, async_op=True)
+
+    def finish() -> DBuffer:
+        if out is not shard:
+            shard.copy_(out)
+            _keep_until_used(inp, out)
+        if divide:
+            shard.div_(size)
+        return target
+
+    return _finish(work, finish)
+
+
+def _keep_until_used(*tensors: torch.Tensor) -> None:
+    """On CUDA, a staging tensor allocated on a comm stream and last read on the current one must
+    not be reused by that stream's allocator before the read runs."""
+    for t in tensors:
+        if t.is_cuda:
+            t.record_stream(torch.cuda.current_stream(t.device))
+
+
+class _MemoryComm:
+    """fsdp's comm object for FSDP2's comm-memory setters: FSDP2's protocol with buffers from the
+    process group's allocator or the symmetric-memory pool; the collective is dbuffer's."""
+
+    def __init__(self, allocate: Optional[Callable[[int, torch.dtype], torch.Tensor]], symmetric: bool) -> None:
+        self._allocate = allocate
+        self.symmetric = symmetric
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        numel = math.prod(int(n) for n in size)
+        if self._allocate is None:  # the backend has no allocator of its own (gloo): as FSDP2
+            return torch.empty(numel, dtype=dtype, device=device)
+        return self._allocate(numel, dtype)
+
+
+class MemoryAllGather(_MemoryComm):
+    def __call__(self, output_tensor, input_tensor, group, async_op: bool = False):
+        if self.symmetric:  # an in-place style gather: only the output need be symmetric
+            collectives.rendezvous_symmetric(output_tensor, group)
+        return collectives.all_gather(output_tensor, input_tensor, group, async_op)
+
+
+class MemoryReduceScatter(_MemoryComm):
+    def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
+        name = collectives.reduce_op_name(op)
+        if self.symmetric and name == "sum":  # NCCL's symmetric reduce-scatter only sums
+            collectives.rendezvous_symmetric(input_tensor, group)
+            collectives.rendezvous_symmetric(output_tensor, group)
+        return collectives.reduce_scatter(output_tensor, input_tensor, name, group, async_op)
+
+
+def memory_comms(kind: str, mesh: DeviceMesh, device: torch.device, backend: str = "NCCL"):
+    """``(all_gather, reduce_scatter)`` comm objects for a group on ``mesh``'s shard axis:
+    ``kind="process_group"`` allocates from the process group (None off CUDA / without an
+    allocator: nothing to change); ``"symmetric"`` from the symmetric-memory pool (CUDA only;
+    collective: a barrier)."""
+    group = mesh.get_group(mesh.ndim - 1)
+    if kind == "process_group":
+        allocate = collectives.group_allocator(group, device)
+        if allocate is None:
+            return None
+        return MemoryAllGather(allocate, False), MemoryReduceScatter(allocate, False)
+    allocate = collectives.symmetric_allocator(group, device, backend)
+    return MemoryAllGather(allocate, True), MemoryReduceScatter(allocate, True)
