@@ -33,10 +33,10 @@ from torch.distributed.fsdp import DataParallelMeshDims
 from dbuffer import mesh_device
 from fsdp import custom_comm
 from fsdp.reduction import check_divide_factor
+from fsdp.state import FSDPState
 
 if TYPE_CHECKING:
     from fsdp.api import FSDPModule
-    from fsdp.state import FSDPState
 
 __all__ = [
     "ArgumentTypeError",
@@ -259,10 +259,8 @@ def set_symm_mem_for_comm(self: "FSDPModule", backend: Literal["NCCL"] = "NCCL")
 def share_comm_ctx(modules: list["FSDPModule"]) -> None:
     """FSDP2 (pipeline parallelism): make several roots share their CUDA streams. fsdp's units
     on one device always share them (one set per device), so this only checks its argument."""
-    from fsdp.api import FSDPModule
-
     for module in modules:
-        if not isinstance(module, FSDPModule):
+        if not isinstance(getattr(module, "_fsdp_state", None), FSDPState):  # not a sharded module
             raise ValueError(f"Expects list of FSDPModules but got {module}")
 
 
