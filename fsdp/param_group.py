@@ -588,12 +588,11 @@ class ParameterGroup(MetaInit):
         self._partial: Optional[DBuffer] = None
         self._partial_members: set[int] = set()
         self._gaps: Optional[list[tuple[int, int]]] = None  # padding of grad_in, found once
-        # ``spread``: this group's gradients arrive interleaved with other groups' (a root unit
-        # holding the embedding and the output head: the head's gradient comes first, the
-        # embedding's last). Then autograd's gradients are held as they come and ``grad_in``
-        # is allocated only once the group is complete, so it does not live through the whole
-        # backward at full size. Learned by the unit's state during the first backward.
-        self.spread = False
+        # Autograd's gradients are held as they come and ``grad_in`` is allocated only once the
+        # group has them all (FSDP2 does the same with its reduce-scatter input): a full-size
+        # ``grad_in`` from the first gradient on would live through the unit's backward, whose
+        # start (all activations still alive) is a step's memory peak, and the gradient of a
+        # root holding the embedding and the head would span the whole backward.
         self._held: dict[int, torch.Tensor] = {}
         self._main_grad_has_data = False  # False: the next reduction overwrites main_grad
         self._grads_attached = False  # main_grad's storage: allocated by the first reduction
@@ -614,9 +613,10 @@ class ParameterGroup(MetaInit):
         on_group_start: Callable[["ParameterGroup"], None],
         on_first_grad: Callable[["ParameterGroup"], None] = lambda group: None,
     ) -> None:
-        """Copy each unsharded gradient into ``grad_in`` as soon as autograd has accumulated it
-        (Megatron's main_grad style); report the group's first gradient of a backward, when
-        ``grad_in`` is about to be allocated and when the whole group has its gradients."""
+        """Take each unsharded gradient from autograd as soon as it is accumulated, hold it until
+        the group has all of them, then copy them into ``grad_in``; report the group's first
+        gradient of a backward, when ``grad_in`` is about to be allocated and when the whole
+        group has its gradients."""
         # The hooks live on our own parameters: holding the group or the state strongly would make
         # a reference cycle through autograd's C++ hook table, which the garbage collector cannot
         # see, and a sharded module would never be freed.
@@ -639,7 +639,7 @@ class ParameterGroup(MetaInit):
         if not self._seen:
             on_first_grad(self)
         self._seen.add(k)
-        if self.spread and not self._local:  # hold autograd's gradient; grad_in comes later
+        if not self._local:  # hold autograd's gradient; grad_in comes once the group is complete
             held = self._held.get(k)
             self._held[k] = grad if held is None else held + grad
         else:

@@ -206,3 +206,47 @@ def test_lean_param_shard_trains_the_same_weights() -> None:
 def test_persistent_param_shard_must_be_bool() -> None:
     with pytest.raises(TypeError, match="persistent_param_shard must be a bool"):
         fsdp.MixedPrecisionPolicy(persistent_param_shard="lean")
+
+
+# ----------------------------------------------------------------------------- main-grad lifetime
+
+
+class _AdamWZeroing(torch.optim.AdamW):
+    """AdamW whose ``zero_grad()`` (what ``train`` calls) uses a fixed ``set_to_none``."""
+
+    def __init__(self, params, set_to_none: bool) -> None:
+        super().__init__(params, lr=1e-2, weight_decay=0.1)
+        self.set_to_none = set_to_none
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none=self.set_to_none)
+
+
+def _main_grad_lifetime(model, batches) -> dict:
+    """At the root's forward (fsdp's pre-hook has run, no block has), after each step's
+    ``zero_grad``: with set_to_none every unit's main-grad storage is already freed; with
+    set_to_none=False it is kept (zeroed), and the next backward accumulates into it, as FSDP2's
+    gradients do."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = {}
+    for set_to_none in (True, False):
+        m = shard(copy.deepcopy(model), True)
+        groups = [g for mod in m.modules() if isinstance(mod, fsdp.FSDPModule)
+                  for g in mod._fsdp_state.groups if g.requires_grad]
+        released: list[list[bool]] = []
+        m.register_forward_pre_hook(lambda mod, args: released.append([g.main_grad.is_storage_released() for g in groups]))
+        train(m, batches, rank=rank, world=world, make_opt=lambda ps, s=set_to_none: _AdamWZeroing(ps, s))
+        out[set_to_none] = (len(groups), released, full_state(m))
+    return out
+
+
+def test_main_grads_are_freed_before_the_next_forward_after_zero_grad_set_to_none() -> None:
+    model, batches = make_model(), make_batches(3)
+    ref = reference(model, batches)
+    for out in run_ranks(_main_grad_lifetime, 2, model, batches, backend="threaded"):
+        (n, freed, state_none), (_, kept, state_zero) = out[True], out[False]
+        assert n == len(model.blocks) + 1
+        assert freed == [[True] * n] * 3  # the first step has none yet; later ones were dropped
+        assert kept == [[True] * n] + [[False] * n] * 2  # zeroed, kept for accumulation
+        assert max_diff(state_none, state_zero) == 0.0  # 0 + g == g: the same training bit for bit
+        assert max_diff(state_none, ref) <= 1e-5
