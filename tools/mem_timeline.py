@@ -71,6 +71,7 @@ class TimelineTracker(bench.StorageTracker):
         self.phase_peaks: dict[str, dict] = {}
         self.events = 0
         self._op = "start"
+        self.timeline: list[tuple[int, str, str, str]] = []  # (live bytes, phase, op, where) per event
 
     def _account(self, st: torch.UntypedStorage) -> None:
         key = st._cdata
@@ -81,6 +82,7 @@ class TimelineTracker(bench.StorageTracker):
     def _note(self, op: str) -> None:
         self.events += 1
         self.peak = max(self.peak, self.current)
+        self.timeline.append((self.current, self.phase, op, _where()))
         best = self.phase_peaks.get(self.phase)
         if best is None or self.current > best["bytes"]:
             categories = self.classify()
@@ -215,14 +217,36 @@ def measure(name: str, mode: str, cfg: bench.BenchConfig, mesh, base) -> dict:
     dist.barrier()
     with tracker:
         phased_step(method, batches[cfg.warmup], tracker)
-    result = {"peak": tracker.peak, "phases": tracker.phase_peaks, "events": tracker.events}
+    result = {"peak": tracker.peak, "phases": tracker.phase_peaks, "events": tracker.events,
+              "top": local_peaks(tracker.timeline, TOP_PEAKS)}
     del method, tracker
     gc.collect()
     return result
 
 
+TOP_PEAKS = 8
+
+
+def local_peaks(timeline: list[tuple], n: int) -> list[tuple]:
+    """The ``n`` highest local maxima of the timeline (each the highest point between two drops
+    of at least 1 MiB), highest first: (event, bytes, phase, op, where)."""
+    peaks, best = [], None
+    for i, (nbytes, phase, op, where) in enumerate(timeline, 1):
+        if best is None or nbytes > best[1]:
+            best = (i, nbytes, phase, op, where)
+        if best is not None and best[1] - nbytes >= MIB:  # dropped: the maximum so far was a peak
+            peaks.append(best)
+            best = (i, nbytes, phase, op, where)
+    if best is not None:
+        peaks.append(best)
+    return sorted(peaks, key=lambda p: -p[1])[:n]
+
+
 def format_report(name: str, mode: str, res: dict, top: int) -> str:
     lines = [f"== {mode} {name}: peak {res['peak'] / MIB:.1f} MiB ({res['events']} ops/resizes) =="]
+    lines.append("  highest local peaks (event, MiB, phase, op, where):")
+    for event, nbytes, phase, op, where in res["top"]:
+        lines.append(f"    {event:>6} {nbytes / MIB:7.1f}  {phase:<9} {op:<32} {where}")
     for phase, info in res["phases"].items():
         lines.append(f"  {phase:<11} max {info['bytes'] / MIB:7.1f} MiB at event {info['event']}: "
                      f"{info['op']} in {info['where']}")
