@@ -20,7 +20,8 @@ Buffers, all on one layout (parameter registration order, so every rank packs th
 * ``main_grad``: the reduced gradients, sharded for ``optim_grads*``; ``param.grad`` and
   ``param.main_grad`` are DTensor views of it. Its storage exists only from the first reduction
   after the optimizer dropped the gradients (``zero_grad()``, set_to_none) until the next such
-  drop, which the next forward notices: between steps it costs nothing, as in FSDP2.
+  drop, which the root's next forward notices for every unit: between steps it costs nothing,
+  as in FSDP2.
 """
 
 from __future__ import annotations

@@ -234,7 +234,9 @@ def _main_grad_lifetime(model, batches) -> dict:
         groups = [g for mod in m.modules() if isinstance(mod, fsdp.FSDPModule)
                   for g in mod._fsdp_state.groups if g.requires_grad]
         released: list[list[bool]] = []
-        m.register_forward_pre_hook(lambda mod, args: released.append([g.main_grad.is_storage_released() for g in groups]))
+        m.register_forward_pre_hook(
+            lambda mod, args: released.append([g.main_grad.is_storage_released() for g in groups])
+        )
         train(m, batches, rank=rank, world=world, make_opt=lambda ps, s=set_to_none: _AdamWZeroing(ps, s))
         out[set_to_none] = (len(groups), released, full_state(m))
     return out
