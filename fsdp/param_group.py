@@ -193,10 +193,26 @@ class ParameterGroup(MetaInit):
             self.model.release_storage()
 
     def _cast_model(self) -> None:
-        """Cast the main shard into the model shard (allocated first when lean)."""
-        if self.lean_model:
+        """Cast the main shard into the model shard (allocated first if released)."""
+        if self.model.is_storage_released():
             self.model.reallocate_storage()
         self.main.cast(self.dtypes.model, out=self.model)
+
+    def _model_released(self) -> bool:
+        return self.model is not self.main and self.model.is_storage_released()
+
+    def release_model_shard(self) -> None:
+        """The unsharded weights stay gathered from now until the main weights change (a unit
+        that keeps them after forward, e.g. the root; ZeRO-1/2 after their gather): nothing reads
+        the persistent model shard before the optimizer writes it again, so its storage goes now
+        (``shard numel x param_dtype size``, alive at the backward peak otherwise). Should a
+        gather come first after all (``reshard()``, micro-batches), it casts the shard again from
+        the main weights: the same values, as ``persistent_param_shard=False`` does every time."""
+        model = self.model
+        if model is None or model is self.main or self.offload is not None or not self.strategy.shard_optim:
+            return
+        if not model.is_storage_released():
+            model.release_storage()
 
     def _new_sharded_params(self) -> list[nn.Parameter]:
         params = [
@@ -277,14 +293,14 @@ class ParameterGroup(MetaInit):
         self._settle()  # an upload may still read model
         lean = self.lean_model
         if self.model is not self.main and version != self._written_version and not lean:
-            self.main.cast(self.dtypes.model, out=self.model)
+            self._cast_model()
         self._written_version = None
         if self.strategy.shard_optim and not self.strategy.shard_params:
             if lean:
                 self._cast_model()
             self._gather_source().redistribute(self.placements.replicated, out=self._gather_target())
             self._end_gather()
-            self._release_lean_model()
+            self.release_model_shard()  # gathered until the next step: read again only after it
             if self.offload is not None:
                 self.offload.release_upload()
         elif self.offload is not None and not self.strategy.shard_optim:
@@ -319,7 +335,7 @@ class ParameterGroup(MetaInit):
             post.drop()  # the weights changed since
         self.unsharded.reallocate_storage()
         target = self._gather_target()
-        if self.lean_model:
+        if self.lean_model or self._model_released():
             self._cast_model()
         with self.streams.launch(self.streams.all_gather):
             source = self._gather_source()

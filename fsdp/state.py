@@ -246,6 +246,9 @@ class FSDPState:
         grad = torch.is_grad_enabled()
         if self.reshards_after_forward():
             self.reshard(after_forward=True)
+        else:  # gathered until backward ends: the model shard is not read before the next step
+            for group in self.groups:
+                group.release_model_shard()
         # Otherwise the unsharded parameters stay registered and gathered (with or without grad,
         # as in FSDP2) until the end of backward or reshard().
         if grad:
