@@ -66,7 +66,9 @@ class MixedPrecisionPolicy:
       reads it as is. False (lean, FSDP2's way) keeps no such copy: the shard is cast into a
       temporary right before each gather and freed when the gather lands, saving
       ``shard numel x param_dtype size`` per rank for one cast per gather (two per step under
-      ZeRO-3). ``tools/plan_memory.py --lean-param-shard`` prints both.
+      ZeRO-3). ``tools/plan_memory.py --lean-param-shard`` prints both. Either way a unit whose
+      gathered weights stay until the next step (the root between its forward and the end of
+      backward, ``optim``/``optim_grads``) holds no shard after its gather: nothing reads it.
     """
 
     param_dtype: Optional[torch.dtype] = None
