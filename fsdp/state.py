@@ -244,9 +244,13 @@ class FSDPState:
         if _in_backward():  # a recomputation: its backward runs next, on these weights
             return self._cast_output(output)
         grad = torch.is_grad_enabled()
-        if self.reshards_after_forward():
+        resharded = self.reshards_after_forward()
+        if resharded:
             self.reshard(after_forward=True)
-        else:  # gathered until backward ends: the model shard is not read before the next step
+        # Gathered until backward ends, the model shard is not read before the next step. Resharded
+        # with a backward to come, it is not read before that backward's gather, which casts it again
+        # (once per step instead of keeping it through the activations' peak, the start of backward).
+        if not resharded or grad:
             for group in self.groups:
                 group.release_model_shard()
         # Otherwise the unsharded parameters stay registered and gathered (with or without grad,

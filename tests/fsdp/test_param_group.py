@@ -177,7 +177,7 @@ def test_load_state_dict_refreshes_model_weights() -> None:
 def _lean_vs_persistent(model, batches) -> dict:
     """Train with the BF16 model shard kept (default) and cast per gather (lean), torch.optim and
     fsdp.FlatAdamW; the lean model buffer must hold no storage between steps, nor the persistent
-    one of a unit whose weights stay gathered until the step."""
+    one of a unit whose weights stay gathered until the step, and none from forward to backward."""
     rank, world = dist.get_rank(), dist.get_world_size()
     out = {}
     for strategy in ("no_shard", "optim", "optim_grads_params"):
@@ -187,7 +187,11 @@ def _lean_vs_persistent(model, batches) -> dict:
                 policy = fsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, persistent_param_shard=persistent)
                 m = shard(copy.deepcopy(model), True, sharding_strategy=strategy, mp_policy=policy)
                 make = (lambda ps: fsdp.FlatAdamW(ps, lr=1e-2, weight_decay=0.1)) if flat else None
+                at_forward_end: list[bool] = []  # after fsdp's root post-forward: every shard gone
+                m.register_forward_hook(lambda mod, args, out: at_forward_end.append(
+                    all(g.model.is_storage_released() for u in mod._fsdp_state.units for g in u.groups)))
                 train(m, batches, rank=rank, world=world, make_opt=make)
+                assert at_forward_end == [strategy != "no_shard"] * len(batches), (strategy, persistent, flat)
                 groups = [g for u in m._fsdp_state.units for g in u.groups]
                 lean = [g.lean_model for g in groups]
                 assert all(lean) == (not persistent and strategy != "no_shard"), (strategy, persistent, lean)
