@@ -97,6 +97,10 @@ class Pending:
                     work.wait()
             self._result = self._finish()
             self._done = True
+            # Drop the works and the finishing closure now: they hold the collective's buffers
+            # (scratch, inputs), and a closure that names its own Pending would keep them until
+            # the next garbage collection (measured: 22 MiB through the optimizer step).
+            self._works, self._finish = [], None
         return self._result
 
     def is_completed(self) -> bool:

@@ -144,8 +144,12 @@ class FlatOptimizer(torch.optim.Optimizer):
                 continue
             state = self._state_for(flat, group, opts)
             grads = group.main_grad.local_buffer
-            # the model shard, written in this pass, unless it aliases main or is cast per gather
-            model = group.model.local_buffer if group.step_writes_model else None
+            # the model shard, written in this pass, unless it aliases main, is cast per gather or
+            # was released after its last gather (then the next refresh casts it whole: this pass
+            # may skip parameters without gradients, whose old values are gone)
+            model = None
+            if group.step_writes_model and not group.model.is_storage_released():
+                model = group.model.local_buffer
             for run in runs:
                 self._step_run(flat, grads, model, state, run, opts, workspace)
             for k in group.params_with_grads():

@@ -143,6 +143,10 @@ class OuterShardedParameterGroup(ParameterGroup):
     def step_writes_model(self) -> bool:
         return False  # model is 1/S, main 1/(R*S): not the same local ranges
 
+    def release_model_shard(self) -> None:
+        """Kept: the model shard is 1/S, rebuilt only by the replica all-gather of ``refresh``
+        (a local cast of the 1/(R*S) main piece cannot restore it)."""
+
     def _build_compute_buffers(self) -> None:
         d = self.dtypes
         self.model = self._new(self.model_placements, d.model)

@@ -20,7 +20,8 @@ Buffers, all on one layout (parameter registration order, so every rank packs th
 * ``main_grad``: the reduced gradients, sharded for ``optim_grads*``; ``param.grad`` and
   ``param.main_grad`` are DTensor views of it. Its storage exists only from the first reduction
   after the optimizer dropped the gradients (``zero_grad()``, set_to_none) until the next such
-  drop, which the next forward notices: between steps it costs nothing, as in FSDP2.
+  drop, which the root's next forward notices for every unit: between steps it costs nothing,
+  as in FSDP2.
 """
 
 from __future__ import annotations
@@ -208,10 +209,26 @@ class ParameterGroup(MetaInit):
             self.model.release_storage()
 
     def _cast_model(self) -> None:
-        """Cast the main shard into the model shard (allocated first when lean)."""
-        if self.lean_model:
+        """Cast the main shard into the model shard (allocated first if released)."""
+        if self.model.is_storage_released():
             self.model.reallocate_storage()
         self.main.cast(self.dtypes.model, out=self.model)
+
+    def _model_released(self) -> bool:
+        return self.model is not self.main and self.model.is_storage_released()
+
+    def release_model_shard(self) -> None:
+        """The unsharded weights stay gathered from now until the main weights change (a unit
+        that keeps them after forward, e.g. the root; ZeRO-1/2 after their gather): nothing reads
+        the persistent model shard before the optimizer writes it again, so its storage goes now
+        (``shard numel x param_dtype size``, alive at the backward peak otherwise). Should a
+        gather come first after all (``reshard()``, micro-batches), it casts the shard again from
+        the main weights: the same values, as ``persistent_param_shard=False`` does every time."""
+        model = self.model
+        if model is None or model is self.main or self.offload is not None or not self.strategy.shard_optim:
+            return
+        if not model.is_storage_released():
+            model.release_storage()
 
     def _new_sharded_params(self) -> list[nn.Parameter]:
         params = [
@@ -289,14 +306,14 @@ class ParameterGroup(MetaInit):
         self._settle()  # an upload may still read model
         lean = self.lean_model
         if self.model is not self.main and version != self._written_version and not lean:
-            self.main.cast(self.dtypes.model, out=self.model)
+            self._cast_model()
         self._written_version = None
         if self.strategy.shard_optim and not self.strategy.shard_params:
             if lean:
                 self._cast_model()
             self.all_gather(self._gather_source(), self._gather_target()).wait()
             self._end_gather()
-            self._release_lean_model()
+            self.release_model_shard()  # gathered until the next step: read again only after it
             if self.offload is not None:
                 self.offload.release_upload()
         elif self.offload is not None and not self.strategy.shard_optim:
@@ -331,7 +348,7 @@ class ParameterGroup(MetaInit):
             post.drop()  # the weights changed since
         self.unsharded.reallocate_storage()
         target = self._gather_target()
-        if self.lean_model:
+        if self.lean_model or self._model_released():
             self._cast_model()
         with self.streams.launch(self.streams.all_gather):
             self._gather_pending = self.all_gather(self._gather_source(), target)
@@ -622,12 +639,11 @@ class ParameterGroup(MetaInit):
         self._partial: Optional[DBuffer] = None
         self._partial_members: set[int] = set()
         self._gaps: Optional[list[tuple[int, int]]] = None  # padding of grad_in, found once
-        # ``spread``: this group's gradients arrive interleaved with other groups' (a root unit
-        # holding the embedding and the output head: the head's gradient comes first, the
-        # embedding's last). Then autograd's gradients are held as they come and ``grad_in``
-        # is allocated only once the group is complete, so it does not live through the whole
-        # backward at full size. Learned by the unit's state during the first backward.
-        self.spread = False
+        # Autograd's gradients are held as they come and ``grad_in`` is allocated only once the
+        # group has them all (FSDP2 does the same with its reduce-scatter input): a full-size
+        # ``grad_in`` from the first gradient on would live through the unit's backward, whose
+        # start (all activations still alive) is a step's memory peak, and the gradient of a
+        # root holding the embedding and the head would span the whole backward.
         self._held: dict[int, torch.Tensor] = {}
         self._main_grad_has_data = False  # False: the next reduction overwrites main_grad
         self._grads_attached = False  # main_grad's storage: allocated by the first reduction
@@ -648,9 +664,10 @@ class ParameterGroup(MetaInit):
         on_group_start: Callable[["ParameterGroup"], None],
         on_first_grad: Callable[["ParameterGroup"], None] = lambda group: None,
     ) -> None:
-        """Copy each unsharded gradient into ``grad_in`` as soon as autograd has accumulated it
-        (Megatron's main_grad style); report the group's first gradient of a backward, when
-        ``grad_in`` is about to be allocated and when the whole group has its gradients."""
+        """Take each unsharded gradient from autograd as soon as it is accumulated, hold it until
+        the group has all of them, then copy them into ``grad_in``; report the group's first
+        gradient of a backward, when ``grad_in`` is about to be allocated and when the whole
+        group has its gradients."""
         # The hooks live on our own parameters: holding the group or the state strongly would make
         # a reference cycle through autograd's C++ hook table, which the garbage collector cannot
         # see, and a sharded module would never be freed.
@@ -673,7 +690,7 @@ class ParameterGroup(MetaInit):
         if not self._seen:
             on_first_grad(self)
         self._seen.add(k)
-        if self.spread and not self._local:  # hold autograd's gradient; grad_in comes later
+        if not self._local:  # hold autograd's gradient; grad_in comes once the group is complete
             held = self._held.get(k)
             self._held[k] = grad if held is None else held + grad
         else:

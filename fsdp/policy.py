@@ -62,11 +62,15 @@ class MixedPrecisionPolicy:
     And one memory/speed knob, for when ``param_dtype`` differs from the main dtype:
 
     * ``persistent_param_shard``: True (default, fast) keeps this rank's shard of the model
-      weights in ``param_dtype`` between steps, cast once per optimizer step, so every all-gather
-      reads it as is. False (lean, FSDP2's way) keeps no such copy: the shard is cast into a
-      temporary right before each gather and freed when the gather lands, saving
-      ``shard numel x param_dtype size`` per rank for one cast per gather (two per step under
-      ZeRO-3). ``tools/plan_memory.py --lean-param-shard`` prints both.
+      weights in ``param_dtype`` between steps (written by the optimizer step, or cast once
+      after it), so the forward's all-gather reads it as is. It is not kept from a unit's forward
+      to its backward, the span of the activations' peak: a unit resharded after a forward with
+      grad casts it again for its backward gather (one cast per step), and a unit whose gathered
+      weights stay until the next step (the root from forward to the end of backward;
+      ``optim``/``optim_grads`` after their gather) drops it once gathered. False (lean, FSDP2's
+      way) keeps no such copy: the shard is cast into a temporary right before each gather and
+      freed when the gather lands, saving ``shard numel x param_dtype size`` per rank between
+      steps for one more cast per gather. ``tools/plan_memory.py --lean-param-shard`` prints both.
     """
 
     param_dtype: Optional[torch.dtype] = None

@@ -9,10 +9,10 @@ Life of a step, per unit (ZeRO-3 shown; the other strategies skip the gathers an
    otherwise the unsharded parameters stay registered (as in FSDP2, under ``no_grad`` too) until
    step 5 or ``reshard()``. Hook the outputs so that their gradient triggers step 3;
 3. pre-backward (first output gradient): gather again, start gathering the unit before it;
-4. each parameter's post-accumulate-grad hook copies its gradient into the group's ``grad_in``
-   (a group whose gradients bracket other groups', like a root holding the embedding and the
-   head, keeps autograd's gradients until it is complete instead); when a group has all of them
-   its reduction starts (async; at most one in flight) and its unsharded storage is freed;
+4. each parameter's post-accumulate-grad hook takes its gradient from autograd; the group's
+   first one finishes the reduction still in flight; when a group has all of them they are
+   copied into its ``grad_in`` (allocated only then, as FSDP2 allocates its reduce-scatter
+   input), its reduction starts (async; at most one in flight) and its unsharded storage is freed;
 5. the root's final callback (queued on the autograd engine) reduces whatever is left, reshards
    every unit, waits for every reduction and attaches ``param.grad``.
 
@@ -222,8 +222,11 @@ class FSDPState:
             self._order_recorded = bool(self.forward_order)
         if not root._order_recorded and self not in root.forward_order:
             root.forward_order.append(self)
-        for group in self.groups:
-            group.release_dropped_grads()
+        # The root frees every unit's main grads the optimizer dropped (zero_grad, set_to_none)
+        # before anything of the step is allocated, not each unit at its own forward.
+        for unit in root.units if root is self else [self]:
+            for group in unit.groups:
+                group.release_dropped_grads()
         self.unshard()
         self._use_unsharded()
         for nxt in self._next_units(self.forward_prefetch, +1):
@@ -245,8 +248,15 @@ class FSDPState:
         if _in_backward():  # a recomputation: its backward runs next, on these weights
             return self._cast_output(output)
         grad = torch.is_grad_enabled()
-        if self.reshards_after_forward():
+        resharded = self.reshards_after_forward()
+        if resharded:
             self.reshard(after_forward=True)
+        # Gathered until backward ends, the model shard is not read before the next step. Resharded
+        # with a backward to come, it is not read before that backward's gather, which casts it again
+        # (once per step instead of keeping it through the activations' peak, the start of backward).
+        if not resharded or grad:
+            for group in self.groups:
+                group.release_model_shard()
         # Otherwise the unsharded parameters stay registered and gathered (with or without grad,
         # as in FSDP2) until the end of backward or reshard().
         if grad:
@@ -297,13 +307,10 @@ class FSDPState:
             prev.unshard(async_op=True)
 
     def _on_group_first_grad(self, group: ParameterGroup) -> None:
-        """A group got its first gradient of this backward while others are still incomplete:
-        those are ``spread`` (their gradients bracket other groups'), and from the next backward
-        on they hold their gradients until complete instead of a full ``grad_in``."""
-        root = self.root if self.root is not None else self
-        for other in root._filling:
-            other.spread = True
-        root._filling.append(group)
+        """A group got its first gradient of this backward (it holds autograd's gradients until
+        it has them all, see ``ParameterGroup._on_grad``): finish the reductions still in flight
+        now, as their buffers would otherwise live through this unit's whole backward."""
+        self._on_group_grads_start(group)
 
     def _on_group_grads_start(self, group: ParameterGroup) -> None:
         """A group is about to allocate its gradient buffer: finish the reductions still in
@@ -316,8 +323,6 @@ class FSDPState:
     def _on_group_grads_done(self, group: ParameterGroup) -> None:
         root = self.root if self.root is not None else self
         root._queue_final_callback()
-        if group in root._filling:
-            root._filling.remove(group)
         if self.requires_grad_sync:
             group.launch_reduce()
             # Bound the reductions in flight: finishing older ones frees their unsharded gradient
@@ -339,7 +344,6 @@ class FSDPState:
     def _final_callback(self) -> None:
         self._callback_queued = False
         self._in_flight.clear()  # whatever is still in flight is finished below
-        self._filling.clear()
         units = self.units or [self]
         for unit in units:
             if unit.requires_grad_sync:
@@ -384,7 +388,6 @@ class FSDPState:
             )
         self._callback_queued = False
         self._in_flight.clear()
-        self._filling.clear()
         for unit in self.units or [self]:
             for group in unit.groups:
                 group.wait_unshard()

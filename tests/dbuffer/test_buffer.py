@@ -553,3 +553,38 @@ def _ragged_dcp_round_trip(path: str) -> bool:
 def test_ragged_dcp_round_trip() -> None:
     with tempfile.TemporaryDirectory() as path:
         assert all(run_ranks(_ragged_dcp_round_trip, 2, path, backend="gloo"))
+def _waited_collective_frees_its_scratch() -> bool:
+    """Once a redistribute's handle is waited for, nothing of the collective holds its scratch:
+    with the garbage collector off, the gloo reduce-scatter's receive buffer (4 MiB, the p2p
+    path) is freed as soon as the pool's idle scratch is released, not at the next collection."""
+    import gc
+    import weakref
+
+    from dbuffer import collectives
+
+    mesh = _mesh((dist.get_world_size(),))
+    shapes = [(1024, 1024)]  # 4 MiB fp32 in all: a 2 MiB shard per rank on 2 ranks
+    partial = DBuffer.from_local(torch.ones(1024 * 1024), mesh, [Partial("sum")], shapes)
+    seen = []
+    take = collectives._WORKSPACES.take
+
+    def spy(numel, dtype):
+        t = take(numel, dtype)
+        seen.append(weakref.ref(t if t._base is None else t._base))
+        return t
+
+    gc.disable()
+    try:
+        collectives._WORKSPACES.take = spy
+        result = partial.redistribute([S], async_op=True).wait()
+        collectives._WORKSPACES.take = take
+        assert bool((result.local_buffer == dist.get_world_size()).all())
+        collectives.release_workspaces()
+        return bool(seen) and all(ref() is None for ref in seen)
+    finally:
+        collectives._WORKSPACES.take = take
+        gc.enable()
+
+
+def test_waited_collective_frees_its_scratch() -> None:
+    assert run_ranks(_waited_collective_frees_its_scratch, 2, backend="gloo") == [True, True]

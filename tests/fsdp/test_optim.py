@@ -21,7 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
 import fsdp
-from tests.fsdp.models import TinyLM, full_state, make_batches, make_model, max_diff, reference, train
+from tests.fsdp.models import TinyLM, full_state, loss_fn, make_batches, make_model, max_diff, reference, train
 from tests.harness import run_ranks
 
 STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
@@ -360,3 +360,37 @@ def test_clip_grad_norm_matches_torch(policy) -> None:
     assert out["clipped"]  # every step was clipped: the scaling is exercised
     assert out["norms"] <= 1e-5
     assert out["weights"] <= (1e-6 if policy == fsdp.MixedPrecisionPolicy() else 1e-3)  # bf16: the scale rounds in bf16
+
+
+def _flat_main_grad_lifetime(model, batches) -> dict:
+    """FlatAdamW with BF16 main grads: ``zero_grad()`` frees every group's main-grad storage at
+    once (nothing waits for the next forward); ``zero_grad(set_to_none=False)`` keeps it, zeroed,
+    and the next backward accumulates into it. Both train the same weights bit for bit."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = {}
+    for set_to_none in (True, False):
+        m = shard(copy.deepcopy(model), mp_policy=BF16_GRADS)
+        groups = [g for mod in m.modules() if isinstance(mod, fsdp.FSDPModule)
+                  for g in mod._fsdp_state.groups if g.requires_grad]
+        opt = fsdp.FlatAdamW(m, lr=LR, weight_decay=0.1)
+        after_zero: list[list[bool]] = []
+        zeros: list[bool] = []
+        for x, y in batches:
+            per = x.shape[0] // world
+            loss_fn(m, x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=set_to_none)
+            after_zero.append([g.main_grad.is_storage_released() for g in groups])
+            if not set_to_none:
+                zeros.append(all(float(g.main_grad.local_buffer.abs().max()) == 0 for g in groups))
+        out[set_to_none] = (after_zero, zeros, full_state(m))
+    return out
+
+
+def test_flat_optimizer_frees_bf16_main_grads_at_zero_grad() -> None:
+    model, batches = make_model(), make_batches(3)
+    for out in run_ranks(_flat_main_grad_lifetime, 2, model, batches, backend="threaded"):
+        (freed, _, state_none), (kept, zeros, state_zero) = out[True], out[False]
+        assert all(all(row) for row in freed) and len(freed) == 3
+        assert not any(any(row) for row in kept) and all(zeros)
+        assert max_diff(state_none, state_zero) == 0.0

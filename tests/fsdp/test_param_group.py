@@ -176,7 +176,8 @@ def test_load_state_dict_refreshes_model_weights() -> None:
 
 def _lean_vs_persistent(model, batches) -> dict:
     """Train with the BF16 model shard kept (default) and cast per gather (lean), torch.optim and
-    fsdp.FlatAdamW; the lean model buffer must hold no storage between steps."""
+    fsdp.FlatAdamW; the lean model buffer must hold no storage between steps, nor the persistent
+    one of a unit whose weights stay gathered until the step, and none from forward to backward."""
     rank, world = dist.get_rank(), dist.get_world_size()
     out = {}
     for strategy in ("no_shard", "optim", "optim_grads_params"):
@@ -186,11 +187,22 @@ def _lean_vs_persistent(model, batches) -> dict:
                 policy = fsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, persistent_param_shard=persistent)
                 m = shard(copy.deepcopy(model), True, sharding_strategy=strategy, mp_policy=policy)
                 make = (lambda ps: fsdp.FlatAdamW(ps, lr=1e-2, weight_decay=0.1)) if flat else None
+                at_forward_end: list[bool] = []  # after fsdp's root post-forward: every shard gone
+                m.register_forward_hook(lambda mod, args, out: at_forward_end.append(
+                    all(g.model.is_storage_released() for u in mod._fsdp_state.units for g in u.groups)))
                 train(m, batches, rank=rank, world=world, make_opt=make)
+                assert at_forward_end == [strategy != "no_shard"] * len(batches), (strategy, persistent, flat)
                 groups = [g for u in m._fsdp_state.units for g in u.groups]
                 lean = [g.lean_model for g in groups]
                 assert all(lean) == (not persistent and strategy != "no_shard"), (strategy, persistent, lean)
-                assert all(g.model.is_storage_released() == g.lean_model for g in groups)
+                # Between steps a persistent shard is kept only where a gather still reads it: the
+                # blocks' ZeRO-3 backward. The root keeps its gathered weights from forward to the
+                # end of backward, ZeRO-1/2 until the next step: theirs went after the gather.
+                for u in m._fsdp_state.units:
+                    gathered_until_step = strategy == "optim" or u is m._fsdp_state
+                    for g in u.groups:
+                        expected = g.lean_model or (gathered_until_step and strategy != "no_shard")
+                        assert g.model.is_storage_released() == expected, (strategy, persistent, flat)
                 states.append(full_state(m))
             out[(strategy, flat)] = max_diff(*states)
     return out
@@ -206,3 +218,49 @@ def test_lean_param_shard_trains_the_same_weights() -> None:
 def test_persistent_param_shard_must_be_bool() -> None:
     with pytest.raises(TypeError, match="persistent_param_shard must be a bool"):
         fsdp.MixedPrecisionPolicy(persistent_param_shard="lean")
+
+
+# ----------------------------------------------------------------------------- main-grad lifetime
+
+
+class _AdamWZeroing(torch.optim.AdamW):
+    """AdamW whose ``zero_grad()`` (what ``train`` calls) uses a fixed ``set_to_none``."""
+
+    def __init__(self, params, set_to_none: bool) -> None:
+        super().__init__(params, lr=1e-2, weight_decay=0.1)
+        self.set_to_none = set_to_none
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none=self.set_to_none)
+
+
+def _main_grad_lifetime(model, batches) -> dict:
+    """At the root's forward (fsdp's pre-hook has run, no block has), after each step's
+    ``zero_grad``: with set_to_none every unit's main-grad storage is already freed; with
+    set_to_none=False it is kept (zeroed), and the next backward accumulates into it, as FSDP2's
+    gradients do."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = {}
+    for set_to_none in (True, False):
+        m = shard(copy.deepcopy(model), True)
+        groups = [g for mod in m.modules() if isinstance(mod, fsdp.FSDPModule)
+                  for g in mod._fsdp_state.groups if g.requires_grad]
+        released: list[list[bool]] = []
+        m.register_forward_pre_hook(
+            lambda mod, args: released.append([g.main_grad.is_storage_released() for g in groups])
+        )
+        train(m, batches, rank=rank, world=world, make_opt=lambda ps, s=set_to_none: _AdamWZeroing(ps, s))
+        out[set_to_none] = (len(groups), released, full_state(m))
+    return out
+
+
+def test_main_grads_are_freed_before_the_next_forward_after_zero_grad_set_to_none() -> None:
+    model, batches = make_model(), make_batches(3)
+    ref = reference(model, batches)
+    for out in run_ranks(_main_grad_lifetime, 2, model, batches, backend="threaded"):
+        (n, freed, state_none), (_, kept, state_zero) = out[True], out[False]
+        assert n == len(model.blocks) + 1
+        assert freed == [[True] * n] * 3  # the first step has none yet; later ones were dropped
+        assert kept == [[True] * n] + [[False] * n] * 2  # zeroed, kept for accumulation
+        assert max_diff(state_none, state_zero) == 0.0  # 0 + g == g: the same training bit for bit
+        assert max_diff(state_none, ref) <= 1e-5

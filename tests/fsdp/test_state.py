@@ -343,41 +343,37 @@ def test_a_trained_model_is_freed() -> None:
     assert run_ranks(_freed_after_training, 2, make_model(), make_batches(1)) == [True, True]
 
 
-def _root_gradient_buffer_in_second_backward(model, batches, ref) -> dict:
-    """The root unit's gradients bracket every block's (head first, embedding last). After the
-    first backward shows that, the root holds autograd's gradients instead of a full grad_in."""
+def _gradient_buffers_during_backward(model, batches, ref) -> dict:
+    """Every group holds autograd's gradients and allocates ``grad_in`` only once it has them
+    all: the root's (head first, embedding last) does not live while the blocks reduce, and a
+    block's does not exist while its own backward still computes."""
     rank, world = dist.get_rank(), dist.get_world_size()
     m = shard(copy.deepcopy(model), True)
     root = m._fsdp_state.groups[0]
-    seen: list[bool] = []
-    for block in m.blocks:
-        state = block._fsdp_state
-        original = state._on_group_grads_done
+    seen: list[bool] = []  # at each block's completion: root's grad_in released
+    early: list[bool] = []  # as each gradient arrives (before fsdp takes it): its group's grad_in released
+    for unit in [m._fsdp_state] + [b._fsdp_state for b in m.blocks]:
+        original = unit._on_group_grads_done
 
         def watched(group, original=original):
-            seen.append(root.grad_in.is_storage_released())
+            if group is not root:
+                seen.append(root.grad_in.is_storage_released())
             original(group)
 
-        state._on_group_grads_done = watched
-        for g in state.groups:
+        unit._on_group_grads_done = watched
+        for g in unit.groups:
             for p in g.unsharded_params:
                 p._post_accumulate_grad_hooks.clear()
-            g.register_grad_hooks(state._on_group_grads_done, state._on_group_grads_start, state._on_group_first_grad)
+                p.register_post_accumulate_grad_hook(lambda p, g=g: early.append(g.grad_in.is_storage_released()))
+            g.register_grad_hooks(unit._on_group_grads_done, unit._on_group_grads_start, unit._on_group_first_grad)
     train(m, batches, rank=rank, world=world)
-    blocks = len(m.blocks)
-    return {
-        "spread": [root.spread] + [b._fsdp_state.groups[0].spread for b in m.blocks],
-        "first": seen[:blocks],
-        "later": seen[blocks:],
-        "diff": max_diff(full_state(m), ref),
-    }
+    return {"seen": seen, "early": early, "diff": max_diff(full_state(m), ref)}
 
 
-def test_root_holds_gradients_not_a_buffer_while_blocks_reduce() -> None:
+def test_gradient_buffers_exist_only_once_a_group_is_complete() -> None:
     model, batches = make_model(blocks=3), make_batches(3)
     ref = reference(model, batches)
-    out = run_ranks(_root_gradient_buffer_in_second_backward, 2, model, batches, ref, backend="threaded")[0]
-    assert out["spread"] == [True, False, False, False]
-    assert out["first"] == [False] * 3  # first backward: the root's grad_in lives throughout
-    assert out["later"] == [True] * 6  # then it is not allocated while the blocks reduce
+    out = run_ranks(_gradient_buffers_during_backward, 2, model, batches, ref, backend="threaded")[0]
+    assert out["seen"] == [True] * 9  # 3 blocks x 3 steps: the root's grad_in never lives then
+    assert out["early"] and all(out["early"])
     assert out["diff"] <= 1e-5

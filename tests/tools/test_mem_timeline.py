@@ -1,0 +1,43 @@
+"""tools/mem_timeline.py: the phase peaks and their categories are what the step holds."""
+
+from __future__ import annotations
+
+import torch
+
+from tools import bench_fsdp, mem_timeline
+
+MIB = 1 << 20
+
+
+def test_local_peaks_are_the_maxima_between_drops() -> None:
+    rows = [(b * MIB, "fwd", f"op{i}", "here") for i, b in enumerate([1, 5, 3, 9, 9, 2, 4, 4, 1])]
+    peaks = mem_timeline.local_peaks(rows, 3)
+    assert [(event, nbytes // MIB) for event, nbytes, *_ in peaks] == [(4, 9), (2, 5), (7, 4)]
+
+
+class _Tiny(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(64, 256)
+        self.b = torch.nn.Linear(256, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x)))
+
+
+def test_optimizer_phase_holds_weights_grads_and_state_by_category() -> None:
+    torch.manual_seed(0)
+    method = bench_fsdp.Method("floor", _Tiny(), bench_fsdp.BenchConfig(foreach=False))
+    method.loss_fn = lambda logits, tokens: logits.float().pow(2).mean()
+    method.step(torch.randn(4, 65))  # the optimizer state exists from now on
+    tracker = mem_timeline.TimelineTracker(mem_timeline.classifier(method))
+    tracker.track(list(method.model.parameters()), method.opt.state)
+    with tracker:
+        mem_timeline.phased_step(method, torch.randn(4, 65), tracker)
+    param_bytes = sum(p.numel() * 4 for p in method.model.parameters())
+    optim = tracker.phase_peaks["optim"]["live"]
+    assert optim["main"] == param_bytes
+    assert optim["main grads"] == param_bytes
+    assert optim["optimizer state"] == 2 * param_bytes
+    assert set(tracker.phase_peaks) >= {"fwd", "bwd", "optim"}
+    assert tracker.peak == max(p["bytes"] for p in tracker.phase_peaks.values())
