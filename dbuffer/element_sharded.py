@@ -41,7 +41,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from dbuffer import collectives
+from dbuffer.pieces import PieceShardedDTensor
 from dbuffer.placements import sharded_axes
 from dbuffer.row_sharded import (
     RowShardedDTensor,
@@ -65,7 +65,7 @@ _REDUCE_OPS = {
 }
 
 
-class ElementShardedDTensor(DTensor):
+class ElementShardedDTensor(PieceShardedDTensor):
     """A DTensor whose local piece is elements ``[start, start + count)`` of the flattened tensor
     (1-D); exact under every op (see the module docstring for how each kind of op is run)."""
 
@@ -95,37 +95,16 @@ class ElementShardedDTensor(DTensor):
 
     # ------------------------------------------------------------------ whole-tensor views
 
+    def _units_per_shard(self) -> tuple[int, ...]:
+        return self._elements_per_shard
+
+    def _unit_shape(self) -> tuple[int, ...]:
+        return ()
+
     @torch.no_grad()
     def full_tensor(self, *, grad_placements=None) -> torch.Tensor:  # type: ignore[override]
         """The whole tensor on every rank (a new tensor; not differentiable)."""
-        mesh, placements = self.device_mesh, self.placements
-        local = self._local_tensor
-        for axis, p in enumerate(placements):
-            if isinstance(p, Partial):
-                local = local.clone() if local is self._local_tensor else local
-                collectives.all_reduce(local, p.reduce_op, mesh.get_group(axis))
-        most = max(self._elements_per_shard)
-        padded = local.new_zeros(most)
-        padded[: local.numel()] = local
-        gathered = padded
-        for axis in reversed(sharded_axes(placements)):
-            out = gathered.new_empty(gathered.numel() * mesh.shape[axis])
-            collectives.all_gather(out, gathered, mesh.get_group(axis))
-            gathered = out
-        pieces = gathered.view(len(self._elements_per_shard), most)
-        flat = torch.cat([pieces[k, :count] for k, count in enumerate(self._elements_per_shard)])
-        return flat.view(self.shape)
-
-    def redistribute(self, device_mesh=None, placements=None, *, async_op: bool = False, **kwargs):  # type: ignore[override]
-        """Any placements on this tensor's mesh, through the full tensor (exact; a gather)."""
-        mesh = device_mesh or self.device_mesh
-        if mesh != self.device_mesh or placements is None:
-            raise NotImplementedError(
-                "an ElementShardedDTensor (element ranges of a ragged DBuffer) redistributes only on its "
-                "own mesh and needs explicit placements; redistribute the DBuffer to change meshes"
-            )
-        full = DTensor.from_local(self.full_tensor(), mesh, [Replicate()] * mesh.ndim, run_check=False)
-        return full.redistribute(mesh, list(placements))
+        return self._gather_units(self._reduced_local()).view(self.shape)
 
     # ------------------------------------------------------------------ compile / pickling
 
@@ -139,17 +118,6 @@ class ElementShardedDTensor(DTensor):
         plain = DTensor.__tensor_unflatten__(inner_tensors, context, outer_size, outer_stride)
         out = ElementShardedDTensor.wrap(plain._local_tensor, plain._spec, counts, start)
         return out.requires_grad_(plain.requires_grad)
-
-    def __deepcopy__(self, memo):
-        if id(self) not in memo:
-            out = self._with_local(self._local_tensor.detach().clone()).requires_grad_(self.requires_grad)
-            if getattr(self, "_is_param", False):
-                out._is_param = True
-            memo[id(self)] = out
-        return memo[id(self)]
-
-    def __coerce_same_metadata_as_tangent__(self, flatten_spec, expected_type=None):
-        return super().__coerce_same_metadata_as_tangent__(flatten_spec[0], expected_type)
 
     # ------------------------------------------------------------------ dispatch
 

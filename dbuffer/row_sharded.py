@@ -41,8 +41,8 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from dbuffer import collectives
 from dbuffer.broadcast import broadcast_
+from dbuffer.pieces import PieceShardedDTensor
 from dbuffer.placements import sharded_axes
 
 __all__ = ["RowShardedDTensor", "chunk_rows", "row_range"]
@@ -96,7 +96,7 @@ def _chunk_rows(num_rows: int, axis_sizes: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(pieces)
 
 
-class RowShardedDTensor(DTensor):
+class RowShardedDTensor(PieceShardedDTensor):
     """A DTensor whose ``Shard(0)`` pieces are given row ranges; exact under every op (see the
     module docstring for how each kind of op is run)."""
 
@@ -118,44 +118,24 @@ class RowShardedDTensor(DTensor):
 
     # ------------------------------------------------------------------ whole-tensor views
 
+    def _units_per_shard(self) -> tuple[int, ...]:
+        return self._rows_per_shard
+
+    def _unit_shape(self) -> tuple[int, ...]:
+        return tuple(self.shape[1:])
+
     @torch.no_grad()
     def full_tensor(self, *, grad_placements=None) -> torch.Tensor:  # type: ignore[override]
         """The whole tensor on every rank (a new tensor; not differentiable)."""
-        mesh, placements = self.device_mesh, self.placements
-        local = self._local_tensor
-        for axis, p in enumerate(placements):
-            if isinstance(p, Partial):
-                local = local.clone() if local is self._local_tensor else local
-                collectives.all_reduce(local, p.reduce_op, mesh.get_group(axis))
-        row_shape = tuple(self.shape[1:])
+        local = self._reduced_local()
         holders = [k for k, rows in enumerate(self._rows_per_shard) if rows]
-        axes = sharded_axes(placements)
+        axes = sharded_axes(self.placements)
         if len(holders) == 1 and len(axes) == 1:  # one rank holds every row (Owned): broadcast
             full = local.new_zeros(tuple(self.shape))
             if local.shape[0]:
                 full.copy_(local)
-            return broadcast_(full, mesh.get_group(axes[0]), src=holders[0])
-        most = max(self._rows_per_shard)
-        padded = local.new_zeros((most, *row_shape))
-        padded[: local.shape[0]] = local
-        gathered = padded.reshape(-1)
-        for axis in reversed(axes):
-            out = gathered.new_empty(gathered.numel() * mesh.shape[axis])
-            collectives.all_gather(out, gathered, mesh.get_group(axis))
-            gathered = out
-        pieces = gathered.view(len(self._rows_per_shard), most, *row_shape)
-        return torch.cat([pieces[k, :rows] for k, rows in enumerate(self._rows_per_shard)])
-
-    def redistribute(self, device_mesh=None, placements=None, *, async_op: bool = False, **kwargs):  # type: ignore[override]
-        """Any placements on this tensor's mesh, through the full tensor (exact; a gather)."""
-        mesh = device_mesh or self.device_mesh
-        if mesh != self.device_mesh or placements is None:
-            raise NotImplementedError(
-                "a RowShardedDTensor (row ranges of a DBuffer) redistributes only on its own mesh and "
-                "needs explicit placements; redistribute the DBuffer to change meshes"
-            )
-        full = DTensor.from_local(self.full_tensor(), mesh, [Replicate()] * mesh.ndim, run_check=False)
-        return full.redistribute(mesh, list(placements))
+            return broadcast_(full, self.device_mesh.get_group(axes[0]), src=holders[0])
+        return self._gather_units(local)
 
     # ------------------------------------------------------------------ compile / pickling
 
@@ -168,18 +148,6 @@ class RowShardedDTensor(DTensor):
         context, rows, start = flatten_spec
         plain = DTensor.__tensor_unflatten__(inner_tensors, context, outer_size, outer_stride)
         return RowShardedDTensor.wrap(plain._local_tensor, plain._spec, rows, start).requires_grad_(plain.requires_grad)
-
-    def __deepcopy__(self, memo):
-        if id(self) not in memo:
-            local = self._local_tensor.detach().clone()
-            out = self._with_local(local).requires_grad_(self.requires_grad)
-            if getattr(self, "_is_param", False):  # an nn.Parameter of this type stays one
-                out._is_param = True
-            memo[id(self)] = out
-        return memo[id(self)]
-
-    def __coerce_same_metadata_as_tangent__(self, flatten_spec, expected_type=None):
-        return super().__coerce_same_metadata_as_tangent__(flatten_spec[0], expected_type)
 
     # ------------------------------------------------------------------ dispatch
 
