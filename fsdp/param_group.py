@@ -41,7 +41,7 @@ from fsdp.layout_choice import group_layout
 from fsdp import custom_comm
 from fsdp.convert import DtypeConversion
 from fsdp.grad_reduction import GradReduction
-from fsdp.meta_init import MetaInit
+from fsdp.meta_init import MetaInit, meta_error
 from fsdp.optimizer_hooks import note_registration
 from fsdp.offload import CPUOffloadPolicy, HostOffload
 from fsdp.policy import Dtypes, MixedPrecisionPolicy, Strategy

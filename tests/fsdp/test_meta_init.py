@@ -59,6 +59,8 @@ def _meta_vs_eager(model, batches, path: str) -> dict:
         assert all(isinstance(p, DTensor) and p.is_meta for p in m.parameters())
         with pytest.raises(RuntimeError, match="should be materialized from meta device.*'embed.weight'"):
             loss_fn(m, x, y)
+        with pytest.raises(RuntimeError, match="should be materialized from meta device"):
+            m.unshard()  # an explicit unshard: the same error, before any collective
         with pytest.raises(ValueError, match="pass a cpu device"):
             m.to_empty(device="cuda")  # another device type than the mesh's: refused, nothing allocated
         assert all(p.is_meta for p in m.parameters())
