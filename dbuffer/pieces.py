@@ -48,7 +48,7 @@ class PieceShardedDTensor(DTensor):
         counts, unit = self._units_per_shard(), self._unit_shape()
         most = max(counts)
         padded = local.new_zeros((most, *unit))
-        padded[: local.shape[0]] = local.view(-1, *unit)
+        padded[: local.shape[0]] = local  # (units, *unit shape) already: rows, or a 1-D run of elements
         gathered = padded.reshape(-1)
         for axis in reversed(sharded_axes(self.placements)):
             out = gathered.new_empty(gathered.numel() * self.device_mesh.shape[axis])
