@@ -39,18 +39,11 @@ from typing import Any, Optional, Sequence
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten
 
-from dbuffer.pieces import PieceShardedDTensor
+from dbuffer.pieces import PieceShardedDTensor, run_on_full
 from dbuffer.placements import sharded_axes
-from dbuffer.row_sharded import (
-    RowShardedDTensor,
-    _is_elementwise,
-    _map_tensors,
-    _mixed_error,
-    _mutates_first,
-    _written,
-)
+from dbuffer.row_sharded import RowShardedDTensor, _is_elementwise, _mutates_first
 
 __all__ = ["ElementShardedDTensor", "element_boxes", "element_range"]
 
@@ -101,6 +94,10 @@ class ElementShardedDTensor(PieceShardedDTensor):
     def _unit_shape(self) -> tuple[int, ...]:
         return ()
 
+    def piece_of(self, full: torch.Tensor) -> torch.Tensor:
+        start, end = self.element_range
+        return full.reshape(-1)[start:end]
+
     @torch.no_grad()
     def full_tensor(self, *, grad_placements=None) -> torch.Tensor:  # type: ignore[override]
         """The whole tensor on every rank (a new tensor; not differentiable)."""
@@ -134,7 +131,7 @@ class ElementShardedDTensor(PieceShardedDTensor):
             refs = _common_elements(args, kwargs)
             if refs is not None:
                 return _run_local(func, args, kwargs, refs)
-        return _run_full(func, args, kwargs, flat, tree)
+        return run_on_full(func, args, kwargs, flat, tree)
 
     # ------------------------------------------------------------------ DCP
 
@@ -413,54 +410,3 @@ def _check_keeps_elements(func, src: ElementShardedDTensor, rest: tuple, kwargs:
             f"through p.full_tensor() or p.redistribute(placements=[Replicate()] * mesh.ndim), or use "
             f"a view that keeps the element order (view/reshape/flatten)"
         )
-
-
-def exact_full(t: DTensor) -> torch.Tensor:
-    """The full tensor of any DTensor this package hands out (element-, row-sharded or plain)."""
-    if isinstance(t, (ElementShardedDTensor, RowShardedDTensor)):
-        return t.full_tensor()
-    return DTensor(t._local_tensor, t._spec, requires_grad=False).full_tensor()
-
-
-def exact_piece(full: torch.Tensor, t: DTensor) -> torch.Tensor:
-    """``t``'s local piece cut out of ``full`` (a whole tensor shaped like ``t``)."""
-    if isinstance(t, ElementShardedDTensor):
-        start, end = t.element_range
-        return full.reshape(-1)[start:end]
-    if isinstance(t, RowShardedDTensor):
-        return full[t._row_start : t._row_start + t._local_tensor.shape[0]]
-    whole = DTensor.from_local(full, t.device_mesh, [Replicate()] * t.device_mesh.ndim, run_check=False)
-    return whole.redistribute(t.device_mesh, t.placements)._local_tensor
-
-
-def _run_full(func, args: tuple, kwargs: dict, flat: list, tree):
-    if any(isinstance(t, torch.Tensor) and not isinstance(t, DTensor) and t.dim() > 0 for t in flat):
-        raise _mixed_error(func)
-    originals: dict[int, DTensor] = {}
-    fulls = []
-    for t in flat:
-        if isinstance(t, DTensor):
-            whole = exact_full(t)
-            originals[id(whole)] = t
-            fulls.append(whole)
-        else:
-            fulls.append(t)
-    full_args, full_kwargs = tree_unflatten(fulls, tree)
-    out = func(*full_args, **full_kwargs)
-    written = _written(func, args, kwargs)
-    with torch.no_grad():
-        for whole, t in zip(fulls, flat):
-            if isinstance(t, DTensor) and id(t) in written:
-                t._local_tensor.copy_(exact_piece(whole, t).reshape(t._local_tensor.shape))
-    ref = next((t for t in flat if isinstance(t, ElementShardedDTensor)), None)
-
-    def result(o: torch.Tensor):
-        if id(o) in originals:
-            return originals[id(o)]
-        if ref is not None and o.shape == ref.shape:
-            start, end = ref.element_range
-            return ref._with_local(o.reshape(-1)[start:end].clone())
-        mesh = ref.device_mesh
-        return DTensor.from_local(o, mesh, [Replicate()] * mesh.ndim, run_check=False)
-
-    return _map_tensors(out, lambda o: result(o) if isinstance(o, torch.Tensor) else o)

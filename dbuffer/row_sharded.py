@@ -39,10 +39,10 @@ from typing import Any, Optional, Sequence
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten
 
 from dbuffer.broadcast import broadcast_
-from dbuffer.pieces import PieceShardedDTensor
+from dbuffer.pieces import PieceShardedDTensor, map_tensors, run_on_full
 from dbuffer.placements import sharded_axes
 
 __all__ = ["RowShardedDTensor", "chunk_rows", "row_range"]
@@ -124,6 +124,9 @@ class RowShardedDTensor(PieceShardedDTensor):
     def _unit_shape(self) -> tuple[int, ...]:
         return tuple(self.shape[1:])
 
+    def piece_of(self, full: torch.Tensor) -> torch.Tensor:
+        return full[self._row_start : self._row_start + self._local_tensor.shape[0]]
+
     @torch.no_grad()
     def full_tensor(self, *, grad_placements=None) -> torch.Tensor:  # type: ignore[override]
         """The whole tensor on every rank (a new tensor; not differentiable)."""
@@ -163,7 +166,7 @@ class RowShardedDTensor(PieceShardedDTensor):
             refs = _common_rows(args, kwargs)
             if refs is not None:
                 return _run_local(func, args, kwargs, refs)
-        return _run_full(func, args, kwargs, flat, tree)
+        return run_on_full(func, args, kwargs, flat, tree)
 
     # ------------------------------------------------------------------ DCP
 
@@ -254,13 +257,6 @@ def _is_elementwise(func) -> bool:
     if name.startswith("_foreach_"):
         return not name.startswith(_NOT_ELEMENTWISE_FOREACH)
     return torch.Tag.pointwise in func.tags or func in _ELEMENTWISE
-
-
-def _mixed_error(func) -> RuntimeError:
-    return RuntimeError(
-        f"{func}: got mixed torch.Tensor and DTensor, need to convert all torch.Tensor to DTensor "
-        f"before calling distributed operators!"
-    )
 
 
 def _common_rows(args: tuple, kwargs: dict) -> Optional[list[Optional[DTensor]]]:
@@ -378,68 +374,6 @@ def _view_result(local: torch.Tensor, full: torch.Tensor, src: "RowShardedDTenso
     return RowShardedDTensor.wrap(local, spec, src._rows_per_shard, src._row_start)
 
 
-def _run_full(func, args: tuple, kwargs: dict, flat: list, tree):
-    """Compute on whole tensors (each DTensor operand gathered exactly), then keep this rank's
-    rows: written back into operands the op modifies, and of results shaped like an operand."""
-    if any(isinstance(t, torch.Tensor) and not isinstance(t, DTensor) and t.dim() > 0 for t in flat):
-        raise _mixed_error(func)
-    originals: dict[int, DTensor] = {}
-    fulls = []
-    for t in flat:
-        if isinstance(t, DTensor):
-            whole = t.full_tensor() if isinstance(t, RowShardedDTensor) or hasattr(t, "_elements_per_shard") else _plain_full(t)
-            originals[id(whole)] = t
-            fulls.append(whole)
-        else:
-            fulls.append(t)
-    full_args, full_kwargs = tree_unflatten(fulls, tree)
-    out = func(*full_args, **full_kwargs)
-    written = _written(func, args, kwargs)
-    with torch.no_grad():
-        for whole, t in zip(fulls, flat):
-            if isinstance(t, DTensor) and id(t) in written:
-                t._local_tensor.copy_(_piece(whole, t))
-    ref = next((t for t in flat if isinstance(t, RowShardedDTensor)), None)
-    return _map_tensors(out, lambda o: originals[id(o)] if id(o) in originals else _result(o, ref))
-
-
-def _written(func, args: tuple, kwargs: dict) -> set[int]:
-    """ids of the tensors the op writes (schema arguments marked ``(a!)``, lists included)."""
-    out: set[int] = set()
-    for i, arg in enumerate(func._schema.arguments):
-        if arg.alias_info is None or not arg.alias_info.is_write:
-            continue
-        value = args[i] if i < len(args) else kwargs.get(arg.name)
-        for t in value if isinstance(value, (list, tuple)) else [value]:
-            if isinstance(t, torch.Tensor):
-                out.add(id(t))
-    return out
-
-
-def _piece(full: torch.Tensor, t: DTensor) -> torch.Tensor:
-    """``t``'s local piece of ``full`` (a whole tensor shaped like ``t``)."""
-    if isinstance(t, RowShardedDTensor):
-        return full[t._row_start : t._row_start + t._local_tensor.shape[0]]
-    if hasattr(t, "_elements_per_shard"):  # an ElementShardedDTensor: a range of the flat elements
-        start = t._element_start
-        return full.reshape(-1)[start : start + t._local_tensor.numel()]
-    whole = DTensor.from_local(full, t.device_mesh, [Replicate()] * t.device_mesh.ndim, run_check=False)
-    return whole.redistribute(t.device_mesh, t.placements)._local_tensor
-
-
-def _result(o: Any, ref: Optional["RowShardedDTensor"]) -> Any:
-    if not isinstance(o, torch.Tensor):
-        return o
-    if ref is not None and o.shape == ref.shape:
-        return ref._with_local(o[ref._row_start : ref._row_start + ref._local_tensor.shape[0]].clone())
-    mesh = ref.device_mesh if ref is not None else None
-    return DTensor.from_local(o, mesh, [Replicate()] * mesh.ndim, run_check=False)
-
-
-def _plain_full(t: DTensor) -> torch.Tensor:
-    return DTensor(t._local_tensor, t._spec, requires_grad=False).full_tensor()
-
-
 def _rewrap_rows(out: Any, flat: list) -> Any:
     """DTensor's result of a split-free reduction; one that kept dim 0 gets the input's rows."""
     ref = next(t for t in flat if isinstance(t, RowShardedDTensor))
@@ -450,7 +384,7 @@ def _rewrap_rows(out: Any, flat: list) -> Any:
                 return RowShardedDTensor.wrap(o._local_tensor, o._spec, ref._rows_per_shard, ref._row_start)
         return o
 
-    return _map_tensors(out, fix)
+    return map_tensors(out, fix)
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -463,12 +397,6 @@ def _no_empty_piece(flat: list) -> bool:
 def _mutates_first(func) -> bool:
     args = func._schema.arguments
     return bool(args) and args[0].alias_info is not None and args[0].alias_info.is_write
-
-
-def _map_tensors(out: Any, fn) -> Any:
-    if isinstance(out, (list, tuple)):
-        return type(out)(_map_tensors(o, fn) for o in out)
-    return fn(out) if isinstance(out, torch.Tensor) else out
 
 
 def _locals(tree: Any) -> Any:
