@@ -27,6 +27,7 @@ found dead between calls.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import signal
@@ -35,7 +36,7 @@ import sys
 import threading
 import traceback
 from dataclasses import dataclass
-from typing import Any, Callable, NoReturn, Optional
+from typing import Any, Callable, Iterator, NoReturn, Optional
 
 import torch
 import torch.distributed as dist
@@ -112,6 +113,34 @@ def run_ranks(
         return [_run_fake(fn, world_size, fake_rank, args)]
     raise ValueError(f"backend must be 'gloo', 'threaded' or 'fake', got {backend!r}")
 
+
+
+@contextlib.contextmanager
+def spy_collectives(*names: str) -> Iterator[list[tuple[str, tuple[int, ...]]]]:
+    """Record ``(collective, ranks of its group)`` for every ``dbuffer.collectives`` call named
+    in ``names`` that this process makes inside the block (dbuffer.collectives is the only caller
+    of c10d, so this sees all of fsdp's communication). The patch is process-wide: use it in gloo
+    workers, not under the threaded backend, where every rank shares the module."""
+    from dbuffer import collectives
+
+    seen: list[tuple[str, tuple[int, ...]]] = []
+    real = {name: getattr(collectives, name) for name in names}
+
+    def spy(name: str):
+        def run(*args, **kwargs):
+            group = next(a for a in (*args, *kwargs.values()) if isinstance(a, dist.ProcessGroup))
+            seen.append((name, tuple(dist.get_process_group_ranks(group))))
+            return real[name](*args, **kwargs)
+
+        return run
+
+    for name in names:
+        setattr(collectives, name, spy(name))
+    try:
+        yield seen
+    finally:
+        for name, fn in real.items():
+            setattr(collectives, name, fn)
 
 def _raise_first_error(errors: dict[int, str], what: str) -> None:
     rank = min(errors)

@@ -15,7 +15,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 import fsdp
 from tests.fsdp.models import full_state, make_batches, make_model, max_diff, reference, train
-from tests.harness import run_ranks
+from tests.harness import run_ranks, spy_collectives
 
 STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
 
@@ -53,31 +53,13 @@ def test_hsdp_2x2_parity_every_strategy(backend) -> None:
 
 def _gathers_stay_in_shard_group() -> list:
     """Ranks of the process groups the ZeRO-3 gather and the gradient reduction run on."""
-    from dbuffer import collectives
+    from tests.fsdp.models import loss_fn
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-    seen: list[tuple[str, tuple[int, ...]]] = []
-    real = {name: getattr(collectives, name) for name in ("all_gather", "reduce_scatter", "all_reduce")}
-
-    def spy(name):
-        def run(*args, **kwargs):
-            group = next(a for a in args if isinstance(a, dist.ProcessGroup))
-            seen.append((name, tuple(dist.get_process_group_ranks(group))))
-            return real[name](*args, **kwargs)
-
-        return run
-
     m = fsdp.fully_shard(make_model(), mesh=mesh)
     x, y = make_batches(1)[0]
-    for name in real:
-        setattr(collectives, name, spy(name))
-    try:
-        from tests.fsdp.models import loss_fn
-
+    with spy_collectives("all_gather", "reduce_scatter", "all_reduce") as seen:
         loss_fn(m, x[:4], y[:4]).backward()
-    finally:
-        for name, fn in real.items():
-            setattr(collectives, name, fn)
     return sorted(set(seen))
 
 

@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor, Shard
 import fsdp
 from fsdp.layout_choice import layout_policy
 from tests.fsdp.models import full_state, make_batches, make_model, max_diff, reference, train
-from tests.harness import run_ranks
+from tests.harness import run_ranks, spy_collectives
 
 
 def _mesh():
@@ -260,34 +260,16 @@ def test_hfsdp_meta_init_full_import_clip_and_flat_optimizer() -> None:
 def _collective_groups() -> list:
     """(collective, ranks of its group) of one HFSDP training step: forward/backward, optimizer
     step, and the next forward's refresh."""
-    from dbuffer import collectives
     from tests.fsdp.models import loss_fn
 
-    mesh = _mesh()
-    m = _shard(make_model(), mesh, "optim")
+    m = _shard(make_model(), _mesh(), "optim")
     opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
     x, y = make_batches(1)[0]
-    seen: list[tuple[str, tuple[int, ...]]] = []
-    real = {name: getattr(collectives, name) for name in ("all_gather", "reduce_scatter", "all_reduce")}
-
-    def spy(name):
-        def run(*args, **kwargs):
-            group = next(a for a in args if isinstance(a, dist.ProcessGroup))
-            seen.append((name, tuple(dist.get_process_group_ranks(group))))
-            return real[name](*args, **kwargs)
-
-        return run
-
-    for name in real:
-        setattr(collectives, name, spy(name))
-    try:
+    with spy_collectives("all_gather", "reduce_scatter", "all_reduce") as seen:
         loss_fn(m, x[:2], y[:2]).backward()
         opt.step()
         opt.zero_grad()
         loss_fn(m, x[:2], y[:2]).backward()  # its forward refreshes the model shard first
-    finally:
-        for name, fn in real.items():
-            setattr(collectives, name, fn)
     return sorted(set(seen))
 
 

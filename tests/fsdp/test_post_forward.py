@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import copy
 
 import pytest
@@ -19,29 +18,11 @@ import torch
 import torch.distributed as dist
 
 import fsdp
-from dbuffer import collectives
 from tests.fsdp.models import full_state, loss_fn, make_batches, make_model, max_diff, reference, train
 from tests.fsdp.test_parity import shard
-from tests.harness import run_ranks
+from tests.harness import run_ranks, spy_collectives
 
 N = 2
-
-
-@contextlib.contextmanager
-def _gather_group_sizes():
-    """The group size of every all-gather dbuffer makes inside the block (this process only)."""
-    sizes: list[int] = []
-    original = collectives.all_gather
-
-    def spy(out_t, inp, group, async_op=False):
-        sizes.append(dist.get_world_size(group))
-        return original(out_t, inp, group, async_op)
-
-    collectives.all_gather = spy
-    try:
-        yield sizes
-    finally:
-        collectives.all_gather = original
 
 
 def _post_forward(model, batches) -> dict:
@@ -61,9 +42,9 @@ def _post_forward(model, batches) -> dict:
          g.post_forward.buffer.local_buffer.numel() * N == g.unsharded.layout.total_numel)
         for g in groups
     ]
-    with _gather_group_sizes() as sizes:
+    with spy_collectives("all_gather") as seen:
         loss.backward()
-    out["backward_gather_sizes"] = sorted(set(sizes))
+    out["backward_gather_sizes"] = sorted({len(ranks) for _, ranks in seen})
     out["emptied"] = all(g.post_forward.holds is None for g in groups)
     m.zero_grad(set_to_none=True)
 
@@ -71,9 +52,9 @@ def _post_forward(model, batches) -> dict:
     opt = torch.optim.SGD(m.parameters(), lr=0.0)
     loss = loss_fn(m, x, y)
     opt.step()  # marks every group stale, values unchanged (lr 0)
-    with _gather_group_sizes() as sizes:
+    with spy_collectives("all_gather") as seen:
         loss.backward()
-    out["stale_gather_sizes"] = sorted(set(sizes))
+    out["stale_gather_sizes"] = sorted({len(ranks) for _, ranks in seen})
     m.zero_grad(set_to_none=True)
 
     train(m, batches, rank=rank, world=world)
