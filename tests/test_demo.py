@@ -32,6 +32,9 @@ def _demo(out: Path, name: str, *args: str) -> dict:
         capture_output=True, text=True, timeout=240, cwd=ROOT,
     )
     assert run.returncode == 0, run.stdout + run.stderr
+    # a clean exit: no rank aborted in teardown, nothing left for the resource tracker to reap
+    for trouble in ("terminate called", "leaked semaphore"):
+        assert trouble not in run.stderr, run.stderr
     return {"stdout": run.stdout, **json.loads(log.read_text())}
 
 

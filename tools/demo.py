@@ -206,8 +206,13 @@ def _progress(enabled: bool, total: int):
     (a CI log keeps every redraw)."""
     if not enabled:
         return None
+    import threading
+
     from tqdm import tqdm
 
+    # tqdm's default lock is a multiprocessing semaphore; a rank leaves through os._exit
+    # (dbuffer.teardown.shutdown), so it would be reported as leaked at exit. One bar, one thread.
+    tqdm.set_lock(threading.RLock())
     interactive = sys.stderr.isatty()
     return tqdm(total=total, desc="training", unit="step", mininterval=0.2 if interactive else 5.0,
                 dynamic_ncols=True)
