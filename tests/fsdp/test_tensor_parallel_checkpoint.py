@@ -24,7 +24,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 import fsdp.checkpoint as ckpt
 from fsdp import fully_shard
 from tests.fsdp.test_checkpoint import _diff
-from tests.fsdp.test_tensor_parallel import TP_PLAN, _dp_rank, loss_fn, make_batches, make_model
+from tests.fsdp.test_tensor_parallel import TP_PLAN, _steps, make_batches, make_model
 from tests.harness import run_ranks
 
 WORLD = 4
@@ -78,12 +78,7 @@ def _save(ref, batches, path: str, impl: str):
         model, opt, dp_mesh = _build(ref, "hfsdp")
     else:
         model, opt, dp_mesh = _build(ref, "dp2xtp2", impl)
-    dp, rank = dp_mesh.size(), _dp_rank(dp_mesh)
-    for x, y in batches:
-        per = x.shape[0] // dp
-        loss_fn(model, x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]).backward()
-        opt.step()
-        opt.zero_grad()
+    _steps(model, opt, batches, dp_mesh)
     if impl != "fsdp2":
         msd, osd = ckpt.get_state_dict(model, opt)
         ckpt.save({"model": msd, "optim": osd}, path)
