@@ -3,11 +3,12 @@ sharding strategies and precision policy. All communication happens inside :mod:
 
 From torch FSDP2, change the import: ``fully_shard(module, mesh=, reshard_after_forward=,
 mp_policy=MixedPrecisionPolicy(param_dtype=, reduce_dtype=, output_dtype=, cast_forward_inputs=),
-shard_placement_fn=, offload_policy=CPUOffloadPolicy(pin_memory=))`` (``Shard(dim)``: exactly torch.chunk's pieces; see :mod:`fsdp.chunked`)
-and the module methods ``unshard(async_op=)``, ``reshard()``, ``set_requires_gradient_sync()``,
+shard_placement_fn=, offload_policy=CPUOffloadPolicy(pin_memory=))`` and the module methods ``unshard(async_op=)``, ``reshard()``, ``set_requires_gradient_sync()``,
 ``set_reshard_after_forward()``, ``set_reshard_after_backward()``, ``set_is_last_backward()``,
 ``set_modules_to_forward_prefetch()``, ``set_modules_to_backward_prefetch()`` behave alike;
-``module.parameters()`` are DTensors, so torch optimizers, ``clip_grad_norm_`` and DCP work.
+``module.parameters()`` are DTensors with FSDP2's local shards (``torch.chunk`` pieces along dim 0,
+or ``shard_placement_fn``'s dim; :mod:`fsdp.chunked`), so torch optimizers, ``clip_grad_norm_``
+and DCP work.
 The rest of FSDP2's surface (``set_all_reduce_hook``, ``set_gradient_divide_factor``,
 ``set_requires_all_reduce``, ``reset_iter_state``, ``fully_shard.state``, ``dp_mesh_dims``, ...)
 is in :mod:`fsdp.surface`, which says which setters act, which have no effect and which raise.
@@ -15,7 +16,9 @@ is in :mod:`fsdp.surface`, which says which setters act, which have no effect an
 From Megatron-FSDP: ``sharding_strategy`` in ``no_shard | optim | optim_grads |
 optim_grads_params`` (ZeRO-0..3, default ZeRO-3); ``MixedPrecisionPolicy(main_params_dtype=
 torch.float32, main_grads_dtype=...)``; ``param.main_grad``; ``module.zero_grad_buffer()`` and
-``module.finish_grad_sync()``.
+``module.finish_grad_sync()``; ``with layout_policy("auto"): fully_shard(...)`` for its flat
+row-atomic (or, where that pads too much, ragged) layout, whose gathers need no copies
+(:mod:`fsdp.layout_choice`).
 
 Beyond both: ``fully_shard(..., buckets=[Bucket("*.experts.*", ...)], bucket_size=...)`` groups
 parameters into communication buckets by name, each with its own mesh, placement (``Shard(0)``,
@@ -33,8 +36,8 @@ Checkpoints and meta-device init:
   after each optimizer step) are DTensors describing their exact rows, so checkpoints reshard
   across world sizes and strategies. :mod:`fsdp.checkpoint` adds ``save`` / ``load`` (atomic
   publish, CRC32 per file, errors naming the key or file) and a ``set_state_dict`` that also loads
-  full state dicts (``full_state_dict=True``, ``broadcast_from_rank0=True``), which torch's cuts
-  where ``torch.chunk`` would, not where fsdp's row-atomic layout does.
+  full state dicts (``full_state_dict=True``, ``broadcast_from_rank0=True``) into every layout
+  (torch's cuts where ``torch.chunk`` would, which is not where the flat layouts do).
 * Build under ``torch.device("meta")`` and ``fully_shard``: as in FSDP2 the sharded parameters
   stay on meta until ``module.to_empty(device=...)`` allocates each rank's shards; then
   :func:`init_weights` runs each module's ``reset_parameters()`` (or your function) one unit at a
@@ -59,14 +62,15 @@ Differences worth knowing:
   parameters add their own axes: :mod:`fsdp.tensor_parallel`); 0-D parameters only with ``no_shard``;
   a parameter tied across two units is an error (put both users in one unit).
 * ``reshard_after_forward`` as an int ``n`` keeps ``1/n`` of the gathered weights after forward
-  and gathers within ``n`` ranks in backward, as FSDP2 (row-atomic ZeRO-3 groups on a 1-D mesh;
-  others reshard fully); the shards live on the mesh's device (the host under ``CPUOffloadPolicy``), so ``module.to(device)``
+  and gathers within ``n`` ranks in backward, as FSDP2 (ZeRO-3 groups of plain parameters on a
+  1-D mesh; others reshard fully); the shards live on the mesh's device (the host under ``CPUOffloadPolicy``), so ``module.to(device)``
   accepts that device only. ``module.to(dtype)`` keeps the dtypes a ``MixedPrecisionPolicy`` set explicitly.
 """
 
 from fsdp.api import FSDPModule, UnshardHandle, fully_shard, init_weights, register_fsdp_forward_method
 from fsdp.surface import DataParallelMeshDims, share_comm_ctx
 from fsdp.bucket import Bucket
+from fsdp.layout_choice import layout_policy
 from fsdp.muon import Muon
 from fsdp.optim import FlatAdam, FlatAdamW, FlatOptimizer, FlatSGD, flat_optimizer
 from fsdp.offload import CPUOffloadPolicy, OffloadPolicy
@@ -93,6 +97,7 @@ __all__ = [
     "flat_optimizer",
     "fully_shard",
     "init_weights",
+    "layout_policy",
     "register_fsdp_forward_method",
     "share_comm_ctx",
 ]

@@ -27,7 +27,7 @@ from dbuffer.agreement import check_agreement, value_digest, values_comparable
 from fsdp.bucket import Bucket, GroupSpec, plan_buckets
 from fsdp.chunked import ChunkedParameterGroup
 from fsdp.extensions import ExtensionParameterGroup, check_extension_params, split_extension_members
-from fsdp.layout_choice import describe_layout_policy
+from fsdp.layout_choice import chunk_by_default, describe_layout_policy
 from fsdp.offload import CPUOffloadPolicy, OffloadPolicy, check_offload_policy
 from fsdp.outer_shard import OuterShardedParameterGroup, check_outer_sharding
 from fsdp.param_group import ParamInfo, ParameterGroup
@@ -264,8 +264,9 @@ def fully_shard(
     plain ones, until the end of backward or :meth:`FSDPModule.reshard`. An ``int`` ``n`` (FSDP2's
     resharding to a smaller group) must divide the shard group's size ``W``: 1 means False, ``W``
     True; in between, each rank keeps ``1/n`` of the gathered weights after forward and backward
-    gathers them within groups of ``n`` consecutive ranks (:mod:`fsdp.post_forward`; row-atomic
-    ZeRO-3 groups on a 1-D mesh without offload; the other groups reshard fully, like True).
+    gathers them within groups of ``n`` consecutive ranks (:mod:`fsdp.post_forward`; ZeRO-3
+    groups of plain parameters on a 1-D mesh without offload; the other groups reshard fully,
+    like True).
 
     ``mesh``: 1-D (the data-parallel ranks) or 2-D ``(replicate, shard)`` for HSDP: parameters
     are sharded and gathered within the inner axis, gradients are reduce-scattered within it and
@@ -275,16 +276,20 @@ def fully_shard(
     of main weights. Returns the module, its class swapped to ``FSDP<Orig>``. Nested units must be
     sharded first.
 
+    Layout. By default every parameter's local shard is FSDP2's: exactly
+    ``torch.chunk(full, W, 0)[rank]`` over the ``W`` shard ranks (empty where torch.chunk gives
+    fewer pieces), registered as a plain DTensor with placement ``Shard(0)``, gathered and reduced
+    in flat groups with FSDP2's copy after each gather and before each reduction (see
+    :mod:`fsdp.chunked`). ``fsdp.layout_policy("auto" | "row" | "ragged")`` around the call opts
+    into Megatron-FSDP's flat layouts instead, whose gathered buffer *is* the unsharded
+    parameters (no copies), with row pieces handed out as exact DTensor subclasses (see
+    :mod:`fsdp.layout_choice`); ``no_shard``, HFSDP and explicit buckets always use those.
+
     ``shard_placement_fn`` (FSDP2's): called once per parameter; ``Shard(dim)`` (``dim`` may be
-    negative) makes that parameter's local shard exactly ``torch.chunk(full, W, dim)[rank]`` over
-    the ``W`` shard ranks (empty where torch.chunk gives fewer pieces), registered as a plain
-    DTensor with placement ``Shard(dim)``; ``None`` keeps the default row-atomic layout. Such
-    parameters are gathered and reduced in groups of their own, at the price of a copy after each
-    gather and of one copy per piece of each gradient before each reduction (see
-    :mod:`fsdp.chunked`). ``shard_placement_fn=lambda p: Shard(0)`` gives every parameter FSDP2's
-    exact ``Shard(0)`` pieces. Any other return value raises ``TypeError``, a dim the parameter
-    lacks ``ValueError``, naming the parameter. With ``no_shard`` nothing is sharded and the
-    function's answers have no effect.
+    negative) makes its local shard ``torch.chunk(full, W, dim)[rank]``, placement ``Shard(dim)``;
+    ``None`` leaves it to the default above. Any other return value raises ``TypeError``, a dim
+    the parameter lacks ``ValueError``, naming the parameter. With ``no_shard`` nothing is sharded
+    and the function's answers have no effect.
 
     Parameters that are already DTensors (tensor or expert parallelism on other axes of the same
     root mesh, e.g. ``parallelize_module(m, mesh["tp"], plan)`` then ``mesh=mesh["dp"]``) are
@@ -341,6 +346,7 @@ def fully_shard(
         mp_policy,
         bucket_size,
         shard_dims,
+        default_dim=0 if chunk_by_default() and outer_dp_sharding_strategy == "no_shard" else None,
     )
     for spec in specs:
         if spec.mesh is not mesh:

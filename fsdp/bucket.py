@@ -86,13 +86,15 @@ def plan_buckets(
     policy: MixedPrecisionPolicy,
     bucket_size: Optional[int],
     shard_dims: Optional[Sequence[Optional[int]]] = None,
+    default_dim: Optional[int] = None,
 ) -> list[GroupSpec]:
     """Assign the unit's parameters (registration order) to groups. Explicit buckets come first,
     in the order given; the rest is grouped by (dtype, requires_grad), split at ``bucket_size``
     bytes of main weights (a larger parameter gets a group of its own). ``shard_dims``: per
     parameter, the dim ``shard_placement_fn`` shards it along (None: the default layout); those
     parameters form groups of their own, grouped the same way, when the strategy shards the main
-    weights (otherwise nothing is sharded and they join the default groups)."""
+    weights (otherwise nothing is sharded and they join the default groups). ``default_dim``:
+    the dim of the parameters ``shard_dims`` leaves at None (0: FSDP2's layout; None: flat)."""
     if bucket_size is not None and (not isinstance(bucket_size, int) or bucket_size <= 0):
         raise ValueError(f"bucket_size must be a positive number of bytes or None, got {bucket_size!r}")
     owner: dict[int, int] = {}
@@ -126,8 +128,8 @@ def plan_buckets(
             )
     rest = [k for k in range(len(names)) if k not in owner]
     for k in rest:  # DTensor (tensor-parallel) parameters: exact torch.chunk pieces, dim 0 by default
-        if dims[k] is None and mesh_key(params[k]) is not None and params[k].dim():
-            dims[k] = 0
+        if dims[k] is None and params[k].dim() and (mesh_key(params[k]) is not None or default_dim is not None):
+            dims[k] = 0 if default_dim is None else default_dim
     chunked = [k for k in rest if dims[k] is not None] if strategy.shard_optim else []
     specs.extend(_default([k for k in rest if k not in chunked], params, mesh, strategy, policy, bucket_size))
     for spec in _default(chunked, params, mesh, strategy, policy, bucket_size):

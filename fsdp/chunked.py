@@ -155,6 +155,35 @@ class ChunkedParameterGroup(ParameterGroup):
         self.gathered.reallocate_storage()
         return self.gathered
 
+    # ------------------------------------------------------------------ reshard_after_forward=n
+
+    def _keeps_post_forward_slice(self) -> bool:
+        return type(self) is ChunkedParameterGroup  # TP and extension groups reshard fully
+
+    def _gathered_buffer(self) -> DBuffer:
+        return self.gathered
+
+    def _keep_post_forward(self, post) -> None:
+        post.keep(self._gathered, fill=self._fill_rank_shards)
+
+    @torch.no_grad()
+    def _fill_rank_shards(self, out: torch.Tensor, start: int, end: int) -> None:
+        """Write ``[start, end)`` of the shard-major gathered buffer (whole rank shards, as a
+        ``1/n`` slice always is) from the unsharded parameters; padding is zero."""
+        size = self.chunks.shard_numel
+        first, last = start // size, end // size
+        assert first * size == start and last * size == end, "a post-forward slice is whole rank shards"
+        rows = out.view(last - first, size)
+        rows.zero_()
+        for k, it in enumerate(self.chunks.items):
+            full = self.unsharded.get_local_tensor(k)
+            pre, post = it.shape[: it.dim], it.shape[it.dim + 1 :]
+            for r in range(first, last):
+                begin, length = self.chunks.piece(k, r)
+                if length:
+                    piece = rows[r - first, it.offset : it.offset + length * it.inner].view(*pre, length, *post)
+                    piece.copy_(full.narrow(it.dim, begin, length))
+
     @torch.no_grad()
     def _end_gather(self) -> None:
         flat = self.gathered.local_buffer

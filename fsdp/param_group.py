@@ -179,7 +179,7 @@ class ParameterGroup(MetaInit, GradReduction, DtypeConversion):
         if strategy.shard_params:  # gathered before each use (its views exist now)
             self.unsharded.release_storage()
         if self.post_forward is not None:  # rebuilt (module.to, to_empty): follow the new buffer
-            self.post_forward = PostForwardShard(self.unsharded, self.post_forward.mesh)
+            self.post_forward = PostForwardShard(self._gathered_buffer(), self.post_forward.mesh)
 
     def _module_param(self, k: int, full: torch.Tensor) -> nn.Parameter:
         """What modules compute with for parameter ``k`` whose whole values are ``full`` (a view
@@ -340,6 +340,7 @@ class ParameterGroup(MetaInit, GradReduction, DtypeConversion):
         if post is not None and post.holds is not None:
             if post.holds == self._refreshes:  # backward after reshard_after_forward=n: gather in n ranks
                 self.unsharded.reallocate_storage()
+                self._gather_target()  # with storage: where post.gather() lands
                 with self.streams.launch(self.streams.all_gather):
                     self._gather_pending = post.gather()
                 if not async_op:
@@ -404,12 +405,23 @@ class ParameterGroup(MetaInit, GradReduction, DtypeConversion):
 
     def enable_post_forward_shard(self, mesh: DeviceMesh) -> bool:
         """FSDP2's ``reshard_after_forward=n`` with the ``(W/n, n)`` view of the shard mesh (see
-        :mod:`fsdp.post_forward`). Only a default (row-atomic or ragged) ZeRO-3 group on a 1-D mesh without offload
-        keeps a slice; the others (returns False) reshard fully after forward, like ``True``."""
-        if type(self) is not ParameterGroup or not self.strategy.shard_params or self.mesh.ndim != 1 or self.offload:
+        :mod:`fsdp.post_forward`). Only a ZeRO-3 group of plain parameters (any layout: torch.chunk,
+        row-atomic, ragged) on a 1-D mesh without offload keeps a slice; the others (returns False)
+        reshard fully after forward, like ``True``."""
+        if not self._keeps_post_forward_slice() or not self.strategy.shard_params or self.mesh.ndim != 1 or self.offload:
             return False
-        self.post_forward = PostForwardShard(self.unsharded, mesh)
+        self.post_forward = PostForwardShard(self._gathered_buffer(), mesh)
         return True
+
+    def _keeps_post_forward_slice(self) -> bool:
+        return type(self) is ParameterGroup
+
+    def _gathered_buffer(self) -> DBuffer:
+        """The buffer an all-gather of the weights fills (the unsharded weights themselves here)."""
+        return self.unsharded
+
+    def _keep_post_forward(self, post: PostForwardShard) -> None:
+        post.keep(self._gathered)
 
     def reshard_after_forward(self) -> None:
         """After forward: keep this rank's ``1/n`` slice of the gathered weights if
@@ -420,7 +432,7 @@ class ParameterGroup(MetaInit, GradReduction, DtypeConversion):
             return
         self.wait_unshard()
         if self._gathered is not None and not self.unsharded.is_storage_released():
-            post.keep(self._gathered)
+            self._keep_post_forward(post)
         self.reshard(keep_post_forward=True)
 
     def reshard(self, keep_post_forward: bool = False) -> None:

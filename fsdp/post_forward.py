@@ -12,14 +12,18 @@ once per (mesh, n) by :func:`post_forward_mesh` (creating process groups: every 
 from ``fully_shard``). The kept slice is shard ``j`` of the unit's own row-atomic layout cut into
 ``n`` shards (a layout made for ``W`` shards serves every ``n | W``), so it is a
 :class:`~dbuffer.DBuffer` placed ``[Replicate(), Shard(0)]`` on that view, and the backward
-gather is its ``redistribute`` to ``[Replicate(), Replicate()]`` into the unsharded buffer.
+gather is its ``redistribute`` to ``[Replicate(), Replicate()]`` into the unsharded buffer. A
+chunked group (FSDP2's torch.chunk pieces, :mod:`fsdp.chunked`) keeps a slice of its shard-major
+all-gather buffer instead: ``W/n`` whole rank shards, rebuilt from the unsharded parameters, and
+the backward gather lands there and is copied out as after any gather.
 """
 
 from __future__ import annotations
 
 import weakref
-from typing import Optional
+from typing import Callable, Optional
 
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
@@ -61,11 +65,16 @@ class PostForwardShard:
         self.buffer.release_storage()
         self.holds: Optional[int] = None  # the refresh whose weights it holds, None: empty
 
-    def keep(self, refresh: int) -> None:
-        """Copy this rank's slice out of the gathered weights (which the caller then frees)."""
+    def keep(self, refresh: int, fill: Optional[Callable[[torch.Tensor, int, int], None]] = None) -> None:
+        """Copy this rank's slice ``[start, end)`` out of the gathered weights (which the caller
+        then frees), or let ``fill(slice, start, end)`` write it where the gathered buffer is gone
+        already (a chunked group rebuilds it from the unsharded parameters)."""
         start, end = self.buffer.layout.shard_range(self.buffer.shard_index, self.buffer.num_shards)
         self.buffer.reallocate_storage()
-        self.buffer.local_buffer.copy_(self.unsharded.local_buffer[start:end])
+        if fill is None:
+            self.buffer.local_buffer.copy_(self.unsharded.local_buffer[start:end])
+        else:
+            fill(self.buffer.local_buffer, start, end)
         self.holds = refresh
 
     def gather(self) -> Pending:

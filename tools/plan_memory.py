@@ -333,7 +333,7 @@ class Plan:
     local_params: int = 0  # parameter elements on this rank's TP piece (= params without TP)
     outer_dp_sharding_strategy: str = "no_shard"  # "optim": HFSDP (fsdp.outer_shard)
     layouts: dict[str, int] = field(default_factory=dict)  # groups per layout kind: {"ragged": 80, ...}
-    layout_policy: str = "auto"  # fsdp.layout_choice's kind the groups were built under
+    layout_policy: str = "chunk"  # fsdp.layout_choice's kind the groups were built under
 
     def categories(self) -> dict[str, Bytes]:
         return {key: getattr(self, key) for key, _ in CATEGORIES}
@@ -438,7 +438,7 @@ def plan(
     tp: int = 1,
     dp_replicate: int = 1,
     outer_dp_sharding_strategy: str = "no_shard",
-    layout: str = "auto",
+    layout: str = "chunk",
 ) -> Plan:
     """Shard ``model`` (a preset name or a builder) as rank ``rank`` of ``world`` and measure.
 
@@ -456,9 +456,10 @@ def plan(
 
     ``outer_dp_sharding_strategy="optim"`` (with ``dp_replicate`` > 1, ``tp`` 1): HFSDP, passed to
     ``fully_shard``; the optimizer's buffers are then sharded over ``dp_replicate * dp_shard``.
-    ``layout``: :func:`fsdp.layout_choice.layout_policy`'s kind for the default groups: ``"auto"``
-    (row-atomic unless it pads more than 0.1%: ragged for Llama-3-70B at 1024 ranks), ``"row"``
-    or ``"ragged"``; the plan counts the groups of each kind (``layouts``).
+    ``layout``: :func:`fsdp.layout_choice.layout_policy`'s kind for the default groups:
+    ``"chunk"`` (fully_shard's default, FSDP2's torch.chunk pieces), ``"auto"`` (row-atomic unless
+    it pads more than 0.1%: ragged for Llama-3-70B at 1024 ranks), ``"row"`` or ``"ragged"``; the
+    plan counts the groups of each kind (``layouts``).
 
     Uses the default process group if one exists (it must have this world size and rank, e.g.
     ``tests.harness.run_ranks(..., backend="fake")``); otherwise joins a fake one for the duration
@@ -915,7 +916,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--optimizer", default="adamw", choices=list(OPTIMIZER_STATES))
     ap.add_argument("--lean-param-shard", action="store_true", help="persistent_param_shard=False: cast per gather")
     ap.add_argument("--flat-optimizer", action="store_true", help="fsdp.FlatAdamW & co.: no FP32 .grad copies")
-    ap.add_argument("--layout", default="auto", choices=list(LAYOUT_KINDS), help="default groups' layout (auto: row-atomic unless it pads > 0.1%%)")
+    ap.add_argument("--layout", default="chunk", choices=list(LAYOUT_KINDS), help="default groups' layout (chunk: FSDP2's torch.chunk pieces; auto: row-atomic unless it pads > 0.1%%)")
     ap.add_argument("--json", action="store_true", help="print the plan as JSON")
     args = ap.parse_args(argv)
     policy = MixedPrecisionPolicy(

@@ -133,16 +133,16 @@ def _misuse_after_sharding(out: dict, mesh) -> None:
     # a failure during setup restores the class and the parameters
     block = Block()
     before = dict(block.named_parameters())
-    real = fsdp.api.ParameterGroup
+    real = fsdp.api.ParameterGroup, fsdp.api.ChunkedParameterGroup
 
     def boom(*args, **kwargs):
         raise RuntimeError("injected")
 
-    fsdp.api.ParameterGroup = boom
+    fsdp.api.ParameterGroup = fsdp.api.ChunkedParameterGroup = boom
     try:
         out["restore"] = _expect(lambda: fsdp.fully_shard(block, mesh=mesh), RuntimeError, "injected")
     finally:
-        fsdp.api.ParameterGroup = real
+        fsdp.api.ParameterGroup, fsdp.api.ChunkedParameterGroup = real
     assert type(block) is Block and dict(block.named_parameters()) == before
     fsdp.fully_shard(block, mesh=mesh)  # and it can be sharded afterwards
 

@@ -26,6 +26,7 @@ from torch.distributed.tensor import DTensor
 import fsdp
 from dbuffer import RowShardedDTensor
 from fsdp import checkpoint as ckpt
+from fsdp.layout_choice import layout_policy
 from tests.fsdp.models import loss_fn, make_batches, make_model
 from tests.fsdp.test_parity import STRATEGIES, shard
 from tests.harness import run_ranks
@@ -100,8 +101,10 @@ def _diff(a, b, path: str = "") -> list[str]:
 
 
 def _first_leg(model, batches, path: str):
-    """World 2, ZeRO-3: 3 steps, save, then 3 more steps (the uninterrupted run)."""
-    m, opt = _build(model, "optim_grads_params")
+    """World 2, ZeRO-3, Megatron's row-atomic layout (the resumes use FSDP2's default torch.chunk
+    pieces, so each load also changes layout): 3 steps, save, then 3 more steps (the uninterrupted run)."""
+    with layout_policy("row"):
+        m, opt = _build(model, "optim_grads_params")
     _steps(m, opt, batches[:3])
     _save(m, opt, path)
     saved = _full(m, opt)

@@ -8,6 +8,7 @@ import torch.nn as nn
 
 from dbuffer import RowShardedDTensor
 from fsdp import fully_shard
+from fsdp.layout_choice import layout_policy
 from tests.harness import run_ranks
 
 _OPS = {
@@ -21,10 +22,11 @@ _OPS = {
 }
 
 
-def _ops_on_params(ref: nn.Module) -> int:
+def _ops_on_params(ref: nn.Module, layout: str) -> int:
     model = nn.Sequential(nn.Linear(3, 5), nn.Linear(5, 7), nn.Linear(7, 2))
     model.load_state_dict(ref.state_dict())
-    fully_shard(model)
+    with layout_policy(layout):
+        fully_shard(model)
     ragged = 0
     with torch.no_grad():
         for (name, p), q in zip(model.named_parameters(), ref.parameters()):
@@ -41,5 +43,8 @@ def test_ops_on_sharded_parameters_match_single_process() -> None:
     torch.manual_seed(0)
     ref = nn.Sequential(nn.Linear(3, 5), nn.Linear(5, 7), nn.Linear(7, 2))
     for backend in ("threaded", "gloo"):
-        ragged = run_ranks(_ops_on_params, 2, ref, backend=backend)
-        assert ragged[0] >= 3  # the case the issue reported: most of these are row-sharded
+        # Megatron's row-atomic layout: the case the issue reported, most of these are row-sharded
+        ragged = run_ranks(_ops_on_params, 2, ref, "row", backend=backend)
+        assert ragged[0] >= 3
+        # FSDP2's default torch.chunk pieces: plain DTensors, no subclass
+        assert run_ranks(_ops_on_params, 2, ref, "chunk", backend=backend) == [0, 0]

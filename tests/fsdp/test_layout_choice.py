@@ -142,7 +142,7 @@ def test_auto_policy_keeps_small_models_row_atomic_and_cuts_large_padding() -> N
     chosen = group_layout(layer, 1024)
     assert isinstance(chosen, RaggedLayout) and chosen.padding_fraction <= 0.001
     with pytest.raises(ValueError, match="kind must be one of"):
-        with layout_policy("chunk"):
+        with layout_policy("striped"):
             pass
 
 

@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 
 import fsdp
+from fsdp.chunked import ChunkedParameterGroup
+from fsdp.layout_choice import layout_policy
 from tests.fsdp.models import full_state, loss_fn, make_batches, make_model, max_diff, reference, train
 from tests.fsdp.test_parity import shard
 from tests.harness import run_ranks, spy_collectives
@@ -25,13 +27,15 @@ from tests.harness import run_ranks, spy_collectives
 N = 2
 
 
-def _post_forward(model, batches) -> dict:
+def _post_forward(model, batches, layout: str) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     out: dict = {}
-    m = shard(copy.deepcopy(model), True, reshard_after_forward=N)
-    ref_true = shard(copy.deepcopy(model), True, reshard_after_forward=True)
+    with layout_policy(layout):
+        m = shard(copy.deepcopy(model), True, reshard_after_forward=N)
+        ref_true = shard(copy.deepcopy(model), True, reshard_after_forward=True)
     groups = [g for block in m.blocks for g in block._fsdp_state.groups]
     assert all(g.post_forward is not None for g in groups)
+    assert all(isinstance(g, ChunkedParameterGroup) == (layout == "chunk") for g in groups)
     x, y = batches[0]
     per = x.shape[0] // world
     x, y = x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
@@ -39,7 +43,7 @@ def _post_forward(model, batches) -> dict:
     loss = loss_fn(m, x, y)
     out["kept"] = [
         (g.post_forward.holds is not None, g.unsharded.is_storage_released(),
-         g.post_forward.buffer.local_buffer.numel() * N == g.unsharded.layout.total_numel)
+         g.post_forward.buffer.local_buffer.numel() * N == g.post_forward.unsharded.layout.total_numel)
         for g in groups
     ]
     with spy_collectives("all_gather") as seen:
@@ -64,10 +68,12 @@ def _post_forward(model, batches) -> dict:
     return out
 
 
-def test_reshard_after_forward_n_keeps_a_slice_and_gathers_in_n_ranks() -> None:
+@pytest.mark.parametrize("layout", ["chunk", "row"])
+def test_reshard_after_forward_n_keeps_a_slice_and_gathers_in_n_ranks(layout: str) -> None:
+    """FSDP2's torch.chunk pieces (the default) and Megatron's row-atomic layout."""
     model, batches = make_model(), make_batches(3)
     want = reference(model, batches)
-    for r in run_ranks(_post_forward, 4, model, batches):
+    for r in run_ranks(_post_forward, 4, model, batches, layout):
         assert r["kept"] and all(all(flags) for flags in r["kept"]), r["kept"]
         assert r["backward_gather_sizes"] == [N], r["backward_gather_sizes"]
         assert r["emptied"]
