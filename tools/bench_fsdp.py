@@ -23,9 +23,9 @@ Methods, each running forward, loss, backward, ``AdamW.step()`` and ``zero_grad(
   and, in bf16, ``main_grads_dtype=bf16`` (no FP32 gradient copy at the step);
 * ``lean`` (only with ``--methods``): ``flat`` with ``persistent_param_shard=False`` (no BF16
   shard kept between steps; the shard is cast before each gather);
-* ``chunk`` (only with ``--methods``): ``ours`` with ``shard_placement_fn=lambda p: Shard(0)``,
-  FSDP2's ``torch.chunk`` layout (the local shapes FSDP2's tests assert): a copy out of every
-  gather and into every reduction, which the default row-atomic layout does not make.
+* ``row`` (only with ``--methods``): ``ours`` built under ``fsdp.layout_policy("auto")``,
+  Megatron's flat row-atomic layout: no copy out of each gather or into each reduction, which
+  the default (FSDP2's ``torch.chunk`` pieces, as ``ours`` runs) makes.
 
 The table prints peak memory and step time of each variant against FSDP2 and ``ours``.
 
@@ -108,11 +108,11 @@ from torch.utils._pytree import tree_flatten  # noqa: E402
 METHODS = ("ours", "fsdp2", "floor", "flat")
 # Variants of ours: "flat" = fsdp.FlatAdamW (the step over the flat shards) with BF16 main grads in
 # bf16 mode; "lean" = flat + MixedPrecisionPolicy(persistent_param_shard=False) (no BF16 shard
-# kept between steps); "chunk" = ours with shard_placement_fn=Shard(0), FSDP2's torch.chunk layout
-# (what its per-parameter local shapes need: a copy out of each gather and into each reduction).
-# Not run by default: "lean", "chunk".
-VARIANTS = ("flat", "lean", "chunk")
-ALL_METHODS = METHODS + ("lean", "chunk")
+# kept between steps); "row" = ours under layout_policy("auto"), Megatron's flat row-atomic layout
+# (no copy out of each gather and into each reduction, which ours, on FSDP2's pieces, makes).
+# Not run by default: "lean", "row".
+VARIANTS = ("flat", "lean", "row")
+ALL_METHODS = METHODS + ("lean", "row")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 # bf16 matmuls are very slow on a CPU without bf16 units (a bf16 step of the default model takes
@@ -376,7 +376,7 @@ def _policy_text(mode: str) -> dict[str, str]:
             "floor": "plain fp32 model, fp32 AdamW",
             "flat": "no policy (as ours)",
             "lean": "no policy (as ours; nothing to cast)",
-            "chunk": "no policy (as ours), shard_placement_fn=Shard(0): FSDP2's torch.chunk layout",
+            "row": "no policy (as ours), layout_policy('auto'): flat row-atomic layout",
         }
     return {
         "ours": "param_dtype=bf16, main_params_dtype=fp32, main_grads_dtype=fp32, reduce_dtype=fp32",
@@ -384,7 +384,7 @@ def _policy_text(mode: str) -> dict[str, str]:
         "floor": "bf16 copy of the model (.to(bfloat16)): bf16 weights, grads and AdamW states",
         "flat": "param_dtype=bf16, main_params_dtype=fp32, main_grads_dtype=bf16, reduce_dtype=fp32",
         "lean": "as flat, persistent_param_shard=False (cast the shard before each gather)",
-        "chunk": "as ours, shard_placement_fn=Shard(0): FSDP2's torch.chunk layout",
+        "row": "as ours, layout_policy('auto'): flat row-atomic layout",
     }
 
 
@@ -418,18 +418,15 @@ def build_method(name: str, base: torch.nn.Module, mode: str, cfg: BenchConfig, 
         if mode == "bf16":
             policy = fsdp.MixedPrecisionPolicy(
                 param_dtype=torch.bfloat16, reduce_dtype=torch.float32, main_params_dtype=torch.float32,
-                main_grads_dtype=torch.float32 if name in ("ours", "chunk") else torch.bfloat16,
+                main_grads_dtype=torch.float32 if name in ("ours", "row") else torch.bfloat16,
                 persistent_param_shard=name != "lean",
             )
         kw = dict(mesh=mesh, mp_policy=policy, sharding_strategy=cfg.strategy)
-        if name == "chunk":
-            from torch.distributed.tensor import Shard
-
-            kw["shard_placement_fn"] = lambda param: Shard(0)
-        for block in model.layers:
-            fsdp.fully_shard(block, **kw)
-        fsdp.fully_shard(model, **kw)
-        return Method(name, model, cfg, torch.optim.AdamW if name in ("ours", "chunk") else fsdp.FlatAdamW)
+        with fsdp.layout_policy("auto" if name == "row" else "chunk"):
+            for block in model.layers:
+                fsdp.fully_shard(block, **kw)
+            fsdp.fully_shard(model, **kw)
+        return Method(name, model, cfg, torch.optim.AdamW if name in ("ours", "row") else fsdp.FlatAdamW)
     if name == "fsdp2":
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -971,7 +968,7 @@ def parse_args(argv: Optional[list[str]] = None) -> tuple[BenchConfig, argparse.
                         help="our sharding_strategy (default optim_grads_params = ZeRO-3)")
     parser.add_argument("--methods", default=",".join(METHODS),
                         help=f"comma-separated subset of {','.join(ALL_METHODS)} (flat: fsdp.FlatAdamW + BF16 main "
-                             f"grads in bf16; lean: flat + persistent_param_shard=False; chunk: ours on FSDP2's torch.chunk layout)")
+                             f"grads in bf16; lean: flat + persistent_param_shard=False; row: ours on Megatron's flat row-atomic layout)")
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--dim", type=int, default=512)
     parser.add_argument("--heads", type=int, default=8)
