@@ -103,8 +103,9 @@ def _state_dicts(model, batches, path: str) -> bool:
     checkpoint.save({"model": sd_model, "optim": sd_optim}, path)
     train(m, batches[2:], rank=rank, world=world, make_opt=lambda params: opt)
     stepped = full_state(m)  # one more step: needs the optimizer state too
-    for how in ("full", "dcp", "dcp into row-atomic"):
-        fresh = _shard(copy.deepcopy(model), "row" if how == "dcp into row-atomic" else "ragged")
+    into = {"dcp into row-atomic": "row", "dcp into FSDP2's torch.chunk pieces": "chunk"}
+    for how in ("full", "dcp", *into):
+        fresh = _shard(copy.deepcopy(model), into.get(how, "ragged"))
         fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
         train(fresh, batches[:1], rank=rank, world=world, make_opt=lambda params: fresh_opt)  # other values
         if how == "full":
