@@ -186,6 +186,9 @@ class ChunkedParameterGroup(ParameterGroup):
 
     @torch.no_grad()
     def _end_gather(self) -> None:
+        # The unsharded parameters get their storage only now, as FSDP2's copy-out allocates
+        # them: a gather in flight (a prefetch) holds the gathered buffer alone, not both.
+        self.unsharded.reallocate_storage()
         flat = self.gathered.local_buffer
         for k in range(len(self.infos)):
             self._exchange(k, flat, self.unsharded.get_local_tensor(k), to_full=True)

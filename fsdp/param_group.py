@@ -339,7 +339,6 @@ class ParameterGroup(MetaInit, GradReduction, DtypeConversion):
         post = self.post_forward
         if post is not None and post.holds is not None:
             if post.holds == self._refreshes:  # backward after reshard_after_forward=n: gather in n ranks
-                self.unsharded.reallocate_storage()
                 self._gather_target()  # with storage: where post.gather() lands
                 with self.streams.launch(self.streams.all_gather):
                     self._gather_pending = post.gather()
@@ -347,7 +346,6 @@ class ParameterGroup(MetaInit, GradReduction, DtypeConversion):
                     self.wait_unshard()
                 return
             post.drop()  # the weights changed since
-        self.unsharded.reallocate_storage()
         target = self._gather_target()
         if self.lean_model or self._model_released():
             self._cast_model()
@@ -379,7 +377,8 @@ class ParameterGroup(MetaInit, GradReduction, DtypeConversion):
         return pending if async_op else pending.wait()
 
     def _gather_target(self) -> DBuffer:
-        """Where the all-gather of the model weights lands (with storage): the unsharded weights."""
+        """Where the all-gather of the model weights lands, given its storage: the unsharded weights."""
+        self.unsharded.reallocate_storage()
         return self.unsharded
 
     def _end_gather(self) -> None:
