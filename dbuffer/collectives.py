@@ -10,8 +10,9 @@ This is the only module of the toolkit that calls torch.distributed collectives.
   page by page on every call.
 * Gloo, reduce-scatter: gloo runs ``reduce_scatter_single`` as a full all-reduce. For shards under
   2 MiB: ``all_to_all_single`` + a local sum. From 2 MiB up: point-to-point, each rank sending
-  every peer that peer's chunk, receiving into ``(size - 1) * shard`` elements of scratch and
-  adding its own chunk. Both reuse their scratch across calls (:func:`release_workspaces` frees
+  every peer that peer's chunk, receiving the first into ``out`` (when it does not overlap the
+  input) and the others into ``(size - 2) * shard`` elements of scratch, and adding its own
+  chunk. Both reuse their scratch across calls (:func:`release_workspaces` frees
   it); the previous version allocated an input-sized receive buffer on every call.
 * Gloo, all-reduce: ``dist.all_reduce``. Rebuilding it as reduce-scatter + all-gather moves the
   same bytes and measured no faster: with the point-to-point halves above 68 ms vs 62 ms at
@@ -240,16 +241,22 @@ def reduce_scatter(
         chunks = inp.view(size, shard)
         if _big(out):
             rank = dist.get_rank(group)
-            workspace = _WORKSPACES.take((size - 1) * shard, inp.dtype)
-            received = workspace.view(size - 1, shard)
+            # The first peer's chunk lands in ``out`` itself when out is apart from inp: at
+            # world 2 that needs no scratch at all (a gradient shard less at the backward peak).
+            direct = not _overlaps(out, inp)
+            workspace = _WORKSPACES.take((size - 1 - direct) * shard, inp.dtype)
+            received = ([out] if direct else []) + list(workspace.view(size - 1 - direct, shard))
             works = []
             for k in range(1, size):
                 src, dst = (rank - k) % size, (rank + k) % size
                 works.append(dist.irecv(received[k - 1], group=group, group_src=src))
                 works.append(dist.isend(chunks[dst], group=group, group_dst=dst))
 
-            def reduce() -> None:
-                torch.add(chunks[rank], received[0], out=out)  # elementwise: out may alias chunks[rank]
+            def reduce() -> None:  # own + first peer (either order: the same bits), then the rest
+                if direct:
+                    out.add_(chunks[rank])
+                else:
+                    torch.add(chunks[rank], received[0], out=out)  # elementwise: out may alias chunks[rank]
                 for j in range(1, size - 1):
                     out.add_(received[j])
 
@@ -367,6 +374,11 @@ def _maybe_wait(pending: Pending, async_op: bool) -> Pending:
     if not async_op:
         pending.wait()
     return pending
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two contiguous tensors share any byte."""
+    return a.data_ptr() < b.data_ptr() + b.nbytes and b.data_ptr() < a.data_ptr() + a.nbytes
 
 
 def _gloo_p2p_ok(a: torch.Tensor, b: torch.Tensor) -> bool:

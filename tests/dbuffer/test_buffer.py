@@ -348,8 +348,9 @@ def _point_to_point_paths() -> bool:
     return True
 
 
-def test_gloo_point_to_point_paths() -> None:
-    assert all(run_ranks(_point_to_point_paths, 2, backend="gloo"))
+@pytest.mark.parametrize("world", [2, 4])  # 2: the first peer's chunk lands in out; 4: also scratch
+def test_gloo_point_to_point_paths(world: int) -> None:
+    assert all(run_ranks(_point_to_point_paths, world, backend="gloo"))
 
 
 def _world_one_makes_no_c10d_call() -> bool:
