@@ -1,21 +1,23 @@
-"""ChunkedParameterGroup: parameters placed by ``shard_placement_fn``, split exactly like torch.chunk.
+"""ChunkedParameterGroup: fully_shard's default groups, each parameter split exactly like torch.chunk.
 
-``fully_shard(..., shard_placement_fn=fn)``: where ``fn(param)`` returns ``Shard(dim)``, the
-parameter's local shard on shard rank ``r`` of ``W`` is ``torch.chunk(full, W, dim)[r]``
+By default (``fsdp.layout_policy("chunk")``) every parameter is split along dim 0; with
+``fully_shard(..., shard_placement_fn=fn)``, where ``fn(param)`` returns ``Shard(dim)``, along
+that dim. The parameter's local shard on shard rank ``r`` of ``W`` is ``torch.chunk(full, W, dim)[r]``
 (empty where torch.chunk gives fewer pieces), and the registered parameter is a plain DTensor
 with placement ``Shard(dim)`` (``(Replicate(), Shard(dim))`` on an HSDP mesh): torch FSDP2's
 layout. Such parameters get groups of their own (by dtype and ``requires_grad``, split at
-``bucket_size`` like the default groups), laid out by :func:`dbuffer.layout.compute_chunk_layout`:
+``bucket_size`` like the flat groups), laid out by :func:`dbuffer.layout.compute_chunk_layout`:
 each rank's shard is the concatenation of its padded piece of every parameter, held by the
 group's DBuffers as one flat tensor of ``W * shard_numel`` elements.
 
-The price, compared with the default row-atomic layout (whose gathered buffer *is* the
-unsharded parameters and whose gradients are written straight into the reduce-scatter input):
+The price, compared with Megatron's flat row-atomic layout (``layout_policy("auto")``, whose gathered
+buffer *is* the unsharded parameters and whose gradients are written straight into the
+reduce-scatter input):
 
 * after every all-gather, a copy of the gathered (shard-major) buffer into the unsharded
   parameters (FSDP2's ``split_with_sizes_copy``), and the memory of both while it runs;
 * before every reduce-scatter, each gradient is copied into its pieces of ``grad_in`` (it is
-  copied there in the default layout too, as one contiguous block instead of one per piece).
+  copied there in the flat layout too, as one contiguous block instead of one per piece).
 
 Each copy is at most two strided copies per parameter: the shards holding a whole piece at
 once, then the one short piece, if any. Shard(0) costs as much as Shard(1): the shard-major

@@ -93,7 +93,7 @@ def check_outer_sharding(value: str, mesh: DeviceMesh, specs: Sequence, params: 
             )
         if spec.dims is not None or not isinstance(spec.placement, Shard):
             raise ValueError(
-                f"outer_dp_sharding_strategy='optim' supports the default row-atomic Shard(0) layout only; "
+                f"outer_dp_sharding_strategy='optim' builds flat (row-atomic or ragged) Shard(0) groups only; "
                 f"parameters placed by shard_placement_fn, Owned() buckets or tensor-parallel DTensors are "
                 f"not supported. Shard them in their own fully_shard call, {fix}"
             )

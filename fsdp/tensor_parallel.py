@@ -11,7 +11,7 @@ same root mesh as the data-parallel ``mesh``, on other axes) is sharded by treat
 *TP-local* tensor as the whole tensor FSDP sees: each data-parallel rank keeps
 ``torch.chunk(local, dp, dim)[rank]`` (``dim``: ``shard_placement_fn``'s answer, default 0), in a
 :class:`~fsdp.chunked.ChunkedParameterGroup` (exact torch.chunk pieces: a TP-local tensor is
-rarely split row-atomically the way the default layout would want, and chunk pieces keep every
+rarely split row-atomically the way the flat layouts would want, and chunk pieces keep every
 DTensor handed out a plain, exact one). So:
 
 * the **sharded parameter** is a DTensor on the joint mesh ``(dp..., tp...)`` (the concatenation
