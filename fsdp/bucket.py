@@ -91,7 +91,7 @@ def plan_buckets(
     """Assign the unit's parameters (registration order) to groups. Explicit buckets come first,
     in the order given; the rest is grouped by (dtype, requires_grad), split at ``bucket_size``
     bytes of main weights (a larger parameter gets a group of its own). ``shard_dims``: per
-    parameter, the dim ``shard_placement_fn`` shards it along (None: the default layout); those
+    parameter, the dim ``shard_placement_fn`` shards it along (None: ``default_dim``); those
     parameters form groups of their own, grouped the same way, when the strategy shards the main
     weights (otherwise nothing is sharded and they join the default groups). ``default_dim``:
     the dim of the parameters ``shard_dims`` leaves at None (0: FSDP2's layout; None: flat)."""
@@ -127,7 +127,7 @@ def plan_buckets(
                 f"returned Shard({dims[k]}) for it; a bucket sets its own placement: return None for it"
             )
     rest = [k for k in range(len(names)) if k not in owner]
-    for k in rest:  # DTensor (tensor-parallel) parameters: exact torch.chunk pieces, dim 0 by default
+    for k in rest:  # torch.chunk pieces along dim 0: DTensor (tensor-parallel) parameters always, others by default
         if dims[k] is None and params[k].dim() and (mesh_key(params[k]) is not None or default_dim is not None):
             dims[k] = 0 if default_dim is None else default_dim
     chunked = [k for k in rest if dims[k] is not None] if strategy.shard_optim else []
