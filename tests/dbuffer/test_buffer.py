@@ -557,7 +557,8 @@ def test_ragged_dcp_round_trip() -> None:
 def _waited_collective_frees_its_scratch() -> bool:
     """Once a redistribute's handle is waited for, nothing of the collective holds its scratch:
     with the garbage collector off, the gloo reduce-scatter's receive buffer (4 MiB, the p2p
-    path) is freed as soon as the pool's idle scratch is released, not at the next collection."""
+    path) is freed as soon as the pool's idle scratch is released, not at the next collection.
+    At world 2 there is none to free: the peer's chunk is received straight into the output."""
     import gc
     import weakref
 
@@ -566,10 +567,11 @@ def _waited_collective_frees_its_scratch() -> bool:
     mesh = _mesh((dist.get_world_size(),))
     shapes = [(1024, 1024)]  # 4 MiB fp32 in all: a 2 MiB shard per rank on 2 ranks
     partial = DBuffer.from_local(torch.ones(1024 * 1024), mesh, [Partial("sum")], shapes)
-    seen = []
+    seen, sizes = [], []
     take = collectives._WORKSPACES.take
 
     def spy(numel, dtype):
+        sizes.append(numel)
         t = take(numel, dtype)
         seen.append(weakref.ref(t if t._base is None else t._base))
         return t
@@ -581,7 +583,8 @@ def _waited_collective_frees_its_scratch() -> bool:
         collectives._WORKSPACES.take = take
         assert bool((result.local_buffer == dist.get_world_size()).all())
         collectives.release_workspaces()
-        return bool(seen) and all(ref() is None for ref in seen)
+        scratch_ok = max(sizes) == (dist.get_world_size() - 2) * result.local_buffer.numel()
+        return bool(seen) and all(ref() is None for ref in seen) and scratch_ok
     finally:
         collectives._WORKSPACES.take = take
         gc.enable()

@@ -1,5 +1,5 @@
-"""shard_placement_fn (torch FSDP2's): Shard(dim) pieces are exactly torch.chunk's, as plain
-DTensors; training matches one process on the global batch; DCP saves and loads them (into the
+"""shard_placement_fn (torch FSDP2's), and fully_shard's default layout: Shard(dim) pieces are
+exactly torch.chunk's, as plain DTensors (Shard(0) without a shard_placement_fn); training matches one process on the global batch; DCP saves and loads them (into the
 default layout too); bad placements raise naming the parameter, on every rank, changing nothing."""
 
 from __future__ import annotations
@@ -58,7 +58,8 @@ def largest_or_default(p):
     return Shard(0 if p.shape[0] > p.shape[1] else 1)
 
 
-FNS = {"dim0": all_dim0, "last": last_dim, "mixed": largest_or_default}
+# "default": no shard_placement_fn at all: fully_shard's default layout is FSDP2's Shard(0) pieces.
+FNS = {"dim0": all_dim0, "last": last_dim, "mixed": largest_or_default, "default": None}
 
 
 def _shard(model, fn, mesh=None, **kw):
@@ -93,9 +94,9 @@ def _parity(models, batches, refs, hsdp: bool) -> dict:
         for fn_name, fn in FNS.items():
             for strategy, micro in (("optim_grads_params", 1), ("optim", 2)):
                 m = _shard(copy.deepcopy(model), fn, mesh, sharding_strategy=strategy)
-                _check_pieces(m, {n: p.detach() for n, p in model.named_parameters()}, fn, mesh)
+                _check_pieces(m, {n: p.detach() for n, p in model.named_parameters()}, fn or all_dim0, mesh)
                 train(m, batches, rank=rank, world=world, micro=micro)
-                _check_pieces(m, ref, fn, mesh, atol=1e-5)
+                _check_pieces(m, ref, fn or all_dim0, mesh, atol=1e-5)
                 out[(kind, fn_name, strategy)] = max_diff(full_state(m), ref)
     return out
 
