@@ -82,20 +82,27 @@ class ChunkedParameterGroup(ParameterGroup):
             )
         return out
 
-    def _exchange(self, k: int, flat: torch.Tensor, full: torch.Tensor, to_full: bool, add: bool = False) -> None:
-        """Copy between parameter ``k``'s pieces in a shard-major ``flat`` buffer (all shards) and
-        the ``full`` tensor: to ``full`` (gather), or from it into ``flat`` (``add``: added)."""
-        it, world = self.chunks.items[k], self.chunks.num_shards
-        rows = flat.view(world, self.chunks.shard_numel)
+    def _exchange(
+        self, k: int, flat: torch.Tensor, full: torch.Tensor, to_full: bool, add: bool = False,
+        ranks: Optional[tuple[int, int]] = None,
+    ) -> None:
+        """Copy between parameter ``k``'s pieces in a shard-major ``flat`` buffer (all shards, or
+        the shards ``ranks = (lo, hi)`` only) and the ``full`` tensor: to ``full`` (gather), or
+        from it into ``flat`` (``add``: added)."""
+        it = self.chunks.items[k]
+        lo, hi = ranks if ranks is not None else (0, self.chunks.num_shards)
+        rows = flat.view(hi - lo, self.chunks.shard_numel)
         whole = self.chunks.whole_pieces(k)
         pre, post = it.shape[: it.dim], it.shape[it.dim + 1 :]
         pairs = []
-        if whole:
-            pieces = rows[:whole, it.offset : it.offset + it.chunk * it.inner].view(whole, *pre, it.chunk, *post)
-            pairs.append((pieces.movedim(0, it.dim), full.narrow(it.dim, 0, whole * it.chunk).unflatten(it.dim, (whole, it.chunk))))
+        n = min(hi, whole) - lo  # shards in range holding a whole piece: one strided copy
+        if n > 0:
+            pieces = rows[:n, it.offset : it.offset + it.chunk * it.inner].view(n, *pre, it.chunk, *post)
+            part = full.narrow(it.dim, lo * it.chunk, n * it.chunk).unflatten(it.dim, (n, it.chunk))
+            pairs.append((pieces.movedim(0, it.dim), part))
         rest = it.length - whole * it.chunk
-        if rest:
-            piece = rows[whole, it.offset : it.offset + rest * it.inner].view(*pre, rest, *post)
+        if rest and lo <= whole < hi:  # the one short piece
+            piece = rows[whole - lo, it.offset : it.offset + rest * it.inner].view(*pre, rest, *post)
             pairs.append((piece, full.narrow(it.dim, whole * it.chunk, rest)))
         for piece, part in pairs:
             if to_full:
@@ -175,16 +182,9 @@ class ChunkedParameterGroup(ParameterGroup):
         size = self.chunks.shard_numel
         first, last = start // size, end // size
         assert first * size == start and last * size == end, "a post-forward slice is whole rank shards"
-        rows = out.view(last - first, size)
-        rows.zero_()
-        for k, it in enumerate(self.chunks.items):
-            full = self.unsharded.get_local_tensor(k)
-            pre, post = it.shape[: it.dim], it.shape[it.dim + 1 :]
-            for r in range(first, last):
-                begin, length = self.chunks.piece(k, r)
-                if length:
-                    piece = rows[r - first, it.offset : it.offset + length * it.inner].view(*pre, length, *post)
-                    piece.copy_(full.narrow(it.dim, begin, length))
+        out.zero_()
+        for k in range(len(self.infos)):
+            self._exchange(k, out, self.unsharded.get_local_tensor(k), to_full=False, ranks=(first, last))
 
     @torch.no_grad()
     def _end_gather(self) -> None:
