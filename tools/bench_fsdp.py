@@ -19,6 +19,10 @@ Methods, each running forward, loss, backward, ``AdamW.step()`` and ``zero_grad(
 * ``fsdp2``: ``torch.distributed.fsdp.fully_shard`` on every block, then on the root (always its
   default, ZeRO-3 with ``reshard_after_forward=True``; ``--strategy`` changes ours only);
 * ``floor``: the plain model on every rank: the same local batch, no sharding, no communication;
+* ``c10d``: raw c10d, no model: the c10d calls ``ours`` made in its last untimed step, replayed
+  alone on preallocated tensors (:mod:`tools.comm_replay`); what the communication itself costs.
+  Where the ranks' compute threads fill every core, no data-parallel step can take less CPU time
+  than ``floor`` + ``c10d``: the table prints that bound next to the ours/floor target;
 * ``flat``: ``ours`` with ``fsdp.FlatAdamW`` (the step over the flat shards, :mod:`fsdp.optim`)
   and, in bf16, ``main_grads_dtype=bf16`` (no FP32 gradient copy at the step);
 * ``lean`` (only with ``--methods``): ``flat`` with ``persistent_param_shard=False`` (no BF16
@@ -105,7 +109,9 @@ import torch.distributed as dist  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from torch.utils._pytree import tree_flatten  # noqa: E402
 
-METHODS = ("ours", "fsdp2", "floor", "flat")
+from tools import comm_replay  # noqa: E402
+
+METHODS = ("ours", "fsdp2", "floor", "c10d", "flat")
 # Variants of ours: "flat" = fsdp.FlatAdamW (the step over the flat shards) with BF16 main grads in
 # bf16 mode; "lean" = flat + MixedPrecisionPolicy(persistent_param_shard=False) (no BF16 shard
 # kept between steps); "row" = ours under layout_policy("auto"), Megatron's flat row-atomic layout
@@ -282,11 +288,14 @@ class CommCounter:
         self._originals: dict[str, Callable] = {}
         self._depth = 0
         self._exchange: Optional[dict] = None  # the point-to-point op being posted
+        self.trace: Optional[list] = None  # the calls being recorded (``recording``), for a replay
 
     def _stats(self) -> dict:
         return self.stats.setdefault(self.label, {"calls": 0, "ops": 0, "bytes_sent": 0.0, "by_kind": {}})
 
     def _count(self, kind: str, sent: float, new_op: bool) -> None:
+        if self.label is None:  # only recording
+            return
         s = self._stats()
         s["calls"] += 1
         s["bytes_sent"] += sent
@@ -296,15 +305,16 @@ class CommCounter:
         if new_op:
             s["ops"] += 1
 
-    def _on_collective(self, name: str, bound: inspect.BoundArguments) -> None:
+    def _on_collective(self, name: str, bound: inspect.BoundArguments) -> bool:
         kind, arg, sent_of = _COLLECTIVES[name]
         self._exchange = None
         group = bound.arguments.get("group")
         world = dist.get_world_size(group)
         size = _nbytes(bound.arguments.get(arg)) if arg else 0
         self._count(kind, float(sent_of(size, world)), new_op=True)
+        return True
 
-    def _on_p2p(self, name: str, bound: inspect.BoundArguments) -> None:
+    def _on_p2p(self, name: str, bound: inspect.BoundArguments) -> bool:
         direction = _P2P[name]
         tensor = bound.arguments["tensor"]
         storage = tensor.untyped_storage()._cdata
@@ -322,17 +332,22 @@ class CommCounter:
         if ex["send"] == ex["recv"] == world - 1:
             self._exchange = None  # complete: the next call starts a new op
         self._count(f"p2p_{direction}", float(_nbytes(tensor)) if direction == "send" else 0.0, new_op=not joins)
+        return not joins
 
     def _wrap(self, name: str, fn: Callable, handler: Callable) -> Callable:
         sig = inspect.signature(fn)
         counter = self
 
         def wrapper(*args, **kwargs):
-            if counter.label is not None and counter._depth == 0:
+            if counter._depth == 0 and (counter.label is not None or counter.trace is not None):
                 try:
-                    handler(name, sig.bind(*args, **kwargs))
+                    bound = sig.bind(*args, **kwargs)
                 except TypeError:  # a call torch itself will reject; let it
-                    pass
+                    bound = None
+                if bound is not None:
+                    new_op = handler(name, bound)
+                    if counter.trace is not None:
+                        counter.trace.append(comm_replay.record(name, bound.arguments, new_op))
             counter._depth += 1
             try:
                 return fn(*args, **kwargs)
@@ -364,6 +379,15 @@ class CommCounter:
         finally:
             self.label, self._exchange = None, None
 
+    @contextlib.contextmanager
+    def recording(self):
+        """Record the calls made inside (``comm_replay.Call`` values); yields the list."""
+        self.trace, self._exchange = [], None
+        try:
+            yield self.trace
+        finally:
+            self.trace, self._exchange = None, None
+
 
 # ----------------------------------------------------------------------------- methods
 
@@ -377,6 +401,7 @@ def _policy_text(mode: str) -> dict[str, str]:
             "flat": "no policy (as ours)",
             "lean": "no policy (as ours; nothing to cast)",
             "row": "no policy (as ours), layout_policy('auto'): flat row-atomic layout",
+            "c10d": _REPLAY_TEXT,
         }
     return {
         "ours": "param_dtype=bf16, main_params_dtype=fp32, main_grads_dtype=fp32, reduce_dtype=fp32",
@@ -385,7 +410,22 @@ def _policy_text(mode: str) -> dict[str, str]:
         "flat": "param_dtype=bf16, main_params_dtype=fp32, main_grads_dtype=bf16, reduce_dtype=fp32",
         "lean": "as flat, persistent_param_shard=False (cast the shard before each gather)",
         "row": "as ours, layout_policy('auto'): flat row-atomic layout",
+        "c10d": _REPLAY_TEXT,
     }
+
+
+_REPLAY_TEXT = "raw c10d: ours' c10d calls of one step replayed alone (no model, no framework)"
+
+
+class ReplayMethod:
+    """``c10d``: a step is :meth:`comm_replay.Replay.run`; its "loss" is 0 (there is no model)."""
+
+    def __init__(self, trace: list) -> None:
+        self.name, self.opt, self.replay = "c10d", None, comm_replay.Replay(trace)
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        self.replay.run()
+        return torch.zeros(())
 
 
 class Method:
@@ -467,6 +507,8 @@ def _model_config(cfg: BenchConfig):
 def _optimizer_impl(method: Method) -> str:
     from torch.optim.optimizer import _default_to_fused_or_foreach
 
+    if method.opt is None:
+        return "-"
     foreach = method.opt.defaults.get("foreach")
     if foreach is None:
         params = [p for g in method.opt.param_groups for p in g["params"]]
@@ -552,13 +594,20 @@ def run_mode(mode: str, cfg: BenchConfig, mesh, counter: CommCounter, progress: 
     # is every storage alive then that was not alive before it was built (its parameters, grads,
     # optimizer state, library buffers and caches), plus whatever the step itself allocates.
     methods: dict[str, Method] = {}
+    ours_trace: list = []  # the c10d calls of ours' last untimed step, which "c10d" replays
     for j, name in enumerate(names):
         gc.collect()
         before = live_storages()  # held, so that no new storage can reuse an old one's identity
-        methods[name] = method = build_method(name, base, mode, cfg, mesh)
+        if name == "c10d":
+            methods[name] = method = ReplayMethod(ours_trace)
+        else:
+            methods[name] = method = build_method(name, base, mode, cfg, mesh)
+        record = counter.recording if name == "ours" else contextlib.nullcontext
         for i in range(cfg.warmup):
             dist.barrier()
-            losses[j, i] = method.step(batches[i]).item()
+            with record() as trace:
+                losses[j, i] = method.step(batches[i]).item()
+            ours_trace = trace if name == "ours" else ours_trace
         if measured:
             i = cfg.warmup
             gc.collect()
@@ -566,8 +615,9 @@ def run_mode(mode: str, cfg: BenchConfig, mesh, counter: CommCounter, progress: 
             tracker.track_storages(st for key, st in live_storages().items() if key not in before)
             start_bytes = tracker.current
             dist.barrier()
-            with counter.counting(name), tracker:
+            with counter.counting(name), record() as trace, tracker:
                 losses[j, i] = method.step(batches[i]).item()
+            ours_trace = trace if name == "ours" else ours_trace
             peaks[j, 0], peaks[j, 1] = start_bytes, tracker.peak
             del tracker
         before = None
@@ -605,7 +655,12 @@ def run_mode(mode: str, cfg: BenchConfig, mesh, counter: CommCounter, progress: 
     result: dict = {
         "gemm_gflops": gemm[0],
         "policy": {n: _policy_text(mode)[n] for n in names},
-        "optimizer": {n: f"{type(methods[n].opt).__name__} ({_optimizer_impl(methods[n])})" for n in names},
+        "optimizer": {n: f"{type(methods[n].opt).__name__} ({_optimizer_impl(methods[n])})"
+                      if methods[n].opt is not None else "no optimizer" for n in names},
+        # Whether the ranks' compute threads fill every core the processes may run on: then the
+        # communication's CPU time cannot hide behind compute (see "c10d").
+        "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "busy_threads": world * torch.get_num_threads(),
         "steps": steps, "warmup": cfg.warmup, "measured_steps": measured,
         "methods": {},
     }
@@ -634,10 +689,12 @@ def run_mode(mode: str, cfg: BenchConfig, mesh, counter: CommCounter, progress: 
                              "bytes_sent": max(c["bytes_sent"] for c in comm), "by_kind": comm[0]["by_kind"]}
         result["methods"][name] = entry
     result["ratios"] = _ratios(result["methods"])
+    result["ratios"].update(_c10d_bound(result))
     result["ratios"].update(_paired_ratios(names, stamps))
     result["targets"] = [
         {"name": key, "what": what, "limit": limit, "value": result["ratios"].get(key),
-         "met": (result["ratios"].get(key) is not None and result["ratios"][key] <= limit)}
+         "met": (result["ratios"].get(key) is not None and result["ratios"][key] <= limit),
+         "bound": result["ratios"].get(f"bound_{key}")}
         for key, what, limit in TARGETS[mode]
     ]
     result["wall_s"] = time.perf_counter() - started
@@ -654,6 +711,29 @@ def _paired_ratios(names: list[str], stamps: torch.Tensor) -> dict:
         if a in names and b in names and times.shape[1]:
             per_round = (times[names.index(a)] / times[names.index(b)]).tolist()
             out[f"paired_step_{a}_over_{b}"] = statistics.median(per_round)
+    return out
+
+
+def _c10d_bound(result: dict) -> dict:
+    """What the raw-c10d replay says about the floor comparison (nothing without "c10d" and
+    "floor"). Where compute threads fill every core, each rank must spend the floor's CPU time
+    and the communication's, so ``(floor + c10d) / floor`` of CPU time is the least ours/floor
+    can be; with spare cores the communication can hide, and the bound is the longer of the two
+    wall times over the floor's."""
+    m = result["methods"]
+    floor, c10d, ours = m.get("floor"), m.get("c10d"), m.get("ours")
+    if not (floor and c10d and floor.get("cpu_ms") and floor.get("median_ms")):
+        return {}
+    saturated = result["busy_threads"] >= result["cores"]
+    if saturated:
+        bound = (floor["cpu_ms"] + c10d["cpu_ms"]) / floor["cpu_ms"]
+    else:
+        bound = max(floor["median_ms"], c10d["median_ms"]) / floor["median_ms"]
+    out = {"bound_step_ours_over_floor": bound, "cores_saturated": saturated,
+           "cpu_c10d_over_floor": c10d["cpu_ms"] / floor["cpu_ms"]}
+    if ours and ours.get("cpu_ms"):
+        # Ours' CPU time beyond compute + raw communication: the framework's own cost.
+        out["cpu_ours_over_floor_plus_c10d"] = ours["cpu_ms"] / (floor["cpu_ms"] + c10d["cpu_ms"])
     return out
 
 
@@ -735,6 +815,14 @@ def _check_config(cfg: BenchConfig) -> None:
         raise ValueError(f"methods must be a non-empty subset of {ALL_METHODS}, got {cfg.methods!r}")
     if cfg.warmup < 0 or (cfg.steps is not None and cfg.steps < 0):
         raise ValueError("warmup and steps must be >= 0")
+    if "c10d" in cfg.methods:
+        names = list(cfg.methods)
+        if "ours" not in names or names.index("ours") > names.index("c10d"):
+            raise ValueError("methods: 'c10d' replays the c10d calls of ours' last untimed step, so "
+                             "'ours' must come before 'c10d' (or leave 'c10d' out)")
+        if cfg.warmup + int(cfg.measure) == 0:
+            raise ValueError("methods: 'c10d' needs one untimed step of ours to record: use --warmup >= 1 "
+                             "or the measured step (leave out --no-measure), or leave 'c10d' out")
 
 
 # ----------------------------------------------------------------------------- profiling
@@ -836,7 +924,7 @@ def format_table(report: dict) -> str:
                 f"{_fmt(m['max_ms'], '.1f'):>9}{_fmt(m.get('cpu_ms'), '.1f'):>9}{peak_txt:>18}{_fmt(start, '.1f'):>10}"
                 f"{(comm['ops'] if comm else '-'):>9}{(comm['calls'] if comm else '-'):>7}"
                 f"{_fmt(comm['bytes_sent'] / MIB if comm else None, '.1f'):>10}"
-                f"{m['loss'][0]:>9.4f}{m['loss'][-1]:>9.4f}"
+                + (f"{'-':>9}{'-':>9}" if name == "c10d" else f"{m['loss'][0]:>9.4f}{m['loss'][-1]:>9.4f}")
             )
         for name, m in res["methods"].items():
             comm = m.get("comm")
@@ -859,6 +947,17 @@ def format_table(report: dict) -> str:
                     f"{_fmt(r[f'peak_{v}_over_fsdp2'])}, {v}/ours {_fmt(r[f'peak_{v}_over_ours'])}; step {v}/fsdp2 "
                     f"{_fmt(r[f'step_{v}_over_fsdp2'])}"
                 )
+        if "bound_step_ours_over_floor" in r:
+            lines.append(
+                f"  raw c10d: the communication alone takes {_fmt(r['cpu_c10d_over_floor'])} of the floor's CPU time; "
+                + (f"{res['busy_threads']} compute threads on {res['cores']} cores leave it no idle core, so no step "
+                   f"can be below (floor + c10d CPU)/floor = {_fmt(r['bound_step_ours_over_floor'])} of the floor here"
+                   if r["cores_saturated"] else
+                   f"{res['cores']} cores for {res['busy_threads']} compute threads: it can hide, bound "
+                   f"{_fmt(r['bound_step_ours_over_floor'])} of the floor")
+                + (f"; ours' CPU time / (floor + c10d) {_fmt(r['cpu_ours_over_floor_plus_c10d'])} (the framework's own share)"
+                   if "cpu_ours_over_floor_plus_c10d" in r else "")
+            )
         lines.append(
             f"  robustness: ours/fsdp2 paired per round {_fmt(r.get('paired_step_ours_over_fsdp2'))}, of minima "
             f"{_fmt(r['min_step_ours_over_fsdp2'])}, of CPU time {_fmt(r['cpu_ours_over_fsdp2'])}; ours/floor paired "
@@ -867,7 +966,10 @@ def format_table(report: dict) -> str:
         )
         for t in res["targets"]:
             verdict = "n/a" if t["value"] is None else ("MET" if t["met"] else "MISSED")
-            lines.append(f"  target {t['what']} <= {t['limit']:.2f}: {_fmt(t['value'])} {verdict}")
+            bound = t.get("bound")
+            below = (f" (unreachable on this host: floor + raw c10d CPU is already {_fmt(bound)} of the floor)"
+                     if bound is not None and bound > t["limit"] else "")
+            lines.append(f"  target {t['what']} <= {t['limit']:.2f}: {_fmt(t['value'])} {verdict}{below}")
         lines.append(f"  ({res['wall_s']:.0f} s)")
     lines.append(f"\nwall time {report['wall_s']:.0f} s")
     return "\n".join(lines)
@@ -885,9 +987,10 @@ def write_plot(report: dict, path: str) -> str:
         return f"--plot: matplotlib is not installed, so no plot was written to {path} (pip install matplotlib)"
     modes = list(report["modes"])
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    width = 0.8 / len(METHODS)
-    for k, name in enumerate(METHODS):
-        xs = [i + (k - (len(METHODS) - 1) / 2) * width for i in range(len(modes))]
+    shown = [m for m in METHODS if m != "c10d"]  # the replay trains nothing
+    width = 0.8 / len(shown)
+    for k, name in enumerate(shown):
+        xs = [i + (k - (len(shown) - 1) / 2) * width for i in range(len(modes))]
         rel, labels, peaks = [], [], []
         for mode in modes:
             methods = report["modes"][mode]["methods"]
@@ -967,7 +1070,8 @@ def parse_args(argv: Optional[list[str]] = None) -> tuple[BenchConfig, argparse.
     parser.add_argument("--strategy", choices=STRATEGIES, default="optim_grads_params",
                         help="our sharding_strategy (default optim_grads_params = ZeRO-3)")
     parser.add_argument("--methods", default=",".join(METHODS),
-                        help=f"comma-separated subset of {','.join(ALL_METHODS)} (flat: fsdp.FlatAdamW + BF16 main "
+                        help=f"comma-separated subset of {','.join(ALL_METHODS)} (c10d: ours' communication replayed "
+                             f"alone, after ours; flat: fsdp.FlatAdamW + BF16 main "
                              f"grads in bf16; lean: flat + persistent_param_shard=False; row: ours on Megatron's flat row-atomic layout)")
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--dim", type=int, default=512)

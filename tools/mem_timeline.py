@@ -300,6 +300,8 @@ def main(argv: Optional[list[str]] = None) -> None:
         methods=tuple(m.strip() for m in args.methods.split(",") if m.strip()),
     )
     bench._check_config(cfg)
+    if "c10d" in cfg.methods:
+        parser.error("--methods: 'c10d' (bench_fsdp's communication replay) trains no model; leave it out here")
     import torch.multiprocessing as tmp
 
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")

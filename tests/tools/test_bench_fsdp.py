@@ -11,7 +11,7 @@ from tools.llama import LlamaConfig
 # (embedding + lm_head, 4 MiB of fp32 per rank) takes dbuffer's point-to-point path on gloo,
 # while the blocks' shards take the one-call collectives.
 TINY = dict(dtypes=("fp32",), vocab=8192, dim=128, layers=2, heads=4, hidden=256, seq=32, batch=2,
-            steps=2, warmup=1, methods=("ours", "fsdp2", "floor"))
+            steps=2, warmup=1, methods=("ours", "fsdp2", "floor", "c10d"))
 METHOD_FIELDS = {"times_ms", "median_ms", "mean_ms", "min_ms", "max_ms", "loss", "loss_by_rank",
                  "start_bytes_by_rank", "peak_bytes_by_rank", "peak_bytes", "comm", "comm_by_rank"}
 
@@ -23,7 +23,7 @@ def test_bench_core_on_a_tiny_model() -> None:
     assert report["world"] == 2 and list(report["modes"]) == ["fp32"]
     res = report["modes"]["fp32"]
     assert {"policy", "optimizer", "methods", "ratios", "targets", "steps", "warmup"} <= set(res)
-    assert set(res["methods"]) == {"ours", "fsdp2", "floor"}
+    assert set(res["methods"]) == {"ours", "fsdp2", "floor", "c10d"}
     # Every rank reports the same, gathered results.
     assert reports[1]["modes"]["fp32"]["methods"]["ours"]["loss"] == res["methods"]["ours"]["loss"]
     total_steps = TINY["warmup"] + 1 + TINY["steps"]
@@ -66,11 +66,46 @@ def test_bench_core_on_a_tiny_model() -> None:
     sent = 4 * (numel + (numel - 2 * TINY["vocab"] * TINY["dim"] - TINY["dim"]) + numel) / 2
     assert abs(fsdp2["comm"]["bytes_sent"] / sent - 1) < 0.05
 
+    # The raw-c10d replay makes exactly ours' calls: the same kinds, counts and bytes, per rank.
+    c10d = res["methods"]["c10d"]
+    assert c10d["comm_by_rank"] == ours["comm_by_rank"]
+    assert all(loss == 0 for loss in c10d["loss"])
+
     ratios = res["ratios"]
     assert abs(ratios["step_ours_over_fsdp2"] - ours["median_ms"] / fsdp2["median_ms"]) < 1e-9
+    assert ratios["cores_saturated"] == (res["busy_threads"] >= res["cores"])
+    if ratios["cores_saturated"]:
+        bound = (floor["cpu_ms"] + c10d["cpu_ms"]) / floor["cpu_ms"]
+    else:
+        bound = max(floor["median_ms"], c10d["median_ms"]) / floor["median_ms"]
+    assert abs(ratios["bound_step_ours_over_floor"] - bound) < 1e-9 and bound >= 1
+
     assert {t["name"] for t in res["targets"]} >= {"step_ours_over_fsdp2", "peak_ours_over_fsdp2"}
     table = bench_fsdp.format_table(report)
     assert "ours" in table and "fsdp2" in table and "floor" in table and "target" in table
+    assert "raw c10d: the communication alone takes" in table
+
+
+def test_c10d_bound_counts_communication_cpu_only_when_no_core_is_idle() -> None:
+    methods = {"floor": {"cpu_ms": 500.0, "median_ms": 520.0}, "c10d": {"cpu_ms": 60.0, "median_ms": 90.0},
+               "ours": {"cpu_ms": 616.0, "median_ms": 650.0}}
+    full = bench_fsdp._c10d_bound({"methods": methods, "cores": 2, "busy_threads": 2})
+    assert full["cores_saturated"] and abs(full["bound_step_ours_over_floor"] - 560 / 500) < 1e-12
+    assert abs(full["cpu_ours_over_floor_plus_c10d"] - 616 / 560) < 1e-12
+    spare = bench_fsdp._c10d_bound({"methods": methods, "cores": 16, "busy_threads": 2})
+    assert not spare["cores_saturated"] and spare["bound_step_ours_over_floor"] == 1.0  # it can hide
+    assert bench_fsdp._c10d_bound({"methods": {"floor": methods["floor"]}, "cores": 2, "busy_threads": 2}) == {}
+
+
+def test_c10d_method_needs_ours_first_and_an_untimed_step() -> None:
+    for methods, kw in ((("c10d", "ours"), {}), (("floor", "c10d"), {}), (("ours", "c10d"), dict(warmup=0, measure=False))):
+        try:
+            bench_fsdp._check_config(bench_fsdp.BenchConfig(methods=methods, **kw))
+        except ValueError as exc:
+            assert "'c10d'" in str(exc)
+        else:
+            raise AssertionError(f"{methods} {kw} was accepted")
+    bench_fsdp._check_config(bench_fsdp.BenchConfig(methods=("ours", "c10d"), warmup=0))  # the measured step
 
 
 def test_flat_and_lean_variants_run_and_report() -> None:
