@@ -1,5 +1,5 @@
 """Benchmark one Llama training step three ways: our ``fsdp.fully_shard``, torch FSDP2, and the
-compute-only floor, interleaved in one run.
+compute-only floor, interleaved in one run with a raw-c10d reference (ours' communication alone).
 
     python3 tools/bench_fsdp.py                       # both modes, default model (~5.5 min on 2 cores)
     python3 tools/bench_fsdp.py --dtype fp32 --layers 2 --dim 128 --steps 4   # a quick look
@@ -12,7 +12,8 @@ one CPU thread per rank. Every rank builds the same model from the same seed; ea
 its own copy of it on the same batches (real text: ``tools.text_data.ByteText``, or ``--data
 random`` tokens), each rank on its own rows of the global batch.
 
-Methods, each running forward, loss, backward, ``AdamW.step()`` and ``zero_grad()`` every step:
+Methods, each (but ``c10d``) running forward, loss, backward, ``AdamW.step()`` and ``zero_grad()``
+every step:
 
 * ``ours``: ``fsdp.fully_shard`` on every block, then on the root (``--strategy``, default
   ``optim_grads_params`` = ZeRO-3);
