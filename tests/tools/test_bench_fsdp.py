@@ -106,6 +106,12 @@ def test_c10d_method_needs_ours_first_and_an_untimed_step() -> None:
         else:
             raise AssertionError(f"{methods} {kw} was accepted")
     bench_fsdp._check_config(bench_fsdp.BenchConfig(methods=("ours", "c10d"), warmup=0))  # the measured step
+    try:  # nothing to profile: the replay trains no model
+        bench_fsdp.parse_args(["--profile", "c10d"])
+    except SystemExit as exc:
+        assert exc.code == 2
+    else:
+        raise AssertionError("--profile c10d was accepted")
 
 
 def test_flat_and_lean_variants_run_and_report() -> None:
