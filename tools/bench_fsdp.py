@@ -608,7 +608,7 @@ def run_mode(mode: str, cfg: BenchConfig, mesh, counter: CommCounter, progress: 
             dist.barrier()
             with record() as trace:
                 losses[j, i] = method.step(batches[i]).item()
-            ours_trace = trace if name == "ours" else ours_trace
+            ours_trace = trace if trace is not None else ours_trace
         if measured:
             i = cfg.warmup
             gc.collect()
@@ -618,7 +618,7 @@ def run_mode(mode: str, cfg: BenchConfig, mesh, counter: CommCounter, progress: 
             dist.barrier()
             with counter.counting(name), record() as trace, tracker:
                 losses[j, i] = method.step(batches[i]).item()
-            ours_trace = trace if name == "ours" else ours_trace
+            ours_trace = trace if trace is not None else ours_trace
             peaks[j, 0], peaks[j, 1] = start_bytes, tracker.peak
             del tracker
         before = None
