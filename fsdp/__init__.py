@@ -7,18 +7,18 @@ shard_placement_fn=, offload_policy=CPUOffloadPolicy(pin_memory=))`` and the mod
 ``set_reshard_after_forward()``, ``set_reshard_after_backward()``, ``set_is_last_backward()``,
 ``set_modules_to_forward_prefetch()``, ``set_modules_to_backward_prefetch()`` behave alike;
 ``module.parameters()`` are DTensors with FSDP2's local shards (``torch.chunk`` pieces along dim 0,
-or ``shard_placement_fn``'s dim; :mod:`fsdp.chunked`), so torch optimizers, ``clip_grad_norm_``
+or ``shard_placement_fn``'s dim; :mod:`fsdp.group.chunked`), so torch optimizers, ``clip_grad_norm_``
 and DCP work.
 The rest of FSDP2's surface (``set_all_reduce_hook``, ``set_gradient_divide_factor``,
 ``set_requires_all_reduce``, ``reset_iter_state``, ``fully_shard.state``, ``dp_mesh_dims``, ...)
-is in :mod:`fsdp.surface`, which says which setters act, which have no effect and which raise.
+is in :mod:`fsdp.unit.surface`, which says which setters act, which have no effect and which raise.
 
 From Megatron-FSDP: ``sharding_strategy`` in ``no_shard | optim | optim_grads |
 optim_grads_params`` (ZeRO-0..3, default ZeRO-3); ``MixedPrecisionPolicy(main_params_dtype=
 torch.float32, main_grads_dtype=...)``; ``param.main_grad``; ``module.zero_grad_buffer()`` and
 ``module.finish_grad_sync()``; ``with layout_policy("auto"): fully_shard(...)`` for its flat
 row-atomic (or, where that pads too much, ragged) layout, whose gathers need no copies
-(:mod:`fsdp.layout_choice`).
+(:mod:`fsdp.group.layout_choice`).
 
 Beyond both: ``fully_shard(..., buckets=[Bucket("*.experts.*", ...)], bucket_size=...)`` groups
 parameters into communication buckets by name, each with its own mesh, placement (``Shard(0)``,
@@ -59,7 +59,7 @@ Differences worth knowing:
   or any in-place change autograd's version counter sees (``load_state_dict``); after another
   kind of update call ``group.mark_stale()`` on the unit's groups.
 * Meshes are 1-D, or 2-D ``(replicate, shard)`` for HSDP (tensor/expert-parallel DTensor
-  parameters add their own axes: :mod:`fsdp.tensor_parallel`); 0-D parameters only with ``no_shard``;
+  parameters add their own axes: :mod:`fsdp.compose.tensor_parallel`); 0-D parameters only with ``no_shard``;
   a parameter tied across two units is an error (put both users in one unit).
 * ``reshard_after_forward`` as an int ``n`` keeps ``1/n`` of the gathered weights after forward
   and gathers within ``n`` ranks in backward, as FSDP2 (ZeRO-3 groups of plain parameters on a
@@ -67,16 +67,20 @@ Differences worth knowing:
   accepts that device only. ``module.to(dtype)`` keeps the dtypes a ``MixedPrecisionPolicy`` set explicitly.
 """
 
-from fsdp.api import FSDPModule, UnshardHandle, fully_shard, init_weights, register_fsdp_forward_method
-from fsdp.surface import DataParallelMeshDims, share_comm_ctx
-from fsdp.bucket import Bucket
-from fsdp.layout_choice import layout_policy
-from fsdp.muon import Muon
+from fsdp.unit.api import FSDPModule, UnshardHandle, fully_shard, init_weights, register_fsdp_forward_method
+from fsdp.unit.surface import DataParallelMeshDims, share_comm_ctx
+from fsdp.group.bucket import Bucket
+from fsdp.group.layout_choice import layout_policy
+from fsdp.optim.muon import Muon
 from fsdp.optim import FlatAdam, FlatAdamW, FlatOptimizer, FlatSGD, flat_optimizer
-from fsdp.offload import CPUOffloadPolicy, OffloadPolicy
-from fsdp.param_group import ParameterGroup
-from fsdp.policy import MixedPrecisionPolicy, Strategy
-from fsdp.tensor_parallel import clip_grad_norm_
+from fsdp.compose.offload import CPUOffloadPolicy, OffloadPolicy
+from fsdp.group.param_group import ParameterGroup
+from fsdp.group.policy import MixedPrecisionPolicy, Strategy
+from fsdp.compose.tensor_parallel import clip_grad_norm_
+from fsdp.optim.step_hooks import optimizer_step_hooks
+
+# Any torch.optim optimizer works on sharded modules unchanged: see fsdp.optim.step_hooks.
+optimizer_step_hooks(True)
 
 __all__ = [
     "Bucket",
@@ -98,6 +102,7 @@ __all__ = [
     "fully_shard",
     "init_weights",
     "layout_policy",
+    "optimizer_step_hooks",
     "register_fsdp_forward_method",
     "share_comm_ctx",
 ]

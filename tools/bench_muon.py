@@ -10,7 +10,7 @@ Muon's Newton–Schulz step needs each weight matrix whole. Two ways to get ther
   update so that every rank can run Newton–Schulz on every matrix and keep its own rows of the
   result: one more all-gather of all matrices per step, and ``world`` times the Newton–Schulz
   FLOPs in total (every rank runs all of them).
-* ``owned`` (this repository: ``dbuffer.Owned()`` + :class:`fsdp.muon.Muon`): each tensor lies
+* ``owned`` (this repository: ``dbuffer.Owned()`` + :class:`fsdp.optim.muon.Muon`): each tensor lies
   whole on one owner; the gradient reduce-scatter lands each tensor's mean on its owner, the
   owner steps it alone, the weight all-gather brings it back. The same two collectives as
   ZeRO-3, no extra one; each matrix's Newton–Schulz runs once, on its owner.
@@ -66,7 +66,7 @@ def mlp_shapes(widths: Sequence[int]) -> list[Shape]:
 
 
 def ns_flops(shape: Shape, ns_steps: int = 5) -> int:
-    """FLOPs of :func:`fsdp.muon.newton_schulz` on one matrix: per iteration, the Gram matrix
+    """FLOPs of :func:`fsdp.optim.muon.newton_schulz` on one matrix: per iteration, the Gram matrix
     (2 m^2 n), its square (2 m^3) and the product with X (2 m^2 n), with m <= n."""
     m, n = sorted(shape)
     return ns_steps * (4 * m * m * n + 2 * m**3)
@@ -235,14 +235,14 @@ def _gather_and_reduce(way, rank: int, world: int) -> None:
 
 
 class _Owned:
-    """Owned weights, a reused full buffer, Partial("avg") -> Owned gradients, fsdp.muon.Muon."""
+    """Owned weights, a reused full buffer, Partial("avg") -> Owned gradients, fsdp.optim.muon.Muon."""
 
     def __init__(self, shapes, mesh) -> None:
         import torch
         from torch.distributed.tensor import Partial, Replicate
 
         from dbuffer import DBuffer, Owned, distribute_tensors
-        from fsdp.muon import Muon
+        from fsdp.optim.muon import Muon
 
         self.weights = distribute_tensors(_init(shapes), mesh, [Owned()])
         layout = self.weights.layout
@@ -267,7 +267,7 @@ class _Owned:
 class _Gather:
     """Naive sharded Muon: packed Shard(0) weights and gradients (ZeRO-3), momentum kept as row
     shards, the Nesterov update of every matrix all-gathered, Newton–Schulz of every matrix on
-    every rank, each rank applying its own rows. AdamW (fsdp.muon.Muon, use_muon=False) on the
+    every rank, each rank applying its own rows. AdamW (fsdp.optim.muon.Muon, use_muon=False) on the
     row pieces of the rest."""
 
     def __init__(self, shapes, mesh) -> None:
@@ -275,7 +275,7 @@ class _Gather:
         from torch.distributed.tensor import Partial, Replicate, Shard
 
         from dbuffer import DBuffer, distribute_tensors
-        from fsdp.muon import Muon
+        from fsdp.optim.muon import Muon
 
         self.shapes = shapes
         self.mats = [i for i, s in enumerate(shapes) if len(s) == 2]
@@ -297,7 +297,7 @@ class _Gather:
     def step(self, rank: int, world: int) -> None:
         import torch
 
-        from fsdp.muon import newton_schulz
+        from fsdp.optim.muon import newton_schulz
 
         _gather_and_reduce(self, rank, world)
         mu = HP["momentum"]

@@ -87,7 +87,7 @@ weights from a gather's start to its copy into the parameters (the schedule prob
 so it does not see it); and the schedule is the 1-D probe's (fsdp schedules TP units the same way).
 
 HFSDP (``--outer-dp-sharding-strategy optim`` with ``--dp-replicate R``, no TP; see
-:mod:`fsdp.outer_shard`): main weights, main grads, ``.grad`` copies and optimizer state are
+:mod:`fsdp.compose.outer_shard`): main weights, main grads, ``.grad`` copies and optimizer state are
 sharded over ``R * dp_shard`` ranks instead of ``dp_shard``; the model weights are the
 ``dp_shard``-sharded compute copy (kept even when its dtype is the main one: it is the replicate
 all-gather's result) plus, when the dtypes differ, the ``1/(R * dp_shard)`` cast piece that
@@ -125,9 +125,9 @@ import torch.nn as nn  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 
 from fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E402
-from fsdp.policy import STRATEGIES, Strategy, parse_strategy  # noqa: E402
+from fsdp.group.policy import STRATEGIES, Strategy, parse_strategy  # noqa: E402
 from dbuffer import DBuffer, OwnedLayout, RaggedLayout  # noqa: E402
-from fsdp.layout_choice import LAYOUT_KINDS, layout_policy  # noqa: E402
+from fsdp.group.layout_choice import LAYOUT_KINDS, layout_policy  # noqa: E402
 from dbuffer.teardown import shutdown  # noqa: E402
 from tools.tp_plan import MeshShape, local_shape, tp_dim, tp_plan  # noqa: E402
 
@@ -331,9 +331,9 @@ class Plan:
     grad_copy_bytes: int = 0  # closed form of the FP32 .grad copies, whether made or not (flat)
     mesh: dict[str, int] = field(default_factory=dict)  # {"dp_replicate": R, "dp_shard": S, "tp": T}
     local_params: int = 0  # parameter elements on this rank's TP piece (= params without TP)
-    outer_dp_sharding_strategy: str = "no_shard"  # "optim": HFSDP (fsdp.outer_shard)
+    outer_dp_sharding_strategy: str = "no_shard"  # "optim": HFSDP (fsdp.compose.outer_shard)
     layouts: dict[str, int] = field(default_factory=dict)  # groups per layout kind: {"ragged": 80, ...}
-    layout_policy: str = "chunk"  # fsdp.layout_choice's kind the groups were built under
+    layout_policy: str = "chunk"  # fsdp.group.layout_choice's kind the groups were built under
 
     def categories(self) -> dict[str, Bytes]:
         return {key: getattr(self, key) for key, _ in CATEGORIES}
@@ -456,7 +456,7 @@ def plan(
 
     ``outer_dp_sharding_strategy="optim"`` (with ``dp_replicate`` > 1, ``tp`` 1): HFSDP, passed to
     ``fully_shard``; the optimizer's buffers are then sharded over ``dp_replicate * dp_shard``.
-    ``layout``: :func:`fsdp.layout_choice.layout_policy`'s kind for the default groups:
+    ``layout``: :func:`fsdp.group.layout_choice.layout_policy`'s kind for the default groups:
     ``"chunk"`` (fully_shard's default, FSDP2's torch.chunk pieces), ``"auto"`` (row-atomic unless
     it pads more than 0.1%: ragged for Llama-3-70B at 1024 ranks), ``"row"`` or ``"ragged"``; the
     plan counts the groups of each kind (``layouts``).
@@ -905,7 +905,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--dp-replicate", type=int, default=1, help="HSDP replicas (dp_shard = world / (tp * this))")
     ap.add_argument(
         "--outer-dp-sharding-strategy", default="no_shard", choices=["no_shard", "optim"],
-        help="optim: HFSDP, the optimizer also sharded over --dp-replicate (fsdp.outer_shard)",
+        help="optim: HFSDP, the optimizer also sharded over --dp-replicate (fsdp.compose.outer_shard)",
     )
     ap.add_argument("--rank", type=int, default=0, help="every rank allocates the same; the last ones hold the padding")
     ap.add_argument("--strategy", default="optim_grads_params", choices=list(STRATEGIES), help="ZeRO-0..3")

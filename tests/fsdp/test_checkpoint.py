@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor
 import fsdp
 from dbuffer import RowShardedDTensor
 from fsdp import checkpoint as ckpt
-from fsdp.layout_choice import layout_policy
+from fsdp.group.layout_choice import layout_policy
 from tests.fsdp.models import loss_fn, make_batches, make_model
 from tests.fsdp.test_parity import STRATEGIES, shard
 from tests.harness import run_ranks

@@ -14,7 +14,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGath
 from torch.distributed.tensor import Shard
 
 import fsdp
-from fsdp import custom_comm
+from fsdp.compose import custom_comm
 from tests.fsdp.models import make_batches, make_model, max_diff, reference, full_state, train
 from tests.harness import run_ranks
 

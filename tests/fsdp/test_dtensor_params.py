@@ -8,7 +8,7 @@ import torch.nn as nn
 
 from dbuffer import RowShardedDTensor
 from fsdp import fully_shard
-from fsdp.layout_choice import layout_policy
+from fsdp.group.layout_choice import layout_policy
 from tests.harness import run_ranks
 
 _OPS = {

@@ -21,7 +21,7 @@ import fsdp
 from dbuffer import ElementShardedDTensor
 from dbuffer.layout import Layout, RaggedLayout
 from fsdp import checkpoint
-from fsdp.layout_choice import group_layout, layout_policy
+from fsdp.group.layout_choice import group_layout, layout_policy
 from tests.fsdp.models import full_state, make_batches, make_model, max_diff, reference, train
 from tests.harness import run_ranks
 

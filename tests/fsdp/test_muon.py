@@ -1,4 +1,4 @@
-"""fsdp.muon: the math against independent references (torch.optim.Muon, torch.optim.AdamW, an
+"""fsdp.optim.muon: the math against independent references (torch.optim.Muon, torch.optim.AdamW, an
 SVD-based Newton–Schulz), and Owned-placement training equal to single-device training bit for
 bit (gloo world 2, threaded world 4)."""
 
@@ -12,7 +12,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from dbuffer import DBuffer, Owned, distribute_tensors
-from fsdp.muon import NS_COEFFICIENTS, Muon, newton_schulz
+from fsdp.optim.muon import NS_COEFFICIENTS, Muon, newton_schulz
 from tests.harness import run_ranks
 
 # ----------------------------------------------------------------------------- the math, one device

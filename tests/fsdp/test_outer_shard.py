@@ -1,4 +1,4 @@
-"""HFSDP (fsdp.outer_shard): on a 2x2 (replicate, shard) mesh, outer_dp_sharding_strategy='optim'
+"""HFSDP (fsdp.compose.outer_shard): on a 2x2 (replicate, shard) mesh, outer_dp_sharding_strategy='optim'
 shards main weights, main grads and optimizer state over all four ranks while weights are
 gathered on the shard axis only. Parity with plain HSDP and with one process on the global batch;
 optimizer-state bytes per rank; DCP checkpoints load into HSDP and into 1-D FSDP exactly; bad
@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
 import fsdp
-from fsdp.layout_choice import layout_policy
+from fsdp.group.layout_choice import layout_policy
 from tests.fsdp.models import full_state, make_batches, make_model, max_diff, reference, train
 from tests.harness import run_ranks, spy_collectives
 

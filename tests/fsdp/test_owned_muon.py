@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 import fsdp
 from dbuffer import Owned
-from fsdp.muon import Muon
+from fsdp.optim.muon import Muon
 from tests.fsdp.models import full_state, loss_fn, make_batches, make_model
 from tests.harness import run_ranks
 

@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 
 import fsdp
-from fsdp.chunked import ChunkedParameterGroup
-from fsdp.layout_choice import layout_policy
+from fsdp.group.chunked import ChunkedParameterGroup
+from fsdp.group.layout_choice import layout_policy
 from tests.fsdp.models import full_state, loss_fn, make_batches, make_model, max_diff, reference, train
 from tests.fsdp.test_parity import shard
 from tests.harness import run_ranks, spy_collectives

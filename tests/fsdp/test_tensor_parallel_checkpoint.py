@@ -2,7 +2,7 @@
 
 A Llama-style model (tests/fsdp/test_tensor_parallel.py) is trained for two steps and saved with
 DCP by fsdp on dp 2 x tp 2, by torch FSDP2 on dp 2 x tp 2 (plain ``dcp.save``), or by fsdp's
-HFSDP on a replicate 2 x shard 2 mesh (no TP; :mod:`fsdp.outer_shard`). Each checkpoint is loaded
+HFSDP on a replicate 2 x shard 2 mesh (no TP; :mod:`fsdp.compose.outer_shard`). Each checkpoint is loaded
 into models of another init on dp 2 x tp 2, dp 1 x tp 4, tp 4 without data parallelism (plain
 torch TP), dp 4 (fsdp only) and HFSDP; after the load the full parameters and the full AdamW
 state equal the saved ones bit for bit. The model's attention cannot run forward at tp 4 (2
@@ -47,7 +47,7 @@ def _build(ref, layout: str, impl: str = "fsdp"):
         from torch.distributed.fsdp import fully_shard as shard_fn
     model = copy.deepcopy(ref)
     dp_mesh = None
-    if layout == "hfsdp":  # (replicate 2, shard 2), optimizer sharded over both (fsdp.outer_shard)
+    if layout == "hfsdp":  # (replicate 2, shard 2), optimizer sharded over both (fsdp.compose.outer_shard)
         dp_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
         for layer in model.layers:
             shard_fn(layer, mesh=dp_mesh, outer_dp_sharding_strategy="optim")

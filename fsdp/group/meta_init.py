@@ -1,4 +1,4 @@
-"""Meta-device init and FSDP2's adoption of assigned parameters, for :class:`~fsdp.param_group.ParameterGroup`.
+"""Meta-device init and FSDP2's adoption of assigned parameters, for :class:`~fsdp.group.param_group.ParameterGroup`.
 
 FSDP2's flow, which this follows: ``fully_shard`` on a model built under ``torch.device("meta")``
 leaves the sharded parameters on meta (a group's buffers are meta DBuffers: shapes, layout and
@@ -20,13 +20,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from dbuffer import DBuffer
-from fsdp.optimizer_hooks import note_registration
+from fsdp.group.registration import note_registration
 
 __all__ = ["MetaInit", "meta_error"]
 
 
 class MetaInit:
-    """Mixin of :class:`~fsdp.param_group.ParameterGroup`: the meta-device and adoption steps."""
+    """Mixin of :class:`~fsdp.group.param_group.ParameterGroup`: the meta-device and adoption steps."""
 
     @property
     def is_meta(self) -> bool:

@@ -1,16 +1,16 @@
-"""``module.to(...)`` on a sharded module, for :class:`~fsdp.param_group.ParameterGroup`: the :class:`DtypeConversion` mixin.
+"""``module.to(...)`` on a sharded module, for :class:`~fsdp.group.param_group.ParameterGroup`: the :class:`DtypeConversion` mixin.
 
 What it owns: the group's dtypes after ``module.to(dtype)`` (the policy's explicit dtypes stay,
 the unset ones follow the main weights), the checks that refuse a conversion before anything
 changes (the shards stay on this rank's device of the mesh, or on the host under offload), and
 the conversion itself: every buffer rebuilt in its new dtype from the current values, the
 sharded parameters keeping their identity. Called by
-``FSDPModule._apply`` (:mod:`fsdp.api`).
+``FSDPModule._apply`` (:mod:`fsdp.unit.api`).
 
 Why a mixin: the conversion rebuilds the group's own buffers (main, compute, gradient) and
 re-hooks and re-attaches its parameters, so it needs the whole group as ``self``; subclasses
-(:mod:`fsdp.extensions`) override :meth:`DtypeConversion.check_convert` / ``convert`` and call
-``super()`` (the same reasoning as :class:`fsdp.meta_init.MetaInit`).
+(:mod:`fsdp.compose.extensions`) override :meth:`DtypeConversion.check_convert` / ``convert`` and call
+``super()`` (the same reasoning as :class:`fsdp.group.meta_init.MetaInit`).
 """
 
 from __future__ import annotations
@@ -21,13 +21,13 @@ from typing import Optional
 import torch
 
 from dbuffer import DBuffer
-from fsdp.policy import Dtypes, MixedPrecisionPolicy
+from fsdp.group.policy import Dtypes, MixedPrecisionPolicy
 
 __all__ = ["DtypeConversion"]
 
 
 class DtypeConversion:
-    """Mixin of :class:`~fsdp.param_group.ParameterGroup`: ``module.to(dtype / device)`` for its buffers."""
+    """Mixin of :class:`~fsdp.group.param_group.ParameterGroup`: ``module.to(dtype / device)`` for its buffers."""
 
     def dtypes_after_to(self, dtype: torch.dtype) -> Dtypes:
         """The group's dtypes after ``module.to(dtype)``: the main weights (the registered

@@ -55,9 +55,9 @@ from torch.distributed.tensor import DTensor
 from dbuffer import DBuffer
 from dbuffer.agreement import check_agreement
 from dbuffer.layout import compute_layout
-from fsdp.chunked import ChunkedParameterGroup, _stride
+from fsdp.group.chunked import ChunkedParameterGroup, _stride
 from dbuffer import mesh_device
-from fsdp.meta_init import meta_error
+from fsdp.group.meta_init import meta_error
 
 __all__ = [
     "ExtensionParameterGroup",
@@ -127,7 +127,7 @@ class _Slot:
 
 
 class ExtensionParameterGroup(ChunkedParameterGroup):
-    """A :class:`~fsdp.chunked.ChunkedParameterGroup` along dim 0 whose parameters keep their
+    """A :class:`~fsdp.group.chunked.ChunkedParameterGroup` along dim 0 whose parameters keep their
     tensor type: the sharded weights are the subclass pieces themselves (not a DBuffer), the
     gather source is the persistent buffer of the pre-all-gather outputs, and the unsharded
     parameters are what ``fsdp_post_all_gather`` builds. Gradients use the chunked group's

@@ -524,7 +524,7 @@ def _copy_rows(leaf: torch.Tensor, value: torch.Tensor) -> None:
         local = leaf._local_tensor
         if leaf.dim() == 0:
             local.copy_(value)
-        elif any(isinstance(p, _StridedShard) for p in leaf.placements):  # FSDP x TP (fsdp.tensor_parallel)
+        elif any(isinstance(p, _StridedShard) for p in leaf.placements):  # FSDP x TP (fsdp.compose.tensor_parallel)
             # DTensor's own split of the full value, on this rank alone (no communication)
             local.copy_(distribute_tensor(value, leaf.device_mesh, leaf.placements, src_data_rank=None)._local_tensor)
         elif any(isinstance(p, Shard) and p.dim != 0 for p in leaf.placements):

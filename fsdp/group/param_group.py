@@ -1,7 +1,7 @@
 """ParameterGroup: one communication bucket of a unit's parameters, as a set of DBuffers.
 
 A group's parameters share a dtype, ``requires_grad``, a mesh, a sharding strategy and a shard
-placement (see :mod:`fsdp.bucket`). On a 1-D mesh the shard axis is the mesh; on a 2-D mesh
+placement (see :mod:`fsdp.group.bucket`). On a 1-D mesh the shard axis is the mesh; on a 2-D mesh
 (HSDP) the outer axis replicates and the inner one shards, so gathers stay inside a shard group
 and one ``redistribute`` reduce-scatters inside it and all-reduces across replicas.
 
@@ -19,7 +19,7 @@ Buffers, all on one layout (parameter registration order, so every rank packs th
   dtype; storage exists only while gradients are being accumulated.
 * ``main_grad``: the reduced gradients, sharded for ``optim_grads*``; ``param.grad`` and
   ``param.main_grad`` are DTensor views of it. Its lifetime, and everything from autograd's
-  hooks to ``param.grad``: :mod:`fsdp.grad_reduction`.
+  hooks to ``param.grad``: :mod:`fsdp.group.grad_reduction`.
 """
 
 from __future__ import annotations
@@ -37,17 +37,17 @@ from torch.distributed.tensor.placement_types import Placement
 
 from dbuffer import DBuffer, Owned, Pending, mesh_device
 from dbuffer.layout import OwnedLayout, compute_layout, compute_owned_layout
-from fsdp.layout_choice import group_layout
-from fsdp import custom_comm
-from fsdp.convert import DtypeConversion
-from fsdp.grad_reduction import GradReduction
-from fsdp.meta_init import MetaInit, meta_error
-from fsdp.optimizer_hooks import note_registration
-from fsdp.offload import CPUOffloadPolicy, HostOffload
-from fsdp.policy import Dtypes, MixedPrecisionPolicy, Strategy
-from fsdp.post_forward import PostForwardShard
-from fsdp.reduction import ReduceSettings
-from fsdp.streams import CommStreams
+from fsdp.group.layout_choice import group_layout
+from fsdp.compose import custom_comm
+from fsdp.group.convert import DtypeConversion
+from fsdp.group.grad_reduction import GradReduction
+from fsdp.group.meta_init import MetaInit, meta_error
+from fsdp.group.registration import note_registration
+from fsdp.compose.offload import CPUOffloadPolicy, HostOffload
+from fsdp.group.policy import Dtypes, MixedPrecisionPolicy, Strategy
+from fsdp.compose.post_forward import PostForwardShard
+from fsdp.group.reduction import ReduceSettings
+from fsdp.group.streams import CommStreams
 
 __all__ = ["ParamInfo", "ParameterGroup"]
 
@@ -82,11 +82,11 @@ class ParameterGroup(MetaInit, GradReduction, DtypeConversion):
 
     # The parameters fsdp last registered on the modules (None: not yet, the originals are there).
     _registered: Optional[list[nn.Parameter]] = None
-    # reshard_after_forward=n: the 1/n slice kept between forward and backward (fsdp.post_forward).
+    # reshard_after_forward=n: the 1/n slice kept between forward and backward (fsdp.compose.post_forward).
     post_forward: Optional[PostForwardShard] = None
     # weights_version() when fsdp.optim last wrote the model shard with the main weights.
     _written_version: Optional[int] = None
-    # FSDP2's comm objects (set_custom_all_gather / set_custom_reduce_scatter; see fsdp.custom_comm)
+    # FSDP2's comm objects (set_custom_all_gather / set_custom_reduce_scatter; see fsdp.compose.custom_comm)
     custom_all_gather: Optional[object] = None
     custom_reduce_scatter: Optional[object] = None
 
@@ -108,7 +108,7 @@ class ParameterGroup(MetaInit, GradReduction, DtypeConversion):
         contributions of a whole expert-parallel group). ``policy``: the policy ``dtypes`` came
         from; :meth:`convert` keeps the dtypes it set explicitly (None: every dtype follows).
         ``offload``: keep the main weights, main grads and optimizer state on the host (see
-        :mod:`fsdp.offload`); compute buffers live on the mesh's device."""
+        :mod:`fsdp.compose.offload`); compute buffers live on the mesh's device."""
         self.infos = infos
         self.mesh = mesh
         self.strategy = strategy
@@ -142,7 +142,7 @@ class ParameterGroup(MetaInit, GradReduction, DtypeConversion):
 
     def _group_placements(self, shard: Placement, reduce_op: str) -> GroupPlacements:
         """The placements of this group's buffers on its mesh (a subclass may nest the axes
-        differently: :mod:`fsdp.outer_shard`)."""
+        differently: :mod:`fsdp.compose.outer_shard`)."""
         return GroupPlacements.for_mesh(self.mesh.ndim, shard, reduce_op)
 
     def _place_main(self, placements, shapes, dtype: torch.dtype, layout, device: torch.device) -> None:
@@ -184,7 +184,7 @@ class ParameterGroup(MetaInit, GradReduction, DtypeConversion):
     def _module_param(self, k: int, full: torch.Tensor) -> nn.Parameter:
         """What modules compute with for parameter ``k`` whose whole values are ``full`` (a view
         of a buffer): the view itself here; a DTensor on the parameter's tensor-parallel mesh
-        around it in :mod:`fsdp.tensor_parallel`, whose "whole" tensors are TP-local ones."""
+        around it in :mod:`fsdp.compose.tensor_parallel`, whose "whole" tensors are TP-local ones."""
         return nn.Parameter(full, requires_grad=self.requires_grad)
 
     @property
@@ -356,7 +356,7 @@ class ParameterGroup(MetaInit, GradReduction, DtypeConversion):
 
     def all_gather(self, source: DBuffer, target: DBuffer) -> Pending:
         """Gather ``source`` (sharded) into ``target`` (replicated), in flight: by dbuffer, or
-        by the unit's FSDP2 comm object if one is set (:mod:`fsdp.custom_comm`)."""
+        by the unit's FSDP2 comm object if one is set (:mod:`fsdp.compose.custom_comm`)."""
         comm = self.custom_all_gather
         if comm is not None and custom_comm.routes(source, self.placements.replicated):
             return custom_comm.all_gather(comm, source, target)
@@ -404,7 +404,7 @@ class ParameterGroup(MetaInit, GradReduction, DtypeConversion):
 
     def enable_post_forward_shard(self, mesh: DeviceMesh) -> bool:
         """FSDP2's ``reshard_after_forward=n`` with the ``(W/n, n)`` view of the shard mesh (see
-        :mod:`fsdp.post_forward`). Only a ZeRO-3 group of plain parameters (any layout: torch.chunk,
+        :mod:`fsdp.compose.post_forward`). Only a ZeRO-3 group of plain parameters (any layout: torch.chunk,
         row-atomic, ragged) on a 1-D mesh without offload keeps a slice; the others (returns False)
         reshard fully after forward, like ``True``."""
         if not self._keeps_post_forward_slice() or not self.strategy.shard_params or self.mesh.ndim != 1 or self.offload:
@@ -547,7 +547,7 @@ def check_no_late_extension(group: "ParameterGroup") -> None:
     ``fsdp_post_all_gather``) after ``fully_shard``: its shard is the row-atomic layout's rows,
     not the padded ``torch.chunk`` piece the protocol assumes, so raise (before any gather)
     rather than silently gather plain values. Tensor subclasses get the protocol: see
-    :mod:`fsdp.extensions`. Checked at every refresh (a few attribute lookups per parameter)."""
+    :mod:`fsdp.compose.extensions`. Checked at every refresh (a few attribute lookups per parameter)."""
     for info, p in zip(group.infos, group.sharded_params):
         local = getattr(p, "_local_tensor", p)
         if hasattr(local, "fsdp_pre_all_gather") or hasattr(local, "fsdp_post_all_gather"):

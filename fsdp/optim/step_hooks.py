@@ -1,10 +1,16 @@
 """torch.optim step hooks that keep fsdp's weights right whatever optimizer the user builds.
 
-Installed once, globally (``register_optimizer_step_pre_hook`` / ``_post_hook``), when fsdp is
-imported: after any ``torch.optim`` step the groups whose parameters it updated refresh their
-compute weights before the next gather; before an optimizer's first step (and again whenever
-fsdp registered new parameters since) it must not hold parameters fsdp no longer trains, which
-would make its steps silently change nothing the model uses.
+Two global hooks (``register_optimizer_step_pre_hook`` / ``_post_hook``): after any
+``torch.optim`` step the groups whose parameters it updated refresh their compute weights
+before the next gather; before an optimizer's first step (and again whenever fsdp registered
+new parameters since) it must not hold parameters fsdp no longer trains, which would make its
+steps silently change nothing the model uses.
+
+They are installed by intent, not as a side effect of importing a module: ``import fsdp`` (the
+package's entry point) calls :func:`optimizer_step_hooks` once, so any optimizer works
+unchanged. ``fsdp.optimizer_step_hooks(False)`` removes them (and ``True`` puts them back); a
+program that turns them off must call ``group.mark_stale()`` on the groups an optimizer updated
+(``fsdp.FlatOptimizer`` does it itself).
 """
 
 from __future__ import annotations
@@ -14,7 +20,9 @@ import weakref
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-__all__ = ["note_registration"]
+from fsdp.group.registration import registrations
+
+__all__ = ["optimizer_step_hooks"]
 
 
 def _after_optimizer_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
@@ -29,17 +37,7 @@ def _after_optimizer_step(optimizer: torch.optim.Optimizer, args, kwargs) -> Non
                 group.mark_stale()
 
 
-register_optimizer_step_post_hook(_after_optimizer_step)
-
-# Bumped whenever fully_shard registers a group's parameters, so that optimizers checked before
-# are checked again; per optimizer, the (registrations, param-group sizes) it was checked at.
-_REGISTRATIONS = 0
-
-
-def note_registration() -> None:
-    """Parameters were (re)registered on modules: check every optimizer again at its next step."""
-    global _REGISTRATIONS
-    _REGISTRATIONS += 1
+# Per optimizer, the (registrations, param-group sizes) it was checked at.
 _CHECKED: "weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple]" = weakref.WeakKeyDictionary()
 
 
@@ -49,7 +47,7 @@ def _before_optimizer_step(optimizer: torch.optim.Optimizer, args, kwargs) -> No
     between a forward and the end of its backward. Its steps would change nothing the model
     uses, silently. Checked once per optimizer (again if its param groups change size or a
     module is sharded since), not on every step."""
-    key = (_REGISTRATIONS, tuple(len(g["params"]) for g in optimizer.param_groups))
+    key = (registrations(), tuple(len(g["params"]) for g in optimizer.param_groups))
     if _CHECKED.get(optimizer) == key:
         return
     for i, param_group in enumerate(optimizer.param_groups):
@@ -72,4 +70,19 @@ def _before_optimizer_step(optimizer: torch.optim.Optimizer, args, kwargs) -> No
     _CHECKED[optimizer] = key
 
 
-register_optimizer_step_pre_hook(_before_optimizer_step)
+_HANDLES: list = []  # the installed hooks' removable handles; empty: not installed
+
+
+def optimizer_step_hooks(enabled: bool = True) -> bool:
+    """Install (``True``) or remove (``False``) fsdp's global ``torch.optim`` step hooks.
+    Idempotent; returns whether they were installed before the call."""
+    if not isinstance(enabled, bool):
+        raise TypeError(f"optimizer_step_hooks(enabled): pass True or False, got {enabled!r}")
+    was = bool(_HANDLES)
+    if enabled and not was:
+        _HANDLES.append(register_optimizer_step_pre_hook(_before_optimizer_step))
+        _HANDLES.append(register_optimizer_step_post_hook(_after_optimizer_step))
+    elif not enabled:
+        while _HANDLES:
+            _HANDLES.pop().remove()
+    return was

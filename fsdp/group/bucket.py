@@ -17,18 +17,18 @@ Guarantees, all checked in :func:`plan_buckets` before any buffer or collective 
 from __future__ import annotations
 
 import fnmatch
+import weakref
 from dataclasses import dataclass, replace
 from typing import Optional, Sequence, Union
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from fsdp.policy import MixedPrecisionPolicy, Strategy, parse_strategy
-from fsdp.tensor_parallel import mesh_key
+from fsdp.group.policy import MixedPrecisionPolicy, Strategy, parse_strategy
 
-__all__ = ["Bucket", "GroupSpec", "plan_buckets"]
+__all__ = ["Bucket", "GroupSpec", "mesh_key", "plan_buckets"]
 
 
 @dataclass(frozen=True)
@@ -208,3 +208,20 @@ def _check_placement(b: int, placement: Placement) -> None:
         f"buckets[{b}].placement must be Shard(0) or dbuffer.Owned(), got {placement!r} "
         f"(replicated parameters: use sharding_strategy='no_shard')"
     )
+
+
+def mesh_key(param: torch.Tensor) -> Optional[tuple]:
+    """Parameters of one group share this: None for plain tensors; for DTensors, what identifies
+    their mesh across ranks (device type, ranks, shape, axis names), so a group has one TP mesh."""
+    if not isinstance(param, DTensor):
+        return None
+    mesh = param.device_mesh
+    key = _MESH_KEYS.get(mesh)
+    if key is None:  # flattening a 1024-rank mesh for every parameter cost ~1 s per fully_shard
+        key = (mesh.device_type, tuple(mesh.mesh.flatten().tolist()), tuple(mesh.mesh.shape), mesh.mesh_dim_names)
+        _MESH_KEYS[mesh] = key
+    return key
+
+
+# Weak: a cached key must not keep a mesh (and its process groups) alive past teardown.
+_MESH_KEYS: "weakref.WeakKeyDictionary[DeviceMesh, tuple]" = weakref.WeakKeyDictionary()

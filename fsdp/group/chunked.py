@@ -35,13 +35,13 @@ from torch.distributed.tensor.placement_types import Placement
 
 from dbuffer import DBuffer
 from dbuffer.layout import ChunkLayout, compute_chunk_layout, compute_layout
-from fsdp.param_group import ParameterGroup
+from fsdp.group.param_group import ParameterGroup
 
 __all__ = ["ChunkedParameterGroup"]
 
 
 class ChunkedParameterGroup(ParameterGroup):
-    """A :class:`~fsdp.param_group.ParameterGroup` whose parameter ``k`` is split along
+    """A :class:`~fsdp.group.param_group.ParameterGroup` whose parameter ``k`` is split along
     ``dims[k]`` like ``torch.chunk`` over the shard axis (the mesh's last). Needs a strategy
     that shards the main weights (``optim``, ``optim_grads``, ``optim_grads_params``)."""
 

@@ -1,7 +1,7 @@
 """fully_shard and FSDPModule: the public surface, shaped like torch FSDP2's.
 
 ``fully_shard(module)`` groups the parameters the module owns (everything below it that no
-nested unit owns) into :class:`~fsdp.param_group.ParameterGroup` s, registers sharded DTensor
+nested unit owns) into :class:`~fsdp.group.param_group.ParameterGroup` s, registers sharded DTensor
 parameters in their place, and swaps the module's class to ``FSDP<Orig>`` so the FSDP2 methods
 (``unshard``, ``reshard``, ``set_requires_gradient_sync``, ...) are available on it. Like FSDP2,
 shard nested modules first (bottom-up), the root last.
@@ -24,19 +24,19 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
 from dbuffer.agreement import check_agreement, value_digest, values_comparable
-from fsdp.bucket import Bucket, GroupSpec, plan_buckets
-from fsdp.chunked import ChunkedParameterGroup
-from fsdp.extensions import ExtensionParameterGroup, check_extension_params, split_extension_members
-from fsdp.layout_choice import chunk_by_default, describe_layout_policy
-from fsdp.offload import CPUOffloadPolicy, OffloadPolicy, check_offload_policy
-from fsdp.outer_shard import OuterShardedParameterGroup, check_outer_sharding
-from fsdp.param_group import ParamInfo, ParameterGroup
-from fsdp.policy import MixedPrecisionPolicy, Strategy, parse_strategy
-from fsdp.post_forward import post_forward_mesh
-from fsdp import surface
-from fsdp.state import FSDPState, finish_grad_sync
-from fsdp.surface import ArgumentTypeError, DataParallelMeshDims, share_comm_ctx
-from fsdp.tensor_parallel import TensorParallelGroup, check_params as _check_tensor_parallel, local_of
+from fsdp.group.bucket import Bucket, GroupSpec, plan_buckets
+from fsdp.group.chunked import ChunkedParameterGroup
+from fsdp.compose.extensions import ExtensionParameterGroup, check_extension_params, split_extension_members
+from fsdp.group.layout_choice import chunk_by_default, describe_layout_policy
+from fsdp.compose.offload import CPUOffloadPolicy, OffloadPolicy, check_offload_policy
+from fsdp.compose.outer_shard import OuterShardedParameterGroup, check_outer_sharding
+from fsdp.group.param_group import ParamInfo, ParameterGroup
+from fsdp.group.policy import MixedPrecisionPolicy, Strategy, parse_strategy
+from fsdp.compose.post_forward import post_forward_mesh
+from fsdp.unit import surface
+from fsdp.unit.state import FSDPState, finish_grad_sync
+from fsdp.unit.surface import ArgumentTypeError, DataParallelMeshDims, share_comm_ctx
+from fsdp.compose.tensor_parallel import TensorParallelGroup, check_params as _check_tensor_parallel, local_of
 
 __all__ = [
     "Bucket",
@@ -147,7 +147,7 @@ class FSDPModule:
     def _apply(self, fn, recurse: bool = True):
         """What ``nn.Module.to`` / ``double`` / ``float`` / ``half`` / ``cpu`` / ``cuda`` /
         ``to_empty`` run. The sharded parameters of every unit below follow the new dtype (see
-        :meth:`ParameterGroup.convert <fsdp.param_group.ParameterGroup.convert>`: their buffers
+        :meth:`ParameterGroup.convert <fsdp.group.param_group.ParameterGroup.convert>`: their buffers
         are rebuilt from the current values, the parameter objects keep their identity, explicit
         policy dtypes stay); everything else (buffers, ignored parameters) goes through
         ``nn.Module._apply``. The shards stay on the mesh's device: ``.to`` that device is a no-op,
@@ -264,7 +264,7 @@ def fully_shard(
     plain ones, until the end of backward or :meth:`FSDPModule.reshard`. An ``int`` ``n`` (FSDP2's
     resharding to a smaller group) must divide the shard group's size ``W``: 1 means False, ``W``
     True; in between, each rank keeps ``1/n`` of the gathered weights after forward and backward
-    gathers them within groups of ``n`` consecutive ranks (:mod:`fsdp.post_forward`; ZeRO-3
+    gathers them within groups of ``n`` consecutive ranks (:mod:`fsdp.compose.post_forward`; ZeRO-3
     groups of plain parameters on a 1-D mesh without offload; the other groups reshard fully,
     like True).
 
@@ -280,10 +280,10 @@ def fully_shard(
     ``torch.chunk(full, W, 0)[rank]`` over the ``W`` shard ranks (empty where torch.chunk gives
     fewer pieces), registered as a plain DTensor with placement ``Shard(0)``, gathered and reduced
     in flat groups with FSDP2's copy after each gather and before each reduction (see
-    :mod:`fsdp.chunked`). ``fsdp.layout_policy("auto" | "row" | "ragged")`` around the call opts
+    :mod:`fsdp.group.chunked`). ``fsdp.layout_policy("auto" | "row" | "ragged")`` around the call opts
     into Megatron-FSDP's flat layouts instead, whose gathered buffer *is* the unsharded
     parameters (no copies), with row pieces handed out as exact DTensor subclasses (see
-    :mod:`fsdp.layout_choice`); ``no_shard``, HFSDP and explicit buckets always use those.
+    :mod:`fsdp.group.layout_choice`); ``no_shard``, HFSDP and explicit buckets always use those.
 
     ``shard_placement_fn`` (FSDP2's): called once per parameter; ``Shard(dim)`` (``dim`` may be
     negative) makes its local shard ``torch.chunk(full, W, dim)[rank]``, placement ``Shard(dim)``;
@@ -295,22 +295,22 @@ def fully_shard(
     root mesh, e.g. ``parallelize_module(m, mesh["tp"], plan)`` then ``mesh=mesh["dp"]``) are
     sharded as FSDP2 does: their TP-local tensors in torch.chunk pieces over ``mesh`` (dim 0, or
     ``shard_placement_fn``'s), registered as DTensors on the joint ``(dp, tp)`` mesh; see
-    :mod:`fsdp.tensor_parallel`.
+    :mod:`fsdp.compose.tensor_parallel`.
 
     ``offload_policy`` (FSDP2's classes, also exported by fsdp): ``CPUOffloadPolicy(pin_memory=)``
     keeps the main weights, gradients and optimizer state on the host and steps the optimizer
     there; each gather uploads the shard, each reduction downloads its result (see
-    :mod:`fsdp.offload`). Parameters may then be on the CPU or the mesh's device; every strategy
+    :mod:`fsdp.compose.offload`). Parameters may then be on the CPU or the mesh's device; every strategy
     works. ``pin_memory`` on a CPU mesh has nothing to speed up and is ignored.
 
     ``dp_mesh_dims`` (FSDP2's :class:`DataParallelMeshDims`): ``mesh`` is a named mesh and these
     of its dims are the data-parallel ones (``shard``, optionally ``replicate`` for HSDP; several
-    names are flattened into one dim); see :func:`fsdp.surface.data_parallel_mesh`.
+    names are flattened into one dim); see :func:`fsdp.unit.surface.data_parallel_mesh`.
 
     ``outer_dp_sharding_strategy`` (Megatron-FSDP's name; not in FSDP2): on a 2-D mesh,
     ``"no_shard"`` (default) is HSDP; ``"optim"`` (HFSDP) also shards the main weights, main
     grads and optimizer state across the replicate axis (``1/(R*S)`` per rank) while weights are
-    still gathered on the shard axis only; see :mod:`fsdp.outer_shard`.
+    still gathered on the shard axis only; see :mod:`fsdp.compose.outer_shard`.
 
     ``fully_shard.state(module)`` returns the unit's state, or None for a module not sharded.
     """
@@ -684,7 +684,7 @@ def _build_groups(
     groups = []
     for whole in specs:
         extension, rest = split_extension_members(whole, [i.param for i in infos])
-        for members_k, ext in ((extension, True), (rest, False)):  # tensor subclasses: fsdp.extensions
+        for members_k, ext in ((extension, True), (rest, False)):  # tensor subclasses: fsdp.compose.extensions
             if not members_k:
                 continue
             spec = replace(whole, members=members_k, dims=_dims_of(whole, members_k))
@@ -698,7 +698,7 @@ def _build_groups(
                 groups.append(TensorParallelGroup(*args, dims=spec.dims, **kw))
             elif spec.dims is not None:
                 groups.append(ChunkedParameterGroup(*args, dims=spec.dims, **kw))
-            else:  # outer: HFSDP (fsdp.outer_shard), validated by check_outer_sharding
+            else:  # outer: HFSDP (fsdp.compose.outer_shard), validated by check_outer_sharding
                 kind = OuterShardedParameterGroup if outer else ParameterGroup
                 groups.append(kind(*args, shard=spec.placement, **kw))
     return groups

@@ -2,7 +2,7 @@
 
 ``FSDPModule.set_gradient_divide_factor`` / ``set_force_sum_reduction_for_comms`` /
 ``set_requires_all_reduce`` / ``set_all_reduce_hook`` land here, one :class:`ReduceSettings` per
-:class:`~fsdp.param_group.ParameterGroup`. The group reads them when it builds its gradient
+:class:`~fsdp.group.param_group.ParameterGroup`. The group reads them when it builds its gradient
 buffer (the reduce op of its ``Partial`` placement) and when a reduction finishes
 (:meth:`ReduceSettings.finish`: divide, call the hook, divide). All communication stays in
 :mod:`dbuffer`; a hook is the user's own code and may communicate (e.g. a custom all-reduce

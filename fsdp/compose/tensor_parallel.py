@@ -10,7 +10,7 @@ A parameter that is already a DTensor on a tensor-parallel mesh ``tp`` (any mesh
 same root mesh as the data-parallel ``mesh``, on other axes) is sharded by treating its
 *TP-local* tensor as the whole tensor FSDP sees: each data-parallel rank keeps
 ``torch.chunk(local, dp, dim)[rank]`` (``dim``: ``shard_placement_fn``'s answer, default 0), in a
-:class:`~fsdp.chunked.ChunkedParameterGroup` (exact torch.chunk pieces: a TP-local tensor is
+:class:`~fsdp.group.chunked.ChunkedParameterGroup` (exact torch.chunk pieces: a TP-local tensor is
 rarely split row-atomically the way the flat layouts would want, and chunk pieces keep every
 DTensor handed out a plain, exact one). So:
 
@@ -51,8 +51,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
-from fsdp.chunked import ChunkedParameterGroup
-from fsdp.param_group import ParamInfo
+from fsdp.group.chunked import ChunkedParameterGroup
+from fsdp.group.bucket import mesh_key
+from fsdp.group.param_group import ParamInfo
 
 __all__ = ["TensorParallelGroup", "TensorParallelSpec", "check_params", "clip_grad_norm_", "local_of"]
 
@@ -156,25 +157,8 @@ def _same_root(a: DeviceMesh, b: DeviceMesh) -> bool:
     return ra.device_type == rb.device_type and torch.equal(ra.mesh, rb.mesh) and ra.mesh_dim_names == rb.mesh_dim_names
 
 
-def mesh_key(param: torch.Tensor) -> Optional[tuple]:
-    """Parameters of one group share this: None for plain tensors; for DTensors, what identifies
-    their mesh across ranks (device type, ranks, shape, axis names), so a group has one TP mesh."""
-    if not isinstance(param, DTensor):
-        return None
-    mesh = param.device_mesh
-    key = _MESH_KEYS.get(mesh)
-    if key is None:  # flattening a 1024-rank mesh for every parameter cost ~1 s per fully_shard
-        key = (mesh.device_type, tuple(mesh.mesh.flatten().tolist()), tuple(mesh.mesh.shape), mesh.mesh_dim_names)
-        _MESH_KEYS[mesh] = key
-    return key
-
-
-# Weak: a cached key must not keep a mesh (and its process groups) alive past teardown.
-_MESH_KEYS: "weakref.WeakKeyDictionary[DeviceMesh, tuple]" = weakref.WeakKeyDictionary()
-
-
 class TensorParallelGroup(ChunkedParameterGroup):
-    """A :class:`~fsdp.chunked.ChunkedParameterGroup` of DTensor parameters sharing one TP mesh:
+    """A :class:`~fsdp.group.chunked.ChunkedParameterGroup` of DTensor parameters sharing one TP mesh:
     the TP-local tensors are what it shards, gathers and reduces over the dp ``mesh``; the
     parameters it registers are DTensors (sharded: on the joint mesh; unsharded: on the TP mesh)."""
 

@@ -1,5 +1,5 @@
 """The rest of torch FSDP2's public surface: ``FSDPModule``'s knobs, ``share_comm_ctx`` and
-``dp_mesh_dims`` (``offload_policy``: :mod:`fsdp.offload`), with FSDP2's semantics where fsdp has the mechanism, and
+``dp_mesh_dims`` (``offload_policy``: :mod:`fsdp.compose.offload`), with FSDP2's semantics where fsdp has the mechanism, and
 a documented no-op or a clear error where FSDP2 tunes an internal fsdp does not have.
 
 The setters below become methods of :class:`fsdp.FSDPModule` (``self`` is the sharded module).
@@ -13,7 +13,7 @@ deprecated alias), ``set_force_sum_reduction_for_comms``, ``set_requires_all_red
 ``set_unshard_in_backward``, ``set_post_optim_event``, ``set_reduce_scatter_max_input_buffers``,
 ``reset_iter_state``, ``set_reduce_scatter_unused_params`` (every parameter gets its reduced
 gradient), ``set_custom_all_gather`` / ``set_custom_reduce_scatter`` (FSDP2's comm objects
-called on fsdp's flat buffers, :mod:`fsdp.custom_comm`), and the comm-memory setters on CUDA
+called on fsdp's flat buffers, :mod:`fsdp.compose.custom_comm`), and the comm-memory setters on CUDA
 meshes (fsdp's comm objects allocating from the process group or symmetric memory). Accepted,
 no effect (fsdp already behaves so, or has no such internal): ``set_separate_reduce_scatter_group``
 (dbuffer owns the process groups), ``share_comm_ctx`` (units on one device always share their
@@ -31,12 +31,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import DataParallelMeshDims
 
 from dbuffer import mesh_device
-from fsdp import custom_comm
-from fsdp.reduction import check_divide_factor
-from fsdp.state import FSDPState
+from fsdp.compose import custom_comm
+from fsdp.group.reduction import check_divide_factor
+from fsdp.unit.state import FSDPState
 
 if TYPE_CHECKING:
-    from fsdp.api import FSDPModule
+    from fsdp.unit.api import FSDPModule
 
 __all__ = [
     "ArgumentTypeError",
@@ -87,7 +87,7 @@ def set_all_reduce_hook(
     recursive): after the reduce-scatter on a 1-D mesh (e.g. to all-reduce across groups you
     manage yourself), after the all-reduce across replicas on an HSDP mesh. ``reduced`` is this
     rank's flat shard (padding included) in the reduce dtype; change it in place. ``stream``
-    (1-D meshes only, as in FSDP2): run the hook on that stream. See :mod:`fsdp.reduction`."""
+    (1-D meshes only, as in FSDP2): run the hook on that stream. See :mod:`fsdp.group.reduction`."""
     if not callable(hook):
         raise ArgumentTypeError(f"hook must be a callable (torch.Tensor) -> None, got {hook!r}")
     groups = [g for g in self._fsdp_state.groups if g.requires_grad]
@@ -169,7 +169,7 @@ def set_post_optim_event(self: "FSDPModule", event: Any) -> None:
 
 def reset_iter_state(self: "FSDPModule") -> None:
     """After a forward or backward raised: call on the root, then train on. See
-    :meth:`fsdp.state.FSDPState.reset_iter_state` (the failed iteration's gradients are lost)."""
+    :meth:`fsdp.unit.state.FSDPState.reset_iter_state` (the failed iteration's gradients are lost)."""
     self._fsdp_state.reset_iter_state()
 
 
@@ -179,7 +179,7 @@ def reset_iter_state(self: "FSDPModule") -> None:
 def set_custom_all_gather(self: "FSDPModule", comm: Any) -> None:
     """FSDP2's: gather this unit's weights (not recursive) with ``comm``, an object of FSDP2's
     ``AllGather`` protocol (``allocate`` + ``__call__(output_tensor=, input_tensor=, group=,
-    async_op=)``), on the flat buffers dbuffer would have used; see :mod:`fsdp.custom_comm`.
+    async_op=)``), on the flat buffers dbuffer would have used; see :mod:`fsdp.compose.custom_comm`.
     Every group of the unit uses it (FSDP2 refuses units with several groups; fsdp calls the
     object once per group, with that group's process group). Set it on every rank."""
     custom_comm.check_comm(comm, "set_custom_all_gather", "AllGather")
@@ -190,7 +190,7 @@ def set_custom_all_gather(self: "FSDPModule", comm: Any) -> None:
 def set_custom_reduce_scatter(self: "FSDPModule", comm: Any) -> None:
     """FSDP2's: reduce-scatter this unit's gradients (not recursive) with ``comm``, an object of
     FSDP2's ``ReduceScatter`` protocol (``allocate`` + ``__call__(output_tensor=, input_tensor=,
-    group=, op=, async_op=)``); see :mod:`fsdp.custom_comm`. Set it on every rank."""
+    group=, op=, async_op=)``); see :mod:`fsdp.compose.custom_comm`. Set it on every rank."""
     custom_comm.check_comm(comm, "set_custom_reduce_scatter", "ReduceScatter")
     for group in self._fsdp_state.groups:
         group.custom_reduce_scatter = comm
@@ -210,7 +210,7 @@ class CustomCommConflictError(ValueError, AssertionError):
 
 def _comm_memory(self: "FSDPModule", what: str, kind: str, enable: bool, backend: str = "NCCL") -> None:
     """Install (``enable``) or remove fsdp's comm objects that allocate from special memory
-    (:mod:`fsdp.custom_comm`) on this unit's groups whose mesh is on CUDA (not recursive, as in
+    (:mod:`fsdp.compose.custom_comm`) on this unit's groups whose mesh is on CUDA (not recursive, as in
     FSDP2). A unit with a user's comm object raises first, changing nothing."""
     groups = self._fsdp_state.groups
     for group in groups:
@@ -237,7 +237,7 @@ def _comm_memory(self: "FSDPModule", what: str, kind: str, enable: bool, backend
 def set_allocate_memory_from_process_group_for_comm(self: "FSDPModule", enable: bool) -> None:
     """FSDP2's: this unit's (not recursive) collectives read and write buffers allocated by the
     process group (NCCL: registered memory, for zero-copy transfers such as SHARP), staged to and
-    from fsdp's persistent buffers by one copy each (:mod:`fsdp.custom_comm`). No effect where the
+    from fsdp's persistent buffers by one copy each (:mod:`fsdp.compose.custom_comm`). No effect where the
     backend has no allocator of its own (gloo, as in FSDP2). A unit with a custom comm object
     raises ``CustomCommConflictError`` (a ``ValueError`` and FSDP2's ``AssertionError``)."""
     if not isinstance(enable, bool):
@@ -301,7 +301,7 @@ def data_parallel_mesh(mesh: Optional[DeviceMesh], dp_mesh_dims: Optional[DataPa
         raise ValueError(
             f"dp_mesh_dims leaves mesh dims {others} of {mesh} to other parallelisms; fully_shard takes the "
             f"data-parallel mesh: pass mesh=mesh[{tuple(shard + replicate)!r}] without dp_mesh_dims (DTensor "
-            f"parameters of tensor parallelism on the other dims are sharded over it, see fsdp.tensor_parallel)"
+            f"parameters of tensor parallelism on the other dims are sharded over it, see fsdp.compose.tensor_parallel)"
         )
 
     def submesh(dims: tuple[str, ...]) -> DeviceMesh:

@@ -1,4 +1,4 @@
-"""Gradient reduction of a :class:`~fsdp.param_group.ParameterGroup`: the :class:`GradReduction` mixin.
+"""Gradient reduction of a :class:`~fsdp.group.param_group.ParameterGroup`: the :class:`GradReduction` mixin.
 
 What it owns: the post-accumulate-grad hooks on the unsharded parameters; holding autograd's
 gradients until the group has them all, then packing them into ``grad_in`` (allocated only
@@ -14,9 +14,9 @@ ones (micro-batches) accumulate into it.
 
 Why a mixin and not an object of its own: every step here reads the group's buffers
 (``grad_in``, ``main_grad``), placements, strategy, dtypes, streams and reduction settings, and
-the subclasses (:mod:`fsdp.chunked`, :mod:`fsdp.extensions`, :mod:`fsdp.tensor_parallel`,
-:mod:`fsdp.outer_shard`) override some of these methods; as methods of the group they keep one
-``self`` and the overrides apply unchanged (the same reasoning as :class:`fsdp.meta_init.MetaInit`).
+the subclasses (:mod:`fsdp.group.chunked`, :mod:`fsdp.compose.extensions`, :mod:`fsdp.compose.tensor_parallel`,
+:mod:`fsdp.compose.outer_shard`) override some of these methods; as methods of the group they keep one
+``self`` and the overrides apply unchanged (the same reasoning as :class:`fsdp.group.meta_init.MetaInit`).
 """
 
 from __future__ import annotations
@@ -31,13 +31,13 @@ from torch.distributed.tensor import DTensor
 from dbuffer import DBuffer, Pending
 
 if TYPE_CHECKING:
-    from fsdp.param_group import ParameterGroup
+    from fsdp.group.param_group import ParameterGroup
 
 __all__ = ["GradReduction"]
 
 
 class GradReduction:
-    """Mixin of :class:`~fsdp.param_group.ParameterGroup`: its gradients from autograd's hooks
+    """Mixin of :class:`~fsdp.group.param_group.ParameterGroup`: its gradients from autograd's hooks
     to ``param.grad`` (see the module docstring)."""
 
     def _init_grads(self) -> None:

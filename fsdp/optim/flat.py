@@ -7,7 +7,7 @@ parameter's dtype, so every gradient is first cast to an FP32 copy: a full-size 
 shard exists anyway and the BF16 main grads save nothing at the step's peak.
 
 :class:`FlatOptimizer` (and :class:`FlatAdamW`, :class:`FlatAdam`, :class:`FlatSGD`) steps each
-:class:`~fsdp.param_group.ParameterGroup` as one flat tensor instead:
+:class:`~fsdp.group.param_group.ParameterGroup` as one flat tensor instead:
 
 * the FP32 main weights are the group's local buffer, updated in place by torch's own
   functional kernels (``torch.optim.adam.adam``, ``torch.optim.sgd.sgd``; single-tensor, foreach
@@ -47,7 +47,7 @@ from torch.optim.adam import adam as _adam
 from torch.optim.optimizer import _get_scalar_dtype
 from torch.optim.sgd import sgd as _sgd
 
-from fsdp.param_group import ParameterGroup
+from fsdp.group.param_group import ParameterGroup
 
 __all__ = ["FlatAdam", "FlatAdamW", "FlatOptimizer", "FlatSGD", "flat_optimizer"]
 

@@ -35,9 +35,9 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from dbuffer.collectives import release_workspaces
-from fsdp.meta_init import meta_error
-from fsdp.param_group import ParameterGroup
-from fsdp.policy import MixedPrecisionPolicy
+from fsdp.group.meta_init import meta_error
+from fsdp.group.param_group import ParameterGroup
+from fsdp.group.policy import MixedPrecisionPolicy
 
 __all__ = ["FSDPState", "finish_grad_sync"]
 

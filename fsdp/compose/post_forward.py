@@ -13,7 +13,7 @@ from ``fully_shard``). The kept slice is shard ``j`` of the unit's own row-atomi
 ``n`` shards (a layout made for ``W`` shards serves every ``n | W``), so it is a
 :class:`~dbuffer.DBuffer` placed ``[Replicate(), Shard(0)]`` on that view, and the backward
 gather is its ``redistribute`` to ``[Replicate(), Replicate()]`` into the unsharded buffer. A
-chunked group (FSDP2's torch.chunk pieces, :mod:`fsdp.chunked`) keeps a slice of its shard-major
+chunked group (FSDP2's torch.chunk pieces, :mod:`fsdp.group.chunked`) keeps a slice of its shard-major
 all-gather buffer instead: ``W/n`` whole rank shards, rebuilt from the unsharded parameters, and
 the backward gather lands there and is copied out as after any gather.
 """

@@ -2,7 +2,7 @@
 
 ``fully_shard(module, offload_policy=CPUOffloadPolicy(pin_memory=True))`` takes torch FSDP2's own
 policy classes (re-exported here and from :mod:`fsdp`: the same objects, so FSDP2 code runs
-unchanged). With :class:`CPUOffloadPolicy` each :class:`~fsdp.param_group.ParameterGroup` keeps
+unchanged). With :class:`CPUOffloadPolicy` each :class:`~fsdp.group.param_group.ParameterGroup` keeps
 
 * on the host: ``main`` (the sharded main weights, so the registered DTensor parameters and the
   optimizer state made like them), ``model`` when the compute dtype differs (cast on the host

@@ -28,7 +28,7 @@ falls by ``R``, while forward and backward still gather the weights on the shard
   the shard axis, then a reduce-scatter (instead of HSDP's all-reduce) on the replicate axis,
   straight into ``main_grad``. With ``set_requires_all_reduce(False)`` the second step is the
   one deferred.
-* **After the optimizer step** (the refresh :mod:`fsdp.optimizer_hooks` triggers, as for every
+* **After the optimizer step** (the refresh :mod:`fsdp.optim.step_hooks` triggers, as for every
   group): cast the ``1/(R*S)`` main piece to the compute dtype and all-gather it over the
   replicate axis into ``model``; forward gathers ``model`` over the shard axis, as HSDP does.
   ``model`` is always a persistent buffer here (it is larger than ``main``'s piece), so
@@ -54,7 +54,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from dbuffer import DBuffer
-from fsdp.param_group import GroupPlacements, ParameterGroup, check_no_late_extension
+from fsdp.group.param_group import GroupPlacements, ParameterGroup, check_no_late_extension
 
 __all__ = ["OUTER_STRATEGIES", "OuterShardedParameterGroup", "check_outer_sharding", "transposed_mesh"]
 
