@@ -7,7 +7,7 @@ shard_placement_fn=, offload_policy=CPUOffloadPolicy(pin_memory=))`` and the mod
 ``set_reshard_after_forward()``, ``set_reshard_after_backward()``, ``set_is_last_backward()``,
 ``set_modules_to_forward_prefetch()``, ``set_modules_to_backward_prefetch()`` behave alike;
 ``module.parameters()`` are DTensors with FSDP2's local shards (``torch.chunk`` pieces along dim 0,
-or ``shard_placement_fn``'s dim; :mod:`fsdp.group.chunked`), so torch optimizers, ``clip_grad_norm_``
+or ``shard_placement_fn``'s dim; :class:`fsdp.group.layouts.ChunkedLayout`), so torch optimizers, ``clip_grad_norm_``
 and DCP work.
 The rest of FSDP2's surface (``set_all_reduce_hook``, ``set_gradient_divide_factor``,
 ``set_requires_all_reduce``, ``reset_iter_state``, ``fully_shard.state``, ``dp_mesh_dims``, ...)

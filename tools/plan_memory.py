@@ -81,7 +81,7 @@ is communicated or allocated. The closed form counts each parameter's TP piece (
 ``torch.chunk(weight, T, dim)`` piece for the split ones, the whole weight for the replicated
 ones) and shards that over ``dp_shard``; replicas (``R``) hold copies, so they do not divide
 anything. The TP parameters live in fsdp's chunked groups (``torch.chunk`` pieces over dp,
-fsdp/chunked.py), whose padding (uneven pieces) is the allowance. Not counted with TP: those
+fsdp/group/layouts.py), whose padding (uneven pieces) is the allowance. Not counted with TP: those
 groups' shard-major gather target, which under ZeRO-3 holds one more copy of a unit's gathered
 weights from a gather's start to its copy into the parameters (the schedule probe has no TP groups,
 so it does not see it); and the schedule is the 1-D probe's (fsdp schedules TP units the same way).
@@ -780,14 +780,14 @@ def _nbytes(buf) -> int:
 
 def _chunks(g, buf):
     """The ``torch.chunk`` layout of ``buf`` when it is one of a chunked group's flat shard-major
-    buffers (TP parameters and ``shard_placement_fn``: fsdp/chunked.py), else None. Those hold one
+    buffers (TP parameters and ``shard_placement_fn``: fsdp/group/layouts.py), else None. Those hold one
     flat item, so their padding is the chunk layout's, not the flat item's (none)."""
-    chunks = getattr(g, "chunks", None)
+    chunks = getattr(g.layout, "chunks", None)
     return None if chunks is None or buf is g.unsharded else chunks
 
 
 def _layout_kind(g) -> str:
-    if getattr(g, "chunks", None) is not None:
+    if getattr(g.layout, "chunks", None) is not None:
         return "torch.chunk"
     layout = g.main.layout
     if isinstance(layout, RaggedLayout):
@@ -809,7 +809,7 @@ def _data_bytes(g, buf) -> int:
     elif buf.local_buffer.numel() == chunks.total_numel:  # replicated: every shard's pieces
         numel = chunks.data_numel
     else:  # sharded: this rank's torch.chunk pieces
-        numel = sum(chunks.piece(k, g._rank())[1] * it.inner for k, it in enumerate(chunks.items))
+        numel = sum(chunks.piece(k, g.layout.rank)[1] * it.inner for k, it in enumerate(chunks.items))
     return numel * buf.dtype.itemsize
 
 

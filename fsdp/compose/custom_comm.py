@@ -42,13 +42,17 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from dbuffer import DBuffer, Pending, collectives
 from dbuffer.collectives import c10d_reduce_op
+from fsdp.group.comms import DBUFFER_COMMS
 
 try:  # FSDP2's default allocator mixin: torch.empty, nothing an extra copy would buy
     from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllocMixin as _DefaultAlloc
 except ImportError:  # pragma: no cover - another torch
     _DefaultAlloc = None
 
-__all__ = ["MemoryAllGather", "MemoryReduceScatter", "all_gather", "check_comm", "memory_comms", "reduce_scatter", "routes"]
+__all__ = [
+    "CustomComms", "MemoryAllGather", "MemoryReduceScatter", "all_gather", "check_comm", "install", "memory_comms",
+    "reduce_scatter", "routes",
+]
 
 
 def check_comm(comm: Any, what: str, needs: str) -> None:
@@ -58,6 +62,49 @@ def check_comm(comm: Any, what: str, needs: str) -> None:
             f"{what}: comm must implement torch.distributed.fsdp's {needs} protocol: a callable object "
             f"with allocate(size, *, dtype, device); got {type(comm).__name__}"
         )
+
+
+class CustomComms:
+    """A group's comms (see :mod:`fsdp.group.comms`) with FSDP2's comm objects: the gather and
+    the shard-axis reduce-scatter go through them where :func:`routes` says so, the rest (an
+    HSDP all-reduce across replicas, ``Owned()`` moves) stays dbuffer's."""
+
+    def __init__(self, all_gather_comm: Any = None, reduce_scatter_comm: Any = None) -> None:
+        self.all_gather_comm = all_gather_comm
+        self.reduce_scatter_comm = reduce_scatter_comm
+
+    def all_gather(self, source: DBuffer, placements: tuple, target: DBuffer) -> Pending:
+        comm = self.all_gather_comm
+        if comm is not None and routes(source, placements):
+            return all_gather(comm, source, target)
+        return source.redistribute(placements, out=target, async_op=True)
+
+    def reduce(self, source: DBuffer, placements: tuple, out: DBuffer, async_op: bool = True):
+        comm = self.reduce_scatter_comm
+        if comm is None or not routes(source, placements):
+            return source.redistribute(placements, out=out, async_op=async_op)
+        if tuple(placements[:-1]) == tuple(source.placements[:-1]):
+            pending = reduce_scatter(comm, source, out)
+        else:  # HSDP: reduce-scatter within the shard group, then dbuffer's all-reduce across replicas
+            mid_placements = tuple(source.placements[:-1]) + tuple(placements[-1:])
+            mid = DBuffer(
+                source.mesh, mid_placements, source.shapes, out.dtype, source.device, layout=source.layout,
+                zero_fill=False, check_ranks=False,
+            )
+            pending = reduce_scatter(comm, source, mid).wait().redistribute(placements, out=out, async_op=True)
+        return pending if async_op else pending.wait()
+
+
+_KEEP = object()
+
+
+def install(group: Any, all_gather_comm: Any = _KEEP, reduce_scatter_comm: Any = _KEEP) -> None:
+    """Give ``group`` these comm objects (the one not passed is kept); with neither set, the
+    group goes back to dbuffer's own comms."""
+    have = group.comms
+    gather = have.all_gather_comm if all_gather_comm is _KEEP else all_gather_comm
+    reduce = have.reduce_scatter_comm if reduce_scatter_comm is _KEEP else reduce_scatter_comm
+    group.comms = CustomComms(gather, reduce) if gather is not None or reduce is not None else DBUFFER_COMMS
 
 
 def _default_alloc(comm: Any) -> bool:

@@ -55,7 +55,8 @@ from torch.distributed.tensor import DTensor
 from dbuffer import DBuffer
 from dbuffer.agreement import check_agreement
 from dbuffer.layout import compute_layout
-from fsdp.group.chunked import ChunkedParameterGroup, _stride
+from fsdp.group.layouts import ChunkedLayout, contiguous_stride
+from fsdp.group.param_group import ParameterGroup
 from dbuffer import mesh_device
 from fsdp.group.meta_init import meta_error
 
@@ -126,8 +127,9 @@ class _Slot:
     dtype: torch.dtype
 
 
-class ExtensionParameterGroup(ChunkedParameterGroup):
-    """A :class:`~fsdp.group.chunked.ChunkedParameterGroup` along dim 0 whose parameters keep their
+class ExtensionParameterGroup(ParameterGroup):
+    """A :class:`~fsdp.group.param_group.ParameterGroup` in torch.chunk pieces along dim 0
+    (:class:`~fsdp.group.layouts.ChunkedLayout`) whose parameters keep their
     tensor type: the sharded weights are the subclass pieces themselves (not a DBuffer), the
     gather source is the persistent buffer of the pre-all-gather outputs, and the unsharded
     parameters are what ``fsdp_post_all_gather`` builds. Gradients use the chunked group's
@@ -135,11 +137,14 @@ class ExtensionParameterGroup(ChunkedParameterGroup):
 
     _ready = False  # refresh() waits until the group is built (the methods may come later)
     _pieces: Optional[list[torch.Tensor]] = None
+    keeps_post_forward_slice = False  # it gathers the pre-all-gather outputs, not the model shard
 
     def __init__(self, infos, mesh, strategy, dtypes, requires_grad, **kw) -> None:
-        self._orig = [(torch.Size(i.param.shape), _stride(torch.Size(i.param.shape))) for i in infos]
+        shapes = [tuple(i.param.shape) for i in infos]
+        self._orig = [(torch.Size(shape), contiguous_stride(torch.Size(shape))) for shape in shapes]
         self._modules = [i.registrations[0][0] for i in infos]
-        super().__init__(infos, mesh, strategy, dtypes, requires_grad, dims=[0] * len(infos), **kw)
+        layout = ChunkedLayout(shapes, [0] * len(infos), mesh.shape[-1], mesh.get_coordinate()[-1])
+        super().__init__(infos, mesh, strategy, dtypes, requires_grad, layout=layout, **kw)
         self._shard_mesh_cache: Optional[DeviceMesh] = None
         self._spec: Optional[tuple] = None  # (shape, dtype) of every pre-all-gather output
         self._hooks: Optional[tuple] = None  # which methods produced the send buffer
@@ -158,12 +163,12 @@ class ExtensionParameterGroup(ChunkedParameterGroup):
     def _make_pieces(self, params: list[torch.Tensor], fill: bool) -> None:
         """Each rank's padded ``torch.chunk`` piece, of the parameter's own type (``new_zeros``
         goes through its dispatch), filled with this rank's rows unless built on meta."""
-        rank, device = self._rank(), self.main.device
+        rank, device = self.layout.rank, self.main.device
         pieces = []
         for k, p in enumerate(params):
             data = p.detach()
-            padded = data.new_zeros(tuple(self.chunks.piece_shape(k, 0)), device=device)
-            start, length = self.chunks.piece(k, rank)
+            padded = data.new_zeros(tuple(self.layout.chunks.piece_shape(k, 0)), device=device)
+            start, length = self.layout.chunks.piece(k, rank)
             if fill and length:
                 padded[:length].copy_(data[start : start + length])
             pieces.append(padded)
@@ -188,9 +193,9 @@ class ExtensionParameterGroup(ChunkedParameterGroup):
         self.model = self.unsharded = None
 
     def _new_sharded_params(self) -> list[nn.Parameter]:
-        rank, params = self._rank(), []
+        rank, params = self.layout.rank, []
         for k, padded in enumerate(self._pieces):
-            _, length = self.chunks.piece(k, rank)
+            _, length = self.layout.chunks.piece(k, rank)
             shape, stride = self._orig[k]
             local = padded.narrow(0, 0, length)
             dt = DTensor.from_local(local, self.mesh, self.placements.sharded, run_check=False, shape=shape, stride=stride)
@@ -489,9 +494,9 @@ class ExtensionParameterGroup(ChunkedParameterGroup):
     def end_init(self, commit: bool = True) -> None:
         full, self._init_full = getattr(self, "_init_full", None), None
         if commit and full is not None:
-            rank = self._rank()
+            rank = self.layout.rank
             for k, t in enumerate(full):
-                start, length = self.chunks.piece(k, rank)
+                start, length = self.layout.chunks.piece(k, rank)
                 if length:
                     self.sharded_params[k]._local_tensor.copy_(t.detach()[start : start + length])
         self.use_params(unsharded=False)

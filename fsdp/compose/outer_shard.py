@@ -126,6 +126,7 @@ class OuterShardedParameterGroup(ParameterGroup):
 
     # The model shard is the all-gather over the replicate axis: always persistent.
     lean_model = False
+    keeps_post_forward_slice = False  # a slice of the shard axis's gather would need both axes
 
     def __init__(self, infos, mesh: DeviceMesh, *args, **kwargs) -> None:
         self.hsdp_mesh = mesh  # the (replicate, shard) mesh the user passed

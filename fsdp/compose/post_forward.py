@@ -13,7 +13,7 @@ from ``fully_shard``). The kept slice is shard ``j`` of the unit's own row-atomi
 ``n`` shards (a layout made for ``W`` shards serves every ``n | W``), so it is a
 :class:`~dbuffer.DBuffer` placed ``[Replicate(), Shard(0)]`` on that view, and the backward
 gather is its ``redistribute`` to ``[Replicate(), Replicate()]`` into the unsharded buffer. A
-chunked group (FSDP2's torch.chunk pieces, :mod:`fsdp.group.chunked`) keeps a slice of its shard-major
+chunked group (FSDP2's torch.chunk pieces, :class:`fsdp.group.layouts.ChunkedLayout`) keeps a slice of its shard-major
 all-gather buffer instead: ``W/n`` whole rank shards, rebuilt from the unsharded parameters, and
 the backward gather lands there and is copied out as after any gather.
 """
@@ -30,7 +30,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from dbuffer import DBuffer, Pending
 
-__all__ = ["PostForwardShard", "post_forward_mesh"]
+__all__ = ["PostForwardShard", "enable_post_forward_slices", "post_forward_mesh"]
 
 # Weak: the groups that use a view keep it alive; a cache must not carry process groups past teardown.
 _MESHES: "weakref.WeakValueDictionary[tuple, DeviceMesh]" = weakref.WeakValueDictionary()
@@ -52,6 +52,17 @@ def post_forward_mesh(mesh: DeviceMesh, n: int) -> DeviceMesh:
     return view
 
 
+def enable_post_forward_slices(groups: list, mesh: DeviceMesh, n: int) -> None:
+    """Give every group on ``mesh`` that can keep a slice
+    (:meth:`~fsdp.group.param_group.ParameterGroup.can_keep_post_forward_slice`) its
+    :class:`PostForwardShard` on the ``(W/n, n)`` view; the others reshard fully after forward,
+    like ``True``. Collective the first time for (mesh, n): every rank calls it, from ``fully_shard``."""
+    view = post_forward_mesh(mesh, n)
+    for group in groups:
+        if group.mesh is mesh and group.can_keep_post_forward_slice():
+            group.post_forward = PostForwardShard(group._gathered_buffer(), view)
+
+
 class PostForwardShard:
     """One group's ``1/n`` slice of its gathered weights between forward and backward."""
 
@@ -64,6 +75,10 @@ class PostForwardShard:
         )
         self.buffer.release_storage()
         self.holds: Optional[int] = None  # the refresh whose weights it holds, None: empty
+
+    def rebuilt(self, unsharded: DBuffer) -> "PostForwardShard":
+        """The same slice for a group whose gathered buffer was rebuilt (``module.to``, ``to_empty``)."""
+        return PostForwardShard(unsharded, self.mesh)
 
     def keep(self, refresh: int, fill: Optional[Callable[[torch.Tensor, int, int], None]] = None) -> None:
         """Copy this rank's slice ``[start, end)`` out of the gathered weights (which the caller

@@ -10,7 +10,7 @@ A parameter that is already a DTensor on a tensor-parallel mesh ``tp`` (any mesh
 same root mesh as the data-parallel ``mesh``, on other axes) is sharded by treating its
 *TP-local* tensor as the whole tensor FSDP sees: each data-parallel rank keeps
 ``torch.chunk(local, dp, dim)[rank]`` (``dim``: ``shard_placement_fn``'s answer, default 0), in a
-:class:`~fsdp.group.chunked.ChunkedParameterGroup` (exact torch.chunk pieces: a TP-local tensor is
+:class:`~fsdp.group.layouts.ChunkedLayout` group (exact torch.chunk pieces: a TP-local tensor is
 rarely split row-atomically the way the flat layouts would want, and chunk pieces keep every
 DTensor handed out a plain, exact one). So:
 
@@ -41,7 +41,6 @@ cannot: it stacks the per-parameter norms, and DTensors on different meshes do n
 from __future__ import annotations
 
 import math
-import weakref
 from dataclasses import dataclass
 from typing import Iterable, Optional, Union
 
@@ -51,11 +50,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
-from fsdp.group.chunked import ChunkedParameterGroup
 from fsdp.group.bucket import mesh_key
+from fsdp.group.layouts import ParamKind
 from fsdp.group.param_group import ParamInfo
 
-__all__ = ["TensorParallelGroup", "TensorParallelSpec", "check_params", "clip_grad_norm_", "local_of"]
+__all__ = ["TensorParallelKind", "TensorParallelSpec", "check_params", "clip_grad_norm_", "local_of"]
 
 
 @dataclass(frozen=True)
@@ -157,41 +156,44 @@ def _same_root(a: DeviceMesh, b: DeviceMesh) -> bool:
     return ra.device_type == rb.device_type and torch.equal(ra.mesh, rb.mesh) and ra.mesh_dim_names == rb.mesh_dim_names
 
 
-class TensorParallelGroup(ChunkedParameterGroup):
-    """A :class:`~fsdp.group.chunked.ChunkedParameterGroup` of DTensor parameters sharing one TP mesh:
-    the TP-local tensors are what it shards, gathers and reduces over the dp ``mesh``; the
-    parameters it registers are DTensors (sharded: on the joint mesh; unsharded: on the TP mesh)."""
+class TensorParallelKind(ParamKind):
+    """The parameter kind of a group of DTensor parameters sharing one TP mesh (every group
+    that holds them is a torch.chunk :class:`~fsdp.group.layouts.ChunkedLayout` over the dp
+    mesh): their TP-local tensors are what the group shards, gathers and reduces; the sharded
+    parameters it hands out are DTensors on the joint ``(dp, tp)`` mesh, the unsharded ones
+    DTensors on the TP mesh, and a gradient is brought to the parameter's TP placements before
+    its local tensor is reduced."""
 
-    def __init__(self, infos: list[ParamInfo], mesh: DeviceMesh, strategy, dtypes, requires_grad, dims, **kw) -> None:
-        self.tp_specs = [TensorParallelSpec.of(i.param) for i in infos]
-        self.spmd_mesh = joint_mesh(mesh, self.tp_specs[0].mesh)
-        self.joint_placements = [joint_placements(mesh.ndim, d, s) for d, s in zip(dims, self.tp_specs)]
-        local = [ParamInfo(i.fqn, local_of(i.param), i.registrations) for i in infos]
-        super().__init__(local, mesh, strategy, dtypes, requires_grad, dims, **kw)
-        self.infos = infos  # the originals (fully_shard marks and then drops their tensors)
+    plain = False
 
-    def _dtensors(self, buf) -> list[DTensor]:
-        return [
-            DTensor.from_local(
-                self._piece(buf, k), self.spmd_mesh, self.joint_placements[k], run_check=False, shape=s.shape, stride=s.stride
-            )
-            for k, s in enumerate(self.tp_specs)
-        ]
+    def __init__(self, params: list[DTensor], dp_mesh: DeviceMesh, dims: list[int]) -> None:
+        self.specs = [TensorParallelSpec.of(p) for p in params]
+        self.spmd_mesh = joint_mesh(dp_mesh, self.specs[0].mesh)
+        self.joint_placements = [joint_placements(dp_mesh.ndim, d, s) for d, s in zip(dims, self.specs)]
 
-    def _module_param(self, k: int, full: torch.Tensor) -> nn.Parameter:
-        s = self.tp_specs[k]
+    def local(self, param: torch.Tensor) -> torch.Tensor:
+        return local_of(param)
+
+    def sharded(self, k: int, local: torch.Tensor, mesh: DeviceMesh, placements: tuple, shape: torch.Size) -> DTensor:
+        s = self.specs[k]
+        return DTensor.from_local(
+            local, self.spmd_mesh, self.joint_placements[k], run_check=False, shape=s.shape, stride=s.stride
+        )
+
+    def unsharded(self, k: int, full: torch.Tensor, requires_grad: bool) -> nn.Parameter:
+        s = self.specs[k]
         tensor = DTensor.from_local(full, s.mesh, s.placements, run_check=False, shape=s.shape, stride=s.stride)
-        return nn.Parameter(tensor, requires_grad=self.requires_grad)
+        return nn.Parameter(tensor, requires_grad=requires_grad)
 
-    def _write_grad(self, k: int, grad: Optional[torch.Tensor], add: bool = False) -> None:
+    def grad_local(self, k: int, grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         if isinstance(grad, DTensor):
-            s = self.tp_specs[k]
+            s = self.specs[k]
             if tuple(grad.placements) != s.placements:
                 grad = grad.redistribute(s.mesh, s.placements)
             grad = grad._local_tensor
             if hasattr(grad, "wait"):  # an AsyncCollectiveTensor
                 grad = grad.wait()
-        super()._write_grad(k, grad, add)
+        return grad
 
 
 # ---------------------------------------------------------------------------- clip_grad_norm_

@@ -73,7 +73,7 @@ class GradReduction:
         s, pl = self.strategy, self.placements
         # ``optim``: the grads are whole on every rank but the parameters are shards of them.
         view = self.main_grad.redistribute(pl.sharded) if s.shard_optim and not s.shard_grads else self.main_grad
-        return [view.get_dtensor(k) for k in range(len(self.infos))]
+        return self._sharded_views(view)
 
     def register_grad_hooks(
         self,
@@ -132,13 +132,7 @@ class GradReduction:
 
     def _write_grad(self, k: int, grad: Optional[torch.Tensor], add: bool = False) -> None:
         """Copy (``add``: add) parameter ``k``'s unsharded gradient into ``grad_in``; None: zero it."""
-        view = self.grad_in.get_local_tensor(k)
-        if grad is None:
-            view.zero_()
-        elif add:
-            view.add_(grad)
-        else:
-            view.copy_(grad)
+        self.layout.write_grad(self.grad_in, k, self.kind.grad_local(k, grad), add)
 
     @torch.no_grad()
     def _pack_held(self, on_group_start=None) -> None:
@@ -267,18 +261,9 @@ class GradReduction:
                     self._write_grad(k, None)
 
     def _padding(self) -> list[tuple[int, int]]:
-        """Ranges of ``grad_in``'s (full) local buffer that belong to no parameter."""
+        """Ranges of ``grad_in``'s (full) local buffer that belong to no parameter (found once)."""
         if self._gaps is None:
-            spans = sorted((it.offset, it.offset + it.numel) for it in self.grad_in.layout.items)
-            gaps, pos = [], 0
-            for start, end in spans:
-                if start > pos:
-                    gaps.append((pos, start))
-                pos = max(pos, end)
-            total = self.grad_in.local_buffer.numel()
-            if pos < total:
-                gaps.append((pos, total))
-            self._gaps = gaps
+            self._gaps = self.layout.padding(self.grad_in)
         return self._gaps
 
     def _allreduce_in_place(self) -> Pending:

@@ -2,7 +2,7 @@
 
 ``"chunk"`` (the process default): every parameter of a sharded strategy is split exactly like
 FSDP2's ``Shard(0)``, ``torch.chunk(full, W, 0)[rank]``, and registered as a plain DTensor
-(:mod:`fsdp.group.chunked`). That is what code written for FSDP2 assumes of ``p.to_local()`` (DTensor's
+(:class:`fsdp.group.layouts.ChunkedLayout`). That is what code written for FSDP2 assumes of ``p.to_local()`` (DTensor's
 own meaning of ``Shard(0)``), at the price of FSDP2's copy out of each all-gather and into each
 reduce-scatter. Groups this cannot serve (``no_shard``, HFSDP, explicit buckets, 0-D
 parameters) get the flat layouts below, as under ``"auto"``.

@@ -26,26 +26,24 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Union
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from dbuffer import DBuffer, Owned, Pending, mesh_device
-from dbuffer.layout import OwnedLayout, compute_layout, compute_owned_layout
-from fsdp.group.layout_choice import group_layout
-from fsdp.compose import custom_comm
+from torch.profiler import record_function
+
+from dbuffer import DBuffer, Pending, mesh_device
+from fsdp.group.comms import DBUFFER_COMMS
 from fsdp.group.convert import DtypeConversion
 from fsdp.group.grad_reduction import GradReduction
+from fsdp.group.layouts import PLAIN, ChunkedLayout, FlatLayout, ParamKind, flat_layout
 from fsdp.group.meta_init import MetaInit, meta_error
 from fsdp.group.registration import note_registration
-from fsdp.compose.offload import CPUOffloadPolicy, HostOffload
 from fsdp.group.policy import Dtypes, MixedPrecisionPolicy, Strategy
-from fsdp.compose.post_forward import PostForwardShard
 from fsdp.group.reduction import ReduceSettings
 from fsdp.group.streams import CommStreams
 
@@ -78,17 +76,20 @@ class ParamInfo:
 
 
 class ParameterGroup(MetaInit, GradReduction, DtypeConversion):
-    """The DBuffers of one (dtype, requires_grad) group and the moves between them."""
+    """The DBuffers of one (dtype, requires_grad) group and the moves between them. It *has* a
+    layout (:mod:`fsdp.group.layouts`: where each parameter sits in the buffers, what is copied
+    around a collective), a parameter kind (plain, or tensor-parallel DTensors), and optional
+    parts that plug in from :mod:`fsdp.compose` (``offload``, ``comms``, ``post_forward``)."""
 
     # The parameters fsdp last registered on the modules (None: not yet, the originals are there).
     _registered: Optional[list[nn.Parameter]] = None
     # reshard_after_forward=n: the 1/n slice kept between forward and backward (fsdp.compose.post_forward).
-    post_forward: Optional[PostForwardShard] = None
+    post_forward: Optional[object] = None
     # weights_version() when fsdp.optim last wrote the model shard with the main weights.
     _written_version: Optional[int] = None
-    # FSDP2's comm objects (set_custom_all_gather / set_custom_reduce_scatter; see fsdp.compose.custom_comm)
-    custom_all_gather: Optional[object] = None
-    custom_reduce_scatter: Optional[object] = None
+    # Whether reshard_after_forward=n may keep a slice of this group (subclasses that gather
+    # something else than the model shard say no).
+    keeps_post_forward_slice = True
 
     def __init__(
         self,
@@ -100,33 +101,41 @@ class ParameterGroup(MetaInit, GradReduction, DtypeConversion):
         shard: Placement = Shard(0),
         gradient_divide_factor: Optional[float] = None,
         policy: Optional[MixedPrecisionPolicy] = None,
-        offload: Optional[CPUOffloadPolicy] = None,
+        offload: Optional[object] = None,
+        layout: Optional[Union[FlatLayout, ChunkedLayout]] = None,
+        kind: ParamKind = PLAIN,
     ) -> None:
         """``shard``: ``Shard(0)`` (row-atomic packing) or ``dbuffer.Owned()`` (whole tensors on
-        balanced owners). ``gradient_divide_factor``: divide the summed gradients by this instead
-        of averaging over the mesh (e.g. expert weights, whose gradients already hold the
-        contributions of a whole expert-parallel group). ``policy``: the policy ``dtypes`` came
-        from; :meth:`convert` keeps the dtypes it set explicitly (None: every dtype follows).
-        ``offload``: keep the main weights, main grads and optimizer state on the host (see
-        :mod:`fsdp.compose.offload`); compute buffers live on the mesh's device."""
+        balanced owners) for the flat layouts. ``gradient_divide_factor``: divide the summed
+        gradients by this instead of averaging over the mesh (e.g. expert weights, whose
+        gradients already hold the contributions of a whole expert-parallel group). ``policy``:
+        the policy ``dtypes`` came from; :meth:`convert` keeps the dtypes it set explicitly (None:
+        every dtype follows). ``offload``: a host-offload part (:mod:`fsdp.compose.offload`)
+        keeping the main weights, main grads and optimizer state on the host; compute buffers
+        live on the mesh's device. ``layout``: default :func:`~fsdp.group.layouts.flat_layout`.
+        ``kind``: how parameters are wrapped (:class:`~fsdp.group.layouts.ParamKind`)."""
         self.infos = infos
         self.mesh = mesh
         self.strategy = strategy
         self.dtypes = dtypes
         self.policy = policy
         self.requires_grad = requires_grad
+        self.kind = kind
+        self.comms = DBUFFER_COMMS  # FSDP2's custom comm objects replace it (fsdp.compose.custom_comm)
         self.reduction = ReduceSettings(divide_factor=gradient_divide_factor)  # FSDP2's reduction knobs
         self.placements = self._group_placements(shard, self.reduction.op)
-        device = infos[0].param.device
+        tensors = [kind.local(i.param) for i in infos]
+        device = tensors[0].device
         meta = device.type == "meta"  # built on meta: so are the shards, until to_empty (FSDP2)
-        shapes = [tuple(i.param.shape) for i in infos]
+        shapes = [tuple(t.shape) for t in tensors]
         pl = self.placements
         main_pl = pl.sharded if strategy.shard_optim else pl.replicated
-        buffer_shapes, layout = self._main_layout(shapes, shard)
-        self.offload = None if offload is None else HostOffload(offload, mesh_device(mesh))
-        self._place_main(main_pl, buffer_shapes, dtypes.main, layout, device)  # meta: until to_empty
+        self.layout = layout if layout is not None else flat_layout(shapes, mesh, strategy.shard_optim, shard)
+        buffer_shapes, buffer_layout = self.layout.buffer_shapes()
+        self.offload = offload
+        self._place_main(main_pl, buffer_shapes, dtypes.main, buffer_layout, device)  # meta: until to_empty
         if not meta:
-            self._fill_main([i.param for i in infos])
+            self._fill_main(tensors)
         self._build_compute_buffers()
         self.sharded_params = self._new_sharded_params()
         self._stale = True  # the main weights changed since the last refresh
@@ -157,35 +166,38 @@ class ParameterGroup(MetaInit, GradReduction, DtypeConversion):
             self.compute_device = self.offload.compute_device
         self.streams = CommStreams.for_device(self.compute_device)
 
-    def _main_layout(self, shapes: list[tuple[int, ...]], shard: Placement):
-        """The shapes the buffers hold and their layout (None: DBuffer's packed default)."""
-        if not self.strategy.shard_optim:  # replicated everywhere: no shard boundaries, no padding
-            return shapes, compute_layout(shapes, 1)
-        if isinstance(shard, Owned):
-            return shapes, _owned_layout(shapes, self.mesh)
-        return shapes, group_layout(shapes, self.mesh.size())  # row-atomic unless it pads too much
-
     def _build_compute_buffers(self) -> None:
         """``model``, ``unsharded`` and the unsharded parameters (views of it) for ``main`` and
-        ``dtypes``; their values come from the next :meth:`refresh` / :meth:`unshard`."""
+        ``dtypes``; with a layout that copies, also ``gathered``, the all-gather's target (storage
+        only while a gather lands). Their values come from the next :meth:`refresh` / :meth:`unshard`."""
         d, strategy = self.dtypes, self.strategy
         self.model = self.main if d.model == d.main else self._host(self.main.placements, d.model)
         self._release_lean_model()
-        if not strategy.shard_optim and self.offload is None:
+        self.gathered: Optional[DBuffer] = None
+        if self.layout.copies:
+            self.gathered = self._new(self.placements.replicated, d.model, zero_fill=False)
+            self.gathered.release_storage()
+        if not strategy.shard_optim and self.offload is None and not self.layout.copies:
             self.unsharded = self.model  # no_shard: the replicated model weights are the full ones
         else:
-            self.unsharded = self._new(self.placements.replicated, d.model, zero_fill=not strategy.shard_params)
+            self.unsharded = self.layout.unsharded_buffer(
+                self.main, self.placements.replicated, d.model, self.compute_device, zero_fill=not strategy.shard_params
+            )
         self.unsharded_params = [self._module_param(k, self.unsharded.get_local_tensor(k)) for k in range(len(self.infos))]
         if strategy.shard_params:  # gathered before each use (its views exist now)
             self.unsharded.release_storage()
         if self.post_forward is not None:  # rebuilt (module.to, to_empty): follow the new buffer
-            self.post_forward = PostForwardShard(self._gathered_buffer(), self.post_forward.mesh)
+            self.post_forward = self.post_forward.rebuilt(self._gathered_buffer())
 
     def _module_param(self, k: int, full: torch.Tensor) -> nn.Parameter:
         """What modules compute with for parameter ``k`` whose whole values are ``full`` (a view
-        of a buffer): the view itself here; a DTensor on the parameter's tensor-parallel mesh
-        around it in :mod:`fsdp.compose.tensor_parallel`, whose "whole" tensors are TP-local ones."""
-        return nn.Parameter(full, requires_grad=self.requires_grad)
+        of a buffer): the view itself for plain parameters; a DTensor on the parameter's
+        tensor-parallel mesh around it for the tensor-parallel kind."""
+        return self.kind.unsharded(k, full, self.requires_grad)
+
+    def _sharded_views(self, buf: DBuffer) -> list[torch.Tensor]:
+        """The DTensor view of every parameter in a buffer at the sharded placements."""
+        return self.layout.views(buf, self.kind, tuple(self.placements.sharded[:-1]))
 
     @property
     def lean_model(self) -> bool:
@@ -231,11 +243,9 @@ class ParameterGroup(MetaInit, GradReduction, DtypeConversion):
             model.release_storage()
 
     def _new_sharded_params(self) -> list[nn.Parameter]:
-        params = [
-            nn.Parameter(self.main.get_dtensor(k), requires_grad=self.requires_grad) for k in range(len(self.infos))
-        ]
+        params = [nn.Parameter(t, requires_grad=self.requires_grad) for t in self._sharded_views(self.main)]
         for p in params:
-            p._fsdp_group = weakref.ref(self)  # found by the optimizer-step hook below
+            p._fsdp_group = weakref.ref(self)  # found by the optimizer-step hook (fsdp.optim.step_hooks)
         return params
 
     def _new(self, placements, dtype: torch.dtype, zero_fill: bool = True, device=None) -> DBuffer:
@@ -268,10 +278,9 @@ class ParameterGroup(MetaInit, GradReduction, DtypeConversion):
             self.offload.settle()
 
     @torch.no_grad()
-    def _fill_main(self, params: list[torch.Tensor]) -> None:
-        """Copy this rank's rows of every (identically initialised) full parameter."""
-        for k, p in enumerate(params):
-            self.main.get_local_tensor(k).copy_(self.main.local_piece(k, p.detach()))
+    def _fill_main(self, tensors: list[torch.Tensor]) -> None:
+        """Copy this rank's part of every (identically initialised) full tensor into ``main``."""
+        self.layout.fill(self.main, tensors)
 
     # ------------------------------------------------------------------ weights
 
@@ -303,6 +312,15 @@ class ParameterGroup(MetaInit, GradReduction, DtypeConversion):
             return
         if self.is_meta:  # nothing to cast or gather until to_empty
             return
+        with record_function("fsdp::optimizer_refresh"):
+            self._refresh_model(version)
+        self._weights_version = version
+        self._stale = False
+        self._refreshes += 1
+
+    def _refresh_model(self, version: int) -> None:
+        """Cast the main shard into the model shard (unless the optimizer wrote it already) and,
+        for ``optim``/``optim_grads``, gather it into the persistent unsharded weights."""
         self._settle()  # an upload may still read model
         lean = self.lean_model
         if self.model is not self.main and version != self._written_version and not lean:
@@ -318,9 +336,6 @@ class ParameterGroup(MetaInit, GradReduction, DtypeConversion):
                 self.offload.release_upload()
         elif self.offload is not None and not self.strategy.shard_optim:
             self.offload.upload(self.model, out=self.unsharded)  # no_shard: nothing to gather
-        self._weights_version = version
-        self._stale = False
-        self._refreshes += 1
 
     def unshard(self, async_op: bool = False) -> None:
         """Make the unsharded weights current: all-gather (ZeRO-3) into the reused buffer."""
@@ -355,34 +370,39 @@ class ParameterGroup(MetaInit, GradReduction, DtypeConversion):
             self.wait_unshard()
 
     def all_gather(self, source: DBuffer, target: DBuffer) -> Pending:
-        """Gather ``source`` (sharded) into ``target`` (replicated), in flight: by dbuffer, or
-        by the unit's FSDP2 comm object if one is set (:mod:`fsdp.compose.custom_comm`)."""
-        comm = self.custom_all_gather
-        if comm is not None and custom_comm.routes(source, self.placements.replicated):
-            return custom_comm.all_gather(comm, source, target)
-        return source.redistribute(self.placements.replicated, out=target, async_op=True)
+        """Gather ``source`` (sharded) into ``target`` (replicated), in flight, by the group's
+        comms (dbuffer's, or FSDP2's comm objects: :mod:`fsdp.compose.custom_comm`)."""
+        with record_function("fsdp::all_gather"):
+            return self.comms.all_gather(source, self.placements.replicated, target)
 
     def reduce_into(self, source: DBuffer, placements: tuple, out: DBuffer, async_op: bool = True):
-        """``source.redistribute(placements, out=out)``, the reduce-scatter on the shard axis by
-        the unit's FSDP2 comm object if one is set; an HSDP all-reduce across replicas after it
-        stays dbuffer's."""
-        comm = self.custom_reduce_scatter
-        if comm is None or not custom_comm.routes(source, placements):
-            return source.redistribute(placements, out=out, async_op=async_op)
-        if tuple(placements[:-1]) == tuple(source.placements[:-1]):
-            pending = custom_comm.reduce_scatter(comm, source, out)
-        else:  # HSDP: reduce-scatter within the shard group, then dbuffer's all-reduce across replicas
-            mid = custom_comm.reduce_scatter(comm, source, self._new(tuple(source.placements[:-1]) + tuple(placements[-1:]), out.dtype, zero_fill=False)).wait()
-            pending = mid.redistribute(placements, out=out, async_op=True)
-        return pending if async_op else pending.wait()
+        """``source.redistribute(placements, out=out)`` by the group's comms: a reduce-scatter on
+        the shard axis (and an HSDP all-reduce across replicas), or an all-reduce."""
+        with record_function("fsdp::reduce_scatter"):
+            return self.comms.reduce(source, placements, out, async_op)
 
     def _gather_target(self) -> DBuffer:
-        """Where the all-gather of the model weights lands, given its storage: the unsharded weights."""
-        self.unsharded.reallocate_storage()
-        return self.unsharded
+        """Where the all-gather of the model weights lands, given its storage: the gathered
+        buffer if the layout copies out of it, else the unsharded weights themselves."""
+        target = self._gathered_buffer()
+        target.reallocate_storage()
+        return target
 
+    def _gathered_buffer(self) -> DBuffer:
+        """The buffer an all-gather of the weights fills."""
+        return self.unsharded if self.gathered is None else self.gathered
+
+    @torch.no_grad()
     def _end_gather(self) -> None:
-        """After the gather has landed (a subclass copies the gathered weights into place)."""
+        """After the gather has landed: a layout that copies moves the gathered pieces into the
+        unsharded parameters, which get their storage only now (as FSDP2's copy-out allocates
+        them: a gather in flight, a prefetch, holds the gathered buffer alone, not both)."""
+        if self.gathered is None:
+            return
+        with record_function("fsdp::copy_out"):
+            self.unsharded.reallocate_storage()
+            self.layout.copy_out(self.gathered, self.unsharded)
+            self.gathered.release_storage()
 
     def wait_unshard(self) -> None:
         if self._gather_pending is not None:
@@ -402,25 +422,21 @@ class ParameterGroup(MetaInit, GradReduction, DtypeConversion):
                 (self.unsharded.local_buffer,), (self._version_before_gather,)
             )
 
-    def enable_post_forward_shard(self, mesh: DeviceMesh) -> bool:
-        """FSDP2's ``reshard_after_forward=n`` with the ``(W/n, n)`` view of the shard mesh (see
-        :mod:`fsdp.compose.post_forward`). Only a ZeRO-3 group of plain parameters (any layout: torch.chunk,
-        row-atomic, ragged) on a 1-D mesh without offload keeps a slice; the others (returns False)
-        reshard fully after forward, like ``True``."""
-        if not self._keeps_post_forward_slice() or not self.strategy.shard_params or self.mesh.ndim != 1 or self.offload:
-            return False
-        self.post_forward = PostForwardShard(self._gathered_buffer(), mesh)
-        return True
+    def can_keep_post_forward_slice(self) -> bool:
+        """Whether ``reshard_after_forward=n`` may keep a slice of this group: ZeRO-3 plain
+        parameters (any layout) on a 1-D mesh without offload (:mod:`fsdp.compose.post_forward`)."""
+        return (
+            self.keeps_post_forward_slice and self.kind.plain and self.strategy.shard_params
+            and self.mesh.ndim == 1 and self.offload is None
+        )
 
-    def _keeps_post_forward_slice(self) -> bool:
-        return type(self) is ParameterGroup
-
-    def _gathered_buffer(self) -> DBuffer:
-        """The buffer an all-gather of the weights fills (the unsharded weights themselves here)."""
-        return self.unsharded
-
-    def _keep_post_forward(self, post: PostForwardShard) -> None:
-        post.keep(self._gathered)
+    def _keep_post_forward(self, post) -> None:
+        """Let ``post`` keep its slice of the gathered weights: copied out of the gathered buffer
+        (flat), or rebuilt from the unsharded parameters (a layout that copies has freed it)."""
+        if self.gathered is None:
+            post.keep(self._gathered)
+        else:
+            post.keep(self._gathered, fill=lambda out, start, end: self.layout.fill_slice(self.unsharded, out, start, end))
 
     def reshard_after_forward(self) -> None:
         """After forward: keep this rank's ``1/n`` slice of the gathered weights if
@@ -494,12 +510,12 @@ class ParameterGroup(MetaInit, GradReduction, DtypeConversion):
             self.refresh()
 
     def _init_target(self) -> DBuffer:
-        """The replicated main-dtype buffer whose views ``init_weights`` fills."""
-        return self._new(self.placements.replicated, self.dtypes.main, device=self.main.device)
+        """The replicated main-dtype buffer of full tensors whose views ``init_weights`` fills."""
+        return self.layout.unsharded_buffer(self.main, self.placements.replicated, self.dtypes.main, self.main.device, True)
 
     def _commit_init(self, buf: DBuffer) -> None:
         """Keep this rank's part of the initialised full weights in ``buf`` (a local copy)."""
-        buf.redistribute(self.main.placements, out=self.main)
+        self._fill_main([buf.get_local_tensor(k) for k in range(len(self.infos))])
 
     def use_params(self, unsharded: bool) -> None:
         """Register the unsharded (plain) or sharded (DTensor) parameters on their modules; see
@@ -556,21 +572,3 @@ def check_no_late_extension(group: "ParameterGroup") -> None:
                 f"fully_shard, but it was sharded as a plain tensor (row-atomic layout), so the extension "
                 f"cannot be honoured. Make the parameter a tensor subclass defining both methods before fully_shard"
             )
-
-
-# Elements each rank already owns through the Owned groups this process built before on the same
-# ranks, so that owners balance over the whole model rather than restarting at rank 0 in every
-# unit (three equal matrices per block on four ranks would otherwise leave rank 3 none). Keyed
-# by this rank too: threaded test worlds share one process. Every rank builds the same units in
-# the same order (as collectives require anyway), so every rank computes the same owners.
-_OWNED_LOADS: dict[tuple, list[int]] = {}
-
-
-def _owned_layout(shapes: list[tuple[int, ...]], mesh: DeviceMesh) -> OwnedLayout:
-    n = mesh.size()
-    key = (mesh.device_type, tuple(mesh.mesh.flatten().tolist()), dist.get_rank())
-    loads = _OWNED_LOADS.setdefault(key, [0] * n)
-    layout = compute_owned_layout(shapes, n, initial_loads=loads)
-    for k, added in enumerate(layout.loads(n)):
-        loads[k] += added
-    return layout

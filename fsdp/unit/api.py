@@ -23,20 +23,21 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
+from dbuffer import mesh_device
 from dbuffer.agreement import check_agreement, value_digest, values_comparable
 from fsdp.group.bucket import Bucket, GroupSpec, plan_buckets
-from fsdp.group.chunked import ChunkedParameterGroup
 from fsdp.compose.extensions import ExtensionParameterGroup, check_extension_params, split_extension_members
 from fsdp.group.layout_choice import chunk_by_default, describe_layout_policy
-from fsdp.compose.offload import CPUOffloadPolicy, OffloadPolicy, check_offload_policy
+from fsdp.compose.offload import CPUOffloadPolicy, HostOffload, OffloadPolicy, check_offload_policy
 from fsdp.compose.outer_shard import OuterShardedParameterGroup, check_outer_sharding
 from fsdp.group.param_group import ParamInfo, ParameterGroup
 from fsdp.group.policy import MixedPrecisionPolicy, Strategy, parse_strategy
-from fsdp.compose.post_forward import post_forward_mesh
+from fsdp.compose.post_forward import enable_post_forward_slices
 from fsdp.unit import surface
 from fsdp.unit.state import FSDPState, finish_grad_sync
 from fsdp.unit.surface import ArgumentTypeError, DataParallelMeshDims, share_comm_ctx
-from fsdp.compose.tensor_parallel import TensorParallelGroup, check_params as _check_tensor_parallel, local_of
+from fsdp.compose.tensor_parallel import TensorParallelKind, check_params as _check_tensor_parallel, local_of
+from fsdp.group.layouts import PLAIN, ChunkedLayout
 
 __all__ = [
     "Bucket",
@@ -280,7 +281,7 @@ def fully_shard(
     ``torch.chunk(full, W, 0)[rank]`` over the ``W`` shard ranks (empty where torch.chunk gives
     fewer pieces), registered as a plain DTensor with placement ``Shard(0)``, gathered and reduced
     in flat groups with FSDP2's copy after each gather and before each reduction (see
-    :mod:`fsdp.group.chunked`). ``fsdp.layout_policy("auto" | "row" | "ragged")`` around the call opts
+    :class:`fsdp.group.layouts.ChunkedLayout`). ``fsdp.layout_policy("auto" | "row" | "ragged")`` around the call opts
     into Megatron-FSDP's flat layouts instead, whose gathered buffer *is* the unsharded
     parameters (no copies), with row pieces handed out as exact DTensor subclasses (see
     :mod:`fsdp.group.layout_choice`); ``no_shard``, HFSDP and explicit buckets always use those.
@@ -366,10 +367,7 @@ def fully_shard(
             m.__class__ = _fsdp_class(type(m))
         groups = _build_groups(infos, specs, offload, outer)
         if post_forward_ranks is not None:  # every rank gets here: the view's groups are made together
-            view = post_forward_mesh(mesh, post_forward_ranks)
-            for group in groups:
-                if group.mesh is mesh:
-                    group.enable_post_forward_shard(view)
+            enable_post_forward_slices(groups, mesh, post_forward_ranks)
         state = FSDPState(modules, groups, mp_policy, reshard_after_forward)
         state.shared_with_other_units = shared_with_other_units
         for group in groups:
@@ -681,6 +679,9 @@ def _check_offloadable(infos: list[ParamInfo]) -> None:
 def _build_groups(
     infos: list[ParamInfo], specs: list[GroupSpec], offload: Optional[CPUOffloadPolicy] = None, outer: bool = False
 ) -> list[ParameterGroup]:
+    """One group per spec (tensor-subclass members split off into their own): its layout
+    (torch.chunk pieces where the spec has dims, else flat), its parameter kind (plain or
+    tensor-parallel) and its parts (host offload) are chosen here and handed to it."""
     groups = []
     for whole in specs:
         extension, rest = split_extension_members(whole, [i.param for i in infos])
@@ -690,17 +691,20 @@ def _build_groups(
             spec = replace(whole, members=members_k, dims=_dims_of(whole, members_k))
             members = [infos[k] for k in spec.members]
             first = members[0].param
-            kw = dict(gradient_divide_factor=spec.gradient_divide_factor, policy=spec.policy, offload=offload)
+            part = None if offload is None else HostOffload(offload, mesh_device(spec.mesh))
+            kw = dict(gradient_divide_factor=spec.gradient_divide_factor, policy=spec.policy, offload=part)
             args = (members, spec.mesh, spec.strategy, spec.policy.dtypes_for(first.dtype), first.requires_grad)
             if ext:
                 groups.append(ExtensionParameterGroup(*args, **kw))
-            elif spec.dims is not None and isinstance(first, DTensor):
-                groups.append(TensorParallelGroup(*args, dims=spec.dims, **kw))
             elif spec.dims is not None:
-                groups.append(ChunkedParameterGroup(*args, dims=spec.dims, **kw))
+                kind = TensorParallelKind([i.param for i in members], spec.mesh, spec.dims) if isinstance(first, DTensor) else PLAIN
+                shapes = [tuple(kind.local(i.param).shape) for i in members]
+                mesh = spec.mesh
+                layout = ChunkedLayout(shapes, spec.dims, mesh.shape[-1], mesh.get_coordinate()[-1])
+                groups.append(ParameterGroup(*args, layout=layout, kind=kind, **kw))
             else:  # outer: HFSDP (fsdp.compose.outer_shard), validated by check_outer_sharding
-                kind = OuterShardedParameterGroup if outer else ParameterGroup
-                groups.append(kind(*args, shard=spec.placement, **kw))
+                cls = OuterShardedParameterGroup if outer else ParameterGroup
+                groups.append(cls(*args, shard=spec.placement, **kw))
     return groups
 
 

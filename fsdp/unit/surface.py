@@ -184,7 +184,7 @@ def set_custom_all_gather(self: "FSDPModule", comm: Any) -> None:
     object once per group, with that group's process group). Set it on every rank."""
     custom_comm.check_comm(comm, "set_custom_all_gather", "AllGather")
     for group in self._fsdp_state.groups:
-        group.custom_all_gather = comm
+        custom_comm.install(group, all_gather_comm=comm)
 
 
 def set_custom_reduce_scatter(self: "FSDPModule", comm: Any) -> None:
@@ -193,7 +193,7 @@ def set_custom_reduce_scatter(self: "FSDPModule", comm: Any) -> None:
     group=, op=, async_op=)``); see :mod:`fsdp.compose.custom_comm`. Set it on every rank."""
     custom_comm.check_comm(comm, "set_custom_reduce_scatter", "ReduceScatter")
     for group in self._fsdp_state.groups:
-        group.custom_reduce_scatter = comm
+        custom_comm.install(group, reduce_scatter_comm=comm)
 
 
 def set_separate_reduce_scatter_group(self: "FSDPModule", enable: bool = True, *, recurse: bool = True) -> None:
@@ -214,7 +214,8 @@ def _comm_memory(self: "FSDPModule", what: str, kind: str, enable: bool, backend
     FSDP2). A unit with a user's comm object raises first, changing nothing."""
     groups = self._fsdp_state.groups
     for group in groups:
-        for comm, name in ((group.custom_all_gather, "all gather"), (group.custom_reduce_scatter, "reduce scatter")):
+        pairs = ((group.comms.all_gather_comm, "all gather"), (group.comms.reduce_scatter_comm, "reduce scatter"))
+        for comm, name in pairs:
             if comm is not None and not isinstance(comm, custom_comm._MemoryComm):
                 raise CustomCommConflictError(
                     f"cannot call {what}() when {name} comm is custom: {type(comm).__name__} (set by "
@@ -228,10 +229,8 @@ def _comm_memory(self: "FSDPModule", what: str, kind: str, enable: bool, backend
                 f"(FSDP2 raises too: 'SymmetricMemory does not find allocation backend {backend}')"
             )
         comms = custom_comm.memory_comms(kind, group.mesh, device, backend) if enable else None
-        if comms is None:  # off, or a backend without its own allocator (gloo): dbuffer's buffers
-            group.custom_all_gather = group.custom_reduce_scatter = None
-        else:
-            group.custom_all_gather, group.custom_reduce_scatter = comms
+        gather, reduce = comms if comms is not None else (None, None)  # None: off, or gloo (no allocator)
+        custom_comm.install(group, all_gather_comm=gather, reduce_scatter_comm=reduce)
 
 
 def set_allocate_memory_from_process_group_for_comm(self: "FSDPModule", enable: bool) -> None:

@@ -133,16 +133,16 @@ def _misuse_after_sharding(out: dict, mesh) -> None:
     # a failure during setup restores the class and the parameters
     block = Block()
     before = dict(block.named_parameters())
-    real = fsdp.unit.api.ParameterGroup, fsdp.unit.api.ChunkedParameterGroup
+    real = fsdp.unit.api.ParameterGroup
 
     def boom(*args, **kwargs):
         raise RuntimeError("injected")
 
-    fsdp.unit.api.ParameterGroup = fsdp.unit.api.ChunkedParameterGroup = boom
+    fsdp.unit.api.ParameterGroup = boom
     try:
         out["restore"] = _expect(lambda: fsdp.fully_shard(block, mesh=mesh), RuntimeError, "injected")
     finally:
-        fsdp.unit.api.ParameterGroup, fsdp.unit.api.ChunkedParameterGroup = real
+        fsdp.unit.api.ParameterGroup = real
     assert type(block) is Block and dict(block.named_parameters()) == before
     fsdp.fully_shard(block, mesh=mesh)  # and it can be sharded afterwards
 

@@ -154,7 +154,7 @@ def _comm_memory_on_cpu() -> dict:
     groups = m._fsdp_state.groups
     out = {}
     m.set_allocate_memory_from_process_group_for_comm(True)  # gloo has no allocator: as FSDP2, nothing changes
-    out["pg alloc on cpu"] = all(g.custom_all_gather is None and g.custom_reduce_scatter is None for g in groups)
+    out["pg alloc on cpu"] = all(g.comms.all_gather_comm is None and g.comms.reduce_scatter_comm is None for g in groups)
     try:
         m.set_symm_mem_for_comm()
     except RuntimeError as e:
@@ -168,7 +168,7 @@ def _comm_memory_on_cpu() -> dict:
         m.set_allocate_memory_from_process_group_for_comm(True)
     except AssertionError as e:  # FSDP2's type; also a ValueError
         out["conflict"] = isinstance(e, ValueError) and "all gather comm is custom: CountingAllGather" in str(e)
-    out["custom kept"] = all(isinstance(g.custom_all_gather, CountingAllGather) for g in groups)
+    out["custom kept"] = all(isinstance(g.comms.all_gather_comm, CountingAllGather) for g in groups)
     return out
 
 

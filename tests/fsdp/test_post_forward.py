@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 import fsdp
-from fsdp.group.chunked import ChunkedParameterGroup
+from fsdp.group.layouts import ChunkedLayout
 from fsdp.group.layout_choice import layout_policy
 from tests.fsdp.models import full_state, loss_fn, make_batches, make_model, max_diff, reference, train
 from tests.fsdp.test_parity import shard
@@ -35,7 +35,7 @@ def _post_forward(model, batches, layout: str) -> dict:
         ref_true = shard(copy.deepcopy(model), True, reshard_after_forward=True)
     groups = [g for block in m.blocks for g in block._fsdp_state.groups]
     assert all(g.post_forward is not None for g in groups)
-    assert all(isinstance(g, ChunkedParameterGroup) == (layout == "chunk") for g in groups)
+    assert all(isinstance(g.layout, ChunkedLayout) == (layout == "chunk") for g in groups)
     x, y = batches[0]
     per = x.shape[0] // world
     x, y = x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]

@@ -1,0 +1,258 @@
+"""Where a group's parameters sit in its flat buffers: the two layouts a group can have.
+
+A :class:`~fsdp.group.param_group.ParameterGroup` keeps every tensor of one bucket in a few
+DBuffers (main weights, model weights, gradients) that share one layout. The layout decides
+three things the group itself does not: which part of each parameter a rank keeps, what the
+parameters handed to users look like (their DTensor views), and the copies an all-gather and a
+reduce-scatter need around the collective. Each layout is a small object the group *has*:
+
+* :class:`FlatLayout` (Megatron-FSDP's): the tensors are packed one after another (row-atomic,
+  ragged, or whole tensors on owners), so the all-gathered buffer *is* the unsharded
+  parameters and a gradient lands where the reduce-scatter reads it: no copy around either
+  collective. The shards handed out are DBuffer's exact DTensor views (row or element pieces).
+* :class:`ChunkedLayout` (FSDP2's, the default): each parameter is split like ``torch.chunk``
+  along its dim over the shard ranks, and each rank's shard is its padded piece of every
+  parameter, one after another (shard-major). The shards handed out are plain DTensors with
+  ``Shard(dim)``; the price is a copy out of every all-gather into the parameters and a copy
+  of every gradient into its pieces before the reduce-scatter (FSDP2 pays the same).
+
+A group's parameters may themselves be wrapped (tensor parallelism: DTensors on another mesh);
+that is the group's :class:`ParamKind`, which a layout calls to build what it hands out.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.placement_types import Placement
+
+from dbuffer import DBuffer, Owned
+from dbuffer.layout import ChunkLayout, OwnedLayout, compute_chunk_layout, compute_layout, compute_owned_layout
+from fsdp.group.layout_choice import group_layout
+
+__all__ = ["ChunkedLayout", "FlatLayout", "ParamKind", "contiguous_stride", "flat_layout"]
+
+
+class ParamKind:
+    """Plain parameters: what a layout wraps its local pieces in, and how a gradient becomes a
+    local tensor. :mod:`fsdp.compose.tensor_parallel` has the DTensor kind."""
+
+    plain = True
+
+    def local(self, param: torch.Tensor) -> torch.Tensor:
+        """The tensor fsdp shards for ``param`` (the parameter itself here)."""
+        return param
+
+    def sharded(self, k: int, local: torch.Tensor, mesh: DeviceMesh, placements: tuple, shape: torch.Size) -> DTensor:
+        """Parameter ``k``'s sharded DTensor around this rank's piece ``local``."""
+        return DTensor.from_local(
+            local, mesh, placements, run_check=False, shape=shape, stride=contiguous_stride(shape)
+        )
+
+    def unsharded(self, k: int, full: torch.Tensor, requires_grad: bool) -> nn.Parameter:
+        """What modules compute with for parameter ``k`` whose whole values are ``full``."""
+        return nn.Parameter(full, requires_grad=requires_grad)
+
+    def grad_local(self, k: int, grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """Parameter ``k``'s unsharded gradient as a plain tensor of ``local``'s shape."""
+        return grad
+
+
+PLAIN = ParamKind()
+
+
+class FlatLayout:
+    """Tensors packed into one buffer by a DBuffer layout (row-atomic, ragged, owned, or
+    replicated for ``no_shard``): the gathered buffer is the unsharded parameters."""
+
+    copies = False  # gathers land in the unsharded parameters, gradients where the reduction reads
+
+    def __init__(self, shapes: list[tuple[int, ...]], layout) -> None:
+        self.shapes = shapes
+        self.layout = layout
+
+    def buffer_shapes(self):
+        """(shapes, layout) of the group's DBuffers."""
+        return self.shapes, self.layout
+
+    def views(self, buf: DBuffer, kind: ParamKind, lead: tuple) -> list[DTensor]:
+        """Exact DTensor views of every tensor of a sharded buffer (DBuffer's own)."""
+        return [buf.get_dtensor(k) for k in range(len(self.shapes))]
+
+    def fill(self, main: DBuffer, tensors: list[torch.Tensor]) -> None:
+        """Copy this rank's part of every full tensor into ``main``."""
+        for k, t in enumerate(tensors):
+            main.get_local_tensor(k).copy_(main.local_piece(k, t.detach()))
+
+    def unsharded_buffer(self, main: DBuffer, placements, dtype, device, zero_fill: bool) -> DBuffer:
+        """A replicated buffer of the full tensors: a sibling of ``main`` (same layout)."""
+        return DBuffer(
+            main.mesh, placements, main.shapes, dtype, device, layout=main.layout, zero_fill=zero_fill,
+            check_ranks=False,
+        )
+
+    def write_grad(self, grad_in: DBuffer, k: int, grad: Optional[torch.Tensor], add: bool) -> None:
+        """Copy (``add``: add) tensor ``k``'s unsharded gradient into ``grad_in``; None: zero it."""
+        view = grad_in.get_local_tensor(k)
+        if grad is None:
+            view.zero_()
+        elif add:
+            view.add_(grad)
+        else:
+            view.copy_(grad)
+
+    def padding(self, grad_in: DBuffer) -> list[tuple[int, int]]:
+        """Ranges of ``grad_in``'s (full) local buffer that belong to no tensor."""
+        spans = sorted((it.offset, it.offset + it.numel) for it in grad_in.layout.items)
+        gaps, pos = [], 0
+        for start, end in spans:
+            if start > pos:
+                gaps.append((pos, start))
+            pos = max(pos, end)
+        total = grad_in.local_buffer.numel()
+        if pos < total:
+            gaps.append((pos, total))
+        return gaps
+
+
+class ChunkedLayout:
+    """FSDP2's layout: parameter ``k`` split along ``dims[k]`` like ``torch.chunk`` over the
+    ``world`` shard ranks; each rank's shard holds its padded piece of every parameter, so the
+    buffers hold one flat tensor of ``world * shard_numel`` elements, shard-major."""
+
+    copies = True  # a gathered buffer copied out into the parameters; gradients copied into pieces
+
+    def __init__(self, shapes: list[tuple[int, ...]], dims: list[int], world: int, rank: int) -> None:
+        self.shapes = shapes
+        self.dims = list(dims)
+        self.rank = rank
+        self.chunks: ChunkLayout = compute_chunk_layout(shapes, self.dims, world)
+        self._flat = [(world * self.chunks.shard_numel,)]
+
+    def buffer_shapes(self):
+        return self._flat, compute_layout(self._flat, self.chunks.num_shards)
+
+    def piece(self, buf: DBuffer, k: int) -> torch.Tensor:
+        """This rank's piece of parameter ``k`` in a sharded buffer: a contiguous view."""
+        start, end = self.chunks.local_range(k, self.rank)
+        return buf.local_buffer[start:end].view(self.chunks.piece_shape(k, self.rank))
+
+    def views(self, buf: DBuffer, kind: ParamKind, lead: tuple) -> list[DTensor]:
+        """Plain DTensor views (``lead + (Shard(dim),)``, torch.chunk pieces) of a sharded buffer."""
+        return [
+            kind.sharded(k, self.piece(buf, k), buf.mesh, lead + (Shard(self.dims[k]),), torch.Size(shape))
+            for k, shape in enumerate(self.shapes)
+        ]
+
+    def fill(self, main: DBuffer, tensors: list[torch.Tensor]) -> None:
+        for k, t in enumerate(tensors):
+            start, length = self.chunks.piece(k, self.rank)
+            self.piece(main, k).copy_(t.detach().narrow(self.dims[k], start, length))
+
+    def unsharded_buffer(self, main: DBuffer, placements, dtype, device, zero_fill: bool) -> DBuffer:
+        """A replicated buffer holding the parameters in their own shapes (packed, no padding)."""
+        return DBuffer(
+            main.mesh, placements, self.shapes, dtype, device, layout=compute_layout(self.shapes, 1),
+            zero_fill=zero_fill, check_ranks=False,
+        )
+
+    def copy_out(self, gathered: DBuffer, unsharded: DBuffer) -> None:
+        """Every parameter's pieces from the shard-major ``gathered`` buffer into ``unsharded``."""
+        flat = gathered.local_buffer
+        for k in range(len(self.shapes)):
+            self.exchange(k, flat, unsharded.get_local_tensor(k), to_full=True)
+
+    def fill_slice(self, unsharded: DBuffer, out: torch.Tensor, start: int, end: int) -> None:
+        """Write ``[start, end)`` of the shard-major gathered buffer (whole rank shards, as a
+        ``1/n`` post-forward slice always is) from the unsharded parameters; padding is zero."""
+        size = self.chunks.shard_numel
+        first, last = start // size, end // size
+        assert first * size == start and last * size == end, "a post-forward slice is whole rank shards"
+        out.zero_()
+        for k in range(len(self.shapes)):
+            self.exchange(k, out, unsharded.get_local_tensor(k), to_full=False, ranks=(first, last))
+
+    def write_grad(self, grad_in: DBuffer, k: int, grad: Optional[torch.Tensor], add: bool) -> None:
+        flat = grad_in.local_buffer
+        if grad is None:
+            it = self.chunks.items[k]
+            flat.view(self.chunks.num_shards, -1)[:, it.offset : it.offset + it.chunk * it.inner].zero_()
+        else:
+            self.exchange(k, flat, grad, to_full=False, add=add)
+
+    def padding(self, grad_in: DBuffer) -> list[tuple[int, int]]:
+        size = self.chunks.shard_numel
+        return [(r * size + a, r * size + b) for r in range(self.chunks.num_shards) for a, b in self.chunks.padding(r)]
+
+    def exchange(
+        self, k: int, flat: torch.Tensor, full: torch.Tensor, to_full: bool, add: bool = False,
+        ranks: Optional[tuple[int, int]] = None,
+    ) -> None:
+        """Copy between parameter ``k``'s pieces in a shard-major ``flat`` buffer (all shards, or
+        the shards ``ranks = (lo, hi)`` only) and the ``full`` tensor: to ``full`` (gather), or
+        from it into ``flat`` (``add``: added). At most two strided copies: the shards holding a
+        whole piece at once, then the one short piece, if any."""
+        it = self.chunks.items[k]
+        lo, hi = ranks if ranks is not None else (0, self.chunks.num_shards)
+        rows = flat.view(hi - lo, self.chunks.shard_numel)
+        whole = self.chunks.whole_pieces(k)
+        pre, post = it.shape[: it.dim], it.shape[it.dim + 1 :]
+        pairs = []
+        n = min(hi, whole) - lo
+        if n > 0:
+            pieces = rows[:n, it.offset : it.offset + it.chunk * it.inner].view(n, *pre, it.chunk, *post)
+            part = full.narrow(it.dim, lo * it.chunk, n * it.chunk).unflatten(it.dim, (n, it.chunk))
+            pairs.append((pieces.movedim(0, it.dim), part))
+        rest = it.length - whole * it.chunk
+        if rest and lo <= whole < hi:  # the one short piece
+            piece = rows[whole - lo, it.offset : it.offset + rest * it.inner].view(*pre, rest, *post)
+            pairs.append((piece, full.narrow(it.dim, whole * it.chunk, rest)))
+        for piece, part in pairs:
+            if to_full:
+                part.copy_(piece)
+            elif add:
+                piece.add_(part)
+            else:
+                piece.copy_(part)
+
+
+def flat_layout(shapes: list[tuple[int, ...]], mesh: DeviceMesh, shard_optim: bool, shard: Placement) -> FlatLayout:
+    """The flat layout of a group: unpadded when nothing is sharded (``no_shard``), whole tensors
+    on balanced owners for ``Owned()``, else row-atomic unless that pads too much
+    (:func:`fsdp.group.layout_choice.group_layout`)."""
+    if not shard_optim:
+        return FlatLayout(shapes, compute_layout(shapes, 1))
+    if isinstance(shard, Owned):
+        return FlatLayout(shapes, _owned_layout(shapes, mesh))
+    return FlatLayout(shapes, group_layout(shapes, mesh.size()))
+
+
+def contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for d in reversed(shape):
+        stride.append(acc)
+        acc *= max(d, 1)
+    return tuple(reversed(stride))
+
+
+# Elements each rank already owns through the Owned groups this process built before on the same
+# ranks, so that owners balance over the whole model rather than restarting at rank 0 in every
+# unit (three equal matrices per block on four ranks would otherwise leave rank 3 none). Keyed
+# by this rank too: threaded test worlds share one process. Every rank builds the same units in
+# the same order (as collectives require anyway), so every rank computes the same owners.
+_OWNED_LOADS: dict[tuple, list[int]] = {}
+
+
+def _owned_layout(shapes: list[tuple[int, ...]], mesh: DeviceMesh) -> OwnedLayout:
+    n = mesh.size()
+    key = (mesh.device_type, tuple(mesh.mesh.flatten().tolist()), dist.get_rank())
+    loads = _OWNED_LOADS.setdefault(key, [0] * n)
+    layout = compute_owned_layout(shapes, n, initial_loads=loads)
+    for k, added in enumerate(layout.loads(n)):
+        loads[k] += added
+    return layout
