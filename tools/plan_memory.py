@@ -736,14 +736,14 @@ def _measure(units: list, states: int, schedule: dict[str, frozenset[Moment]], f
                 unit_gather = _plus(unit_gather, _transient(m, g, g.unsharded))
             if not g.requires_grad:
                 continue
-            _persistent(m, "main_grads", g, g.main_grad)
-            unit_reduce = _plus(unit_reduce, _transient(m, g, g.grad_in))
+            _persistent(m, "main_grads", g, g.grads.main_grad)
+            unit_reduce = _plus(unit_reduce, _transient(m, g, g.grads.grad_in))
             # Like the parameter's local piece, in the main dtype: this rank's rows, no padding.
             data = _data_bytes(g, g.main)
             slack = max(_nbytes(g.main) - data, _padding_share(g, g.main))
             m.bytes["optimizer_state"] += states * data
             m.allowance["optimizer_state"] += states * slack
-            if g.main_grad.dtype != g.main.dtype and not flat:
+            if g.grads.main_grad.dtype != g.main.dtype and not flat:
                 m.bytes["grad_copies"] += data
                 m.allowance["grad_copies"] += slack
         gathered.append(unit_gather)

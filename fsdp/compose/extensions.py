@@ -55,7 +55,7 @@ from torch.distributed.tensor import DTensor
 from dbuffer import DBuffer
 from dbuffer.agreement import check_agreement
 from dbuffer.layout import compute_layout
-from fsdp.group.layouts import ChunkedLayout, contiguous_stride
+from fsdp.group.layouts import ChunkedLayout, ParamKind, contiguous_stride
 from fsdp.group.param_group import ParameterGroup
 from dbuffer import mesh_device
 from fsdp.group.meta_init import meta_error
@@ -127,6 +127,18 @@ class _Slot:
     dtype: torch.dtype
 
 
+class _ExtensionKind(ParamKind):
+    """Gradients of a tensor-subclass parameter are reduced as plain tensors, as in FSDP2."""
+
+    plain = False
+
+    def grad_local(self, k: int, grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        return None if grad is None else _plain(grad)
+
+
+_EXTENSION = _ExtensionKind()
+
+
 class ExtensionParameterGroup(ParameterGroup):
     """A :class:`~fsdp.group.param_group.ParameterGroup` in torch.chunk pieces along dim 0
     (:class:`~fsdp.group.layouts.ChunkedLayout`) whose parameters keep their
@@ -144,7 +156,7 @@ class ExtensionParameterGroup(ParameterGroup):
         self._orig = [(torch.Size(shape), contiguous_stride(torch.Size(shape))) for shape in shapes]
         self._modules = [i.registrations[0][0] for i in infos]
         layout = ChunkedLayout(shapes, [0] * len(infos), mesh.shape[-1], mesh.get_coordinate()[-1])
-        super().__init__(infos, mesh, strategy, dtypes, requires_grad, layout=layout, **kw)
+        super().__init__(infos, mesh, strategy, dtypes, requires_grad, layout=layout, kind=_EXTENSION, **kw)
         self._shard_mesh_cache: Optional[DeviceMesh] = None
         self._spec: Optional[tuple] = None  # (shape, dtype) of every pre-all-gather output
         self._hooks: Optional[tuple] = None  # which methods produced the send buffer
@@ -416,8 +428,8 @@ class ExtensionParameterGroup(ParameterGroup):
             full = torch.as_strided(tensor, shape, stride, 0)
             params.append(nn.Parameter(full, requires_grad=self.requires_grad))
         self.unsharded_params = params
-        if self._grad_callbacks is not None:
-            self._hook_unsharded_params()
+        if self.grads is not None:
+            self.grads.hook_params()
 
     def _saved_tensors(self) -> list[torch.Tensor]:
         """Everything whose version counter a refill may bump: outputs, parameters, inner tensors."""
@@ -442,10 +454,6 @@ class ExtensionParameterGroup(ParameterGroup):
             if t.untyped_storage().nbytes() < want:
                 t.untyped_storage().resize_(want)
 
-    def _hook_unsharded_params(self) -> None:
-        if self.unsharded_params is not None:
-            super()._hook_unsharded_params()
-
     def reshard(self) -> None:
         """Free the gathered outputs and the tensors ``fsdp_post_all_gather`` named (ZeRO-3)."""
         if not self.strategy.shard_params:
@@ -462,9 +470,6 @@ class ExtensionParameterGroup(ParameterGroup):
         super().use_params(unsharded)
 
     # ------------------------------------------------------------------ gradients
-
-    def _write_grad(self, k: int, grad: Optional[torch.Tensor], add: bool = False) -> None:
-        super()._write_grad(k, None if grad is None else _plain(grad), add)
 
     # ------------------------------------------------------------------ dtype, init
 

@@ -20,7 +20,7 @@ from typing import Optional
 
 import torch
 
-from dbuffer import DBuffer
+from fsdp.group.grads import converted
 from fsdp.group.policy import Dtypes, MixedPrecisionPolicy
 
 __all__ = ["DtypeConversion"]
@@ -90,43 +90,15 @@ class DtypeConversion:
             raise RuntimeError("convert() inside init_weights: convert the module before or after")
         self.wait_unshard()
         self.dtypes = dtypes
-        self.main = _converted(self.main, dtypes.main)
+        self.main = converted(self.main, dtypes.main)
         if self.offload is not None:
             self.main = self.offload.adopt(self.main)
         self._build_compute_buffers()
         self._gathered = None
         self.mark_stale()
-        if self.requires_grad:
-            self.finish_reduce()
-            self._settle()
-            self._detect_zeroed()
-            old_in, old_main = self.grad_in, self.main_grad
-            self.grad_in = _converted(old_in, dtypes.reduce)
-            self.main_grad = _converted(old_main, dtypes.main_grad)
-            if self.offload is not None:
-                self.main_grad = self.offload.adopt(self.main_grad)
-            if self.main_grad is not old_main:
-                self.main_grad_views = self._main_grad_views()  # made while it has storage
-            for new, old in ((self.grad_in, old_in), (self.main_grad, old_main)):
-                if new is not old and old.is_storage_released():
-                    new.release_storage()
-            self._held = {k: g.to(dtypes.model) for k, g in self._held.items()}
-            if self._grad_callbacks is not None:
-                self._hook_unsharded_params()
+        if self.grads is not None:
+            self.grads.convert(dtypes, adopt=self.offload.adopt if self.offload is not None else (lambda buf: buf))
         self._swap_in(self._new_sharded_params())
-        if self.requires_grad and self._grads_attached:
-            self._point_grads()
+        if self.grads is not None:
+            self.grads.reattach_after_swap()
         return True
-
-
-def _converted(buf: DBuffer, dtype: torch.dtype) -> DBuffer:
-    """``buf`` itself if already in ``dtype``, else rebuilt in it (same mesh, placements, layout,
-    device) with its values cast, if it has storage (the new one always has)."""
-    if buf.dtype == dtype:
-        return buf
-    out = DBuffer(
-        buf.mesh, buf.placements, buf.shapes, dtype, buf.device, layout=buf.layout, zero_fill=False, check_ranks=False
-    )
-    if not buf.is_storage_released():
-        out.local_buffer.copy_(buf.local_buffer)
-    return out

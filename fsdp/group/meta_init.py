@@ -53,10 +53,8 @@ class MetaInit:
         main = self.main
         self._place_main(main.placements, main.shapes, main.dtype, main.layout, device)
         self._build_compute_buffers()
-        if self.requires_grad:
-            self._init_grads()
-            if self._grad_callbacks is not None:
-                self._hook_unsharded_params()
+        if self.grads is not None:
+            self.grads = self.grads.rebuilt()
         self._swap_in(self._new_sharded_params())
         self._gathered = None
         self.mark_stale()

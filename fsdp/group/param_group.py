@@ -39,7 +39,7 @@ from torch.profiler import record_function
 from dbuffer import DBuffer, Pending, mesh_device
 from fsdp.group.comms import DBUFFER_COMMS
 from fsdp.group.convert import DtypeConversion
-from fsdp.group.grad_reduction import GradReduction
+from fsdp.group.grads import GradReducer
 from fsdp.group.layouts import PLAIN, ChunkedLayout, FlatLayout, ParamKind, flat_layout
 from fsdp.group.meta_init import MetaInit, meta_error
 from fsdp.group.registration import note_registration
@@ -75,7 +75,7 @@ class ParamInfo:
     registrations: list[tuple[nn.Module, str]] = field(default_factory=list)
 
 
-class ParameterGroup(MetaInit, GradReduction, DtypeConversion):
+class ParameterGroup(MetaInit, DtypeConversion):
     """The DBuffers of one (dtype, requires_grad) group and the moves between them. It *has* a
     layout (:mod:`fsdp.group.layouts`: where each parameter sits in the buffers, what is copied
     around a collective), a parameter kind (plain, or tensor-parallel DTensors), and optional
@@ -87,6 +87,8 @@ class ParameterGroup(MetaInit, GradReduction, DtypeConversion):
     post_forward: Optional[object] = None
     # weights_version() when fsdp.optim last wrote the model shard with the main weights.
     _written_version: Optional[int] = None
+    # The all-gather's target when the layout copies out of it (else gathers land in ``unsharded``).
+    gathered: Optional[DBuffer] = None
     # Whether reshard_after_forward=n may keep a slice of this group (subclasses that gather
     # something else than the model shard say no).
     keeps_post_forward_slice = True
@@ -143,10 +145,8 @@ class ParameterGroup(MetaInit, GradReduction, DtypeConversion):
         self._refreshes = 0
         self._gathered: Optional[int] = None  # refresh the unsharded storage holds, if any
         self._gather_pending: Optional[Pending] = None
-        self._grad_callbacks: Optional[list] = None  # register_grad_hooks' (weak) callbacks
         self.refresh()
-        if requires_grad:
-            self._init_grads()
+        self.grads: Optional[GradReducer] = GradReducer(self) if requires_grad else None
         self._init_buffer: Optional[DBuffer] = None  # full main-dtype weights during init_weights
 
     def _group_placements(self, shard: Placement, reduce_op: str) -> GroupPlacements:
@@ -173,7 +173,7 @@ class ParameterGroup(MetaInit, GradReduction, DtypeConversion):
         d, strategy = self.dtypes, self.strategy
         self.model = self.main if d.model == d.main else self._host(self.main.placements, d.model)
         self._release_lean_model()
-        self.gathered: Optional[DBuffer] = None
+        self.gathered = None
         if self.layout.copies:
             self.gathered = self._new(self.placements.replicated, d.model, zero_fill=False)
             self.gathered.release_storage()
@@ -188,6 +188,11 @@ class ParameterGroup(MetaInit, GradReduction, DtypeConversion):
             self.unsharded.release_storage()
         if self.post_forward is not None:  # rebuilt (module.to, to_empty): follow the new buffer
             self.post_forward = self.post_forward.rebuilt(self._gathered_buffer())
+
+    def _deferred_placements(self, target_pl: tuple) -> tuple:
+        """Where reduce-scattered sums wait while HSDP's all-reduce across replicas is deferred:
+        sharded on the shard axis (the last), still partial on the replicate axis."""
+        return self.placements.partial[:-1] + target_pl[-1:]
 
     def _module_param(self, k: int, full: torch.Tensor) -> nn.Parameter:
         """What modules compute with for parameter ``k`` whose whole values are ``full`` (a view

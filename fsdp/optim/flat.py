@@ -126,7 +126,7 @@ class FlatOptimizer(torch.optim.Optimizer):
             chunk_numel = max((span.numel for spans in self._layouts.values() for span in spans), default=1)
         self._chunk_numel = max(chunk_numel, 1)
         for g in self._groups.values():
-            g.cast_grads = False  # no full-size cast copy in param.grad: step() upcasts by chunks
+            g.grads.cast_grads = False  # no full-size cast copy in param.grad: step() upcasts by chunks
 
     # ------------------------------------------------------------------ step
 
@@ -143,7 +143,7 @@ class FlatOptimizer(torch.optim.Optimizer):
             if not runs:
                 continue
             state = self._state_for(flat, group, opts)
-            grads = group.main_grad.local_buffer
+            grads = group.grads.main_grad.local_buffer
             # the model shard, written in this pass, unless it aliases main, is cast per gather or
             # was released after its last gather (then the next refresh casts it whole: this pass
             # may skip parameters without gradients, whose old values are gone)
@@ -152,7 +152,7 @@ class FlatOptimizer(torch.optim.Optimizer):
                 model = group.model.local_buffer
             for run in runs:
                 self._step_run(flat, grads, model, state, run, opts, workspace)
-            for k in group.params_with_grads():
+            for k in group.grads.params_with_grads():
                 state["steps"][k] += 1
             group.mark_stale(model_written=model is not None)
         return loss
@@ -165,8 +165,8 @@ class FlatOptimizer(torch.optim.Optimizer):
                 f"FlatOptimizer: the buffers of parameters {group._names()} were rebuilt since the optimizer "
                 f"was made (module.to(dtype)?); build the optimizer again after converting the module"
             )
-        with_grads = group.params_with_grads()
-        if not with_grads or group.main_grad.is_storage_released():
+        with_grads = group.grads.params_with_grads()
+        if not with_grads or group.grads.main_grad.is_storage_released():
             return flat, group, []
         spans = self._layouts[id(flat)]
         steps = self.state[flat].get("steps") if flat in self.state else None
@@ -226,7 +226,7 @@ class FlatOptimizer(torch.optim.Optimizer):
             for flat in opts["params"]:
                 _, group, runs = self._plan(flat)
                 local = torch.zeros((), dtype=torch.float32, device=flat.device)
-                grads = group.main_grad.local_buffer
+                grads = group.grads.main_grad.local_buffer
                 for run in runs:
                     for pos in range(run.grad_start, run.grad_start + run.end - run.start, self._chunk_numel):
                         end = min(pos + self._chunk_numel, run.grad_start + run.end - run.start)
@@ -241,8 +241,8 @@ class FlatOptimizer(torch.optim.Optimizer):
             raise RuntimeError(f"FlatOptimizer.clip_grad_norm_: the total gradient norm is {float(norm)}")
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         for group in self._groups.values():
-            if group.params_with_grads() and not group.main_grad.is_storage_released():
-                buf = group.main_grad.local_buffer
+            if group.grads.params_with_grads() and not group.grads.main_grad.is_storage_released():
+                buf = group.grads.main_grad.local_buffer
                 buf.mul_(coef)  # as torch: the fp32 coefficient applied in the gradients' dtype
         return norm
 
@@ -250,9 +250,9 @@ class FlatOptimizer(torch.optim.Optimizer):
         """Drop (``set_to_none``) or zero every group's reduced gradients."""
         for group in self._groups.values():
             if set_to_none:
-                group.drop_main_grads()
+                group.grads.drop_main_grads()
             else:
-                group.zero_grad_buffer()
+                group.grads.zero_grad_buffer()
 
 
 class _Workspace:
@@ -430,9 +430,9 @@ def _spans(group: ParameterGroup) -> list[_Span]:
     """Each parameter's range in the main (model) and main-grad local buffers, found from the
     DTensor views fsdp registered (so every layout, chunked or owned, is handled alike)."""
     main_base = group.main.local_buffer
-    grad_base = group.main_grad.local_buffer
+    grad_base = group.grads.main_grad.local_buffer
     spans = []
-    for k, (p, g) in enumerate(zip(group.sharded_params, group.main_grad_views)):
+    for k, (p, g) in enumerate(zip(group.sharded_params, group.grads.main_grad_views)):
         local, glocal = p._local_tensor, g._local_tensor
         if not (local.is_contiguous() and glocal.is_contiguous()):
             raise ValueError(f"FlatOptimizer: parameter {group.infos[k].fqn!r} is not contiguous in its buffers")

@@ -204,8 +204,8 @@ class FSDPModule:
         """Zero the main-grad buffers of every unit below (``param.grad`` views stay attached)."""
         for state in self._states(True):
             for group in state.groups:
-                if group.requires_grad:
-                    group.zero_grad_buffer()
+                if group.grads is not None:
+                    group.grads.zero_grad_buffer()
 
     def finish_grad_sync(self) -> None:
         """Reduce gradients still held locally, wait for every reduction, attach ``.grad``."""

@@ -100,10 +100,8 @@ class FSDPState:
     def install_hooks(self) -> None:
         """Called once the unit is fully built, so a failed setup leaves no hook behind."""
         for group in self.groups:
-            if group.requires_grad:
-                group.register_grad_hooks(
-                    self._on_group_grads_done, self._on_group_grads_start, self._on_group_first_grad
-                )
+            if group.grads is not None:
+                group.grads.register_hooks(self._on_group_grads_done, self._on_group_grads_start)
         self._pre_backward_hook = _run_eagerly(self._pre_backward)
         for module in self.modules:
             module.register_forward_pre_hook(_run_eagerly(self._pre_forward), prepend=True, with_kwargs=True)
@@ -226,7 +224,8 @@ class FSDPState:
         # before anything of the step is allocated, not each unit at its own forward.
         for unit in root.units if root is self else [self]:
             for group in unit.groups:
-                group.release_dropped_grads()
+                if group.grads is not None:
+                    group.grads.release_dropped_grads()
         self.unshard()
         self._use_unsharded()
         for nxt in self._next_units(self.forward_prefetch, +1):
@@ -306,30 +305,24 @@ class FSDPState:
         for prev in self._next_units(self.backward_prefetch, -1):
             prev.unshard(async_op=True)
 
-    def _on_group_first_grad(self, group: ParameterGroup) -> None:
-        """A group got its first gradient of this backward (it holds autograd's gradients until
-        it has them all, see ``ParameterGroup._on_grad``): finish the reductions still in flight
-        now, as their buffers would otherwise live through this unit's whole backward."""
-        self._on_group_grads_start(group)
-
     def _on_group_grads_start(self, group: ParameterGroup) -> None:
-        """A group is about to allocate its gradient buffer: finish the reductions still in
-        flight first (by now they have had a whole unit's backward to run), so that their
+        """A group got its first gradient of this backward, or is about to allocate its gradient
+        buffer: finish the reductions still in flight first (by now they have had a whole unit's backward to run), so that their
         buffers are freed before this one exists."""
         root = self.root if self.root is not None else self
         while root._in_flight:
-            root._in_flight.pop(0).finish_reduce()
+            root._in_flight.pop(0).grads.finish_reduce()
 
     def _on_group_grads_done(self, group: ParameterGroup) -> None:
         root = self.root if self.root is not None else self
         root._queue_final_callback()
         if self.requires_grad_sync:
-            group.launch_reduce()
+            group.grads.launch_reduce()
             # Bound the reductions in flight: finishing older ones frees their unsharded gradient
             # buffers during backward, instead of all of them living until its end.
             root._in_flight.append(group)
             while len(root._in_flight) > root.max_reductions_in_flight:
-                root._in_flight.pop(0).finish_reduce()
+                root._in_flight.pop(0).grads.finish_reduce()
         if self.reshard_after_backward:
             group.reshard()
             # A later pre-backward of this unit in the same backward (it ran forward twice and
@@ -348,13 +341,13 @@ class FSDPState:
         for unit in units:
             if unit.requires_grad_sync:
                 for group in unit.groups:
-                    if group.has_local_grads():
-                        group.launch_reduce()
+                    if group.grads is not None and group.grads.has_local_grads():
+                        group.grads.launch_reduce()
             unit.reshard(free=unit.reshard_after_backward)
             unit._pre_backward_done = False
             for group in unit.groups:
-                if group.requires_grad:
-                    group.end_backward()
+                if group.grads is not None:
+                    group.grads.end_backward()
         if self.is_last_backward:
             self.finish_grad_sync(launch=False)
         # Idle collective scratch would otherwise stay through the next forward, the peak of a
@@ -391,20 +384,21 @@ class FSDPState:
         for unit in self.units or [self]:
             for group in unit.groups:
                 group.wait_unshard()
-                group.discard_grads_in_flight()
+                if group.grads is not None:
+                    group.grads.discard_in_flight()
             unit.reshard()
             unit._pre_backward_done = False
         release_workspaces()
 
 
 def finish_grad_sync(units: list[FSDPState], launch: bool) -> None:
-    groups = [g for unit in units for g in unit.groups if g.requires_grad]
+    reducers = [g.grads for unit in units for g in unit.groups if g.grads is not None]
     if launch:
-        for group in groups:  # all launched before any wait: they overlap
-            group.launch_reduce()
-    for group in groups:
-        group.finish_reduce()
-        group.attach_grads()
+        for grads in reducers:  # all launched before any wait: they overlap
+            grads.launch_reduce()
+    for grads in reducers:
+        grads.finish_reduce()
+        grads.attach_grads()
 
 
 def _in_backward() -> bool:

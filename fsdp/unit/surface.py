@@ -58,7 +58,7 @@ def _units(module: "FSDPModule", recurse: bool) -> list["FSDPState"]:
 def _set_reduction(module: "FSDPModule", recurse: bool, **changes: Any) -> None:
     groups = [g for state in _units(module, recurse) for g in state.groups if g.requires_grad]
     for group in groups:  # every group is checked before any changes
-        group.set_reduction(**changes)  # raises, changing nothing, mid-reduction
+        group.grads.set_reduction(**changes)  # raises, changing nothing, mid-reduction
 
 
 # ---------------------------------------------------------------- gradient reduction
@@ -77,7 +77,7 @@ def set_requires_all_reduce(self: "FSDPModule", requires_all_reduce: bool, *, re
     groups = [g for state in _units(self, recurse) for g in state.groups if g.requires_grad]
     for group in groups:
         if group.mesh.ndim == 2:
-            group.set_reduction(all_reduce=requires_all_reduce)
+            group.grads.set_reduction(all_reduce=requires_all_reduce)
 
 
 def set_all_reduce_hook(
@@ -94,7 +94,7 @@ def set_all_reduce_hook(
     if stream is not None and any(g.mesh.ndim == 2 for g in groups):
         raise ValueError("stream cannot be set when using native HSDP")
     for group in groups:
-        group.set_reduction(hook=hook, hook_stream=stream)
+        group.grads.set_reduction(hook=hook, hook_stream=stream)
 
 
 def set_gradient_divide_factor(self: "FSDPModule", factor: float) -> None:

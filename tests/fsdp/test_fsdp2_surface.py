@@ -213,7 +213,7 @@ def _deferred_all_reduce(model, x, y, ref) -> dict:
         (loss_fn(m, xm, ym) / micro).backward()
         if k == 0:
             group = m._fsdp_state.groups[0]
-            partial = group._partial.local_buffer.clone()  # reduce-scattered, not all-reduced
+            partial = group.grads._partial.local_buffer.clone()  # reduce-scattered, not all-reduced
             peers = [torch.empty_like(partial) for _ in range(2)]
             dist.all_gather(peers, partial, group=mesh.get_group("replicate"))
             out["replicas differ"] = not torch.equal(peers[0], peers[1])

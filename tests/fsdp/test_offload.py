@@ -143,10 +143,10 @@ def _placement(model) -> dict:
 
     def before_step(model) -> None:
         for g in groups:
-            main_grad = g.main_grad.local_buffer.untyped_storage().data_ptr()
+            main_grad = g.grads.main_grad.local_buffer.untyped_storage().data_ptr()
             for p in g.sharded_params:
                 assert p.grad is not None and _storage(p.grad) == main_grad
-            checks["grad_not_grad_in"] = g.grad_in.is_storage_released() or _storage(g.grad_in.local_buffer) != main_grad
+            checks["grad_not_grad_in"] = g.grads.grad_in.is_storage_released() or _storage(g.grads.grad_in.local_buffer) != main_grad
 
     opt_holder = {}
 
@@ -159,7 +159,7 @@ def _placement(model) -> dict:
     host = torch.device("cpu")
     for g in groups:
         main = g.main.local_buffer.untyped_storage().data_ptr()
-        assert g.main.device == host and g.main_grad.device == host and g.compute_device == host
+        assert g.main.device == host and g.grads.main_grad.device == host and g.compute_device == host
         assert g.offload.pin is False and not g.main.local_buffer.is_pinned()  # pin_memory on a CPU mesh
         assert g.model is not g.main and g.model.device == host  # bf16 copy cast on the host
         for p in g.sharded_params:

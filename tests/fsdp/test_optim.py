@@ -380,9 +380,9 @@ def _flat_main_grad_lifetime(model, batches) -> dict:
             loss_fn(m, x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]).backward()
             opt.step()
             opt.zero_grad(set_to_none=set_to_none)
-            after_zero.append([g.main_grad.is_storage_released() for g in groups])
+            after_zero.append([g.grads.main_grad.is_storage_released() for g in groups])
             if not set_to_none:
-                zeros.append(all(float(g.main_grad.local_buffer.abs().max()) == 0 for g in groups))
+                zeros.append(all(float(g.grads.main_grad.local_buffer.abs().max()) == 0 for g in groups))
         out[set_to_none] = (after_zero, zeros, full_state(m))
     return out
 

@@ -194,7 +194,7 @@ def _deferred_replica_reduction(model, batches) -> dict:
             (loss_fn(m, x[k : k + 1], y[k : k + 1]) / 2).backward()
             if k == 0 and outer == "optim":
                 group = m._fsdp_state.groups[0]
-                out["held"] = group._partial is not None and list(group._partial.placements)[1].is_partial()
+                out["held"] = group.grads._partial is not None and list(group.grads._partial.placements)[1].is_partial()
                 out["no grad yet"] = all(p.grad is None for p in m.parameters())
         grads[outer] = {n: p.grad.full_tensor() for n, p in m.named_parameters()}
     out["diff"] = max_diff(grads["optim"], grads["no_shard"])

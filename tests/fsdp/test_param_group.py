@@ -25,11 +25,11 @@ def _buffers(model) -> dict:
             same = policy.param_dtype is None
             assert (g.model is g.main) == same  # the model weights alias the main ones when they can
             assert g.main.placements == ((Shard(0),) if s.shard_optim else (Replicate(),))
-            assert g.main_grad.placements == ((Shard(0),) if s.shard_grads else (Replicate(),))
+            assert g.grads.main_grad.placements == ((Shard(0),) if s.shard_grads else (Replicate(),))
             assert (g.unsharded is g.main) == (strategy == "no_shard" and same)
             assert g.unsharded.is_storage_released() == s.shard_params
-            assert g.grad_in.is_storage_released()
-            assert g.main_grad.is_storage_released()  # no gradients yet: no main-grad memory
+            assert g.grads.grad_in.is_storage_released()
+            assert g.grads.main_grad.is_storage_released()  # no gradients yet: no main-grad memory
             numel = sum(p.numel() for p in model.parameters())
             if not s.shard_optim:  # replicated everywhere: a one-shard layout, no padding
                 assert g.main.layout.num_shards == 1 and g.main.local_buffer.numel() == numel
@@ -247,7 +247,7 @@ def _main_grad_lifetime(model, batches) -> dict:
                   for g in mod._fsdp_state.groups if g.requires_grad]
         released: list[list[bool]] = []
         m.register_forward_pre_hook(
-            lambda mod, args: released.append([g.main_grad.is_storage_released() for g in groups])
+            lambda mod, args: released.append([g.grads.main_grad.is_storage_released() for g in groups])
         )
         train(m, batches, rank=rank, world=world, make_opt=lambda ps, s=set_to_none: _AdamWZeroing(ps, s))
         out[set_to_none] = (len(groups), released, full_state(m))

@@ -33,7 +33,7 @@ def _storage(model, batches) -> bool:
     loss.backward()
     for unit in [m, *m.blocks]:
         assert all(_released(unit))
-        assert all(g.grad_in.is_storage_released() for g in unit._fsdp_state.groups)
+        assert all(g.grads.grad_in.is_storage_released() for g in unit._fsdp_state.groups)
     with torch.no_grad():  # as in FSDP2: the blocks reshard, the root keeps its gathered weights
         loss_fn(m, x, y)
     assert all(all(_released(b)) for b in m.blocks) and not any(_released(m))
@@ -299,7 +299,7 @@ def _grad_buffers_in_backward(model, batches, ref) -> tuple[int, float]:
         def watched(group, original=original):
             nonlocal most
             original(group)
-            most = max(most, sum(not g.grad_in.is_storage_released() for g in groups))
+            most = max(most, sum(not g.grads.grad_in.is_storage_released() for g in groups))
 
         unit._on_group_grads_done = watched
     for g in groups:  # the hooks captured the bound method at setup: register them again
@@ -308,7 +308,7 @@ def _grad_buffers_in_backward(model, batches, ref) -> tuple[int, float]:
     for unit in units:
         for g in unit.groups:
             if g.requires_grad:
-                g.register_grad_hooks(unit._on_group_grads_done, unit._on_group_grads_start, unit._on_group_first_grad)
+                g.grads.register_hooks(unit._on_group_grads_done, unit._on_group_grads_start)
     train(m, batches, rank=rank, world=world)
     return most, max_diff(full_state(m), ref)
 
@@ -357,15 +357,15 @@ def _gradient_buffers_during_backward(model, batches, ref) -> dict:
 
         def watched(group, original=original):
             if group is not root:
-                seen.append(root.grad_in.is_storage_released())
+                seen.append(root.grads.grad_in.is_storage_released())
             original(group)
 
         unit._on_group_grads_done = watched
         for g in unit.groups:
             for p in g.unsharded_params:
                 p._post_accumulate_grad_hooks.clear()
-                p.register_post_accumulate_grad_hook(lambda p, g=g: early.append(g.grad_in.is_storage_released()))
-            g.register_grad_hooks(unit._on_group_grads_done, unit._on_group_grads_start, unit._on_group_first_grad)
+                p.register_post_accumulate_grad_hook(lambda p, g=g: early.append(g.grads.grad_in.is_storage_released()))
+            g.grads.register_hooks(unit._on_group_grads_done, unit._on_group_grads_start)
     train(m, batches, rank=rank, world=world)
     return {"seen": seen, "early": early, "diff": max_diff(full_state(m), ref)}
 

@@ -1,0 +1,462 @@
+"""A group's gradients, from autograd's hooks to ``param.grad``: the :class:`GradReducer` a group has.
+
+What it owns: the post-accumulate-grad hooks on the unsharded parameters; holding autograd's
+gradients until the group has them all, then packing them into ``grad_in`` (allocated only
+then, as FSDP2 allocates its reduce-scatter input: a full-size buffer from the first gradient on
+would live through the unit's backward, whose start is a step's memory peak); launching the
+reduce-scatter (sharded main grads) or all-reduce and finishing it into ``main_grad`` (divide,
+hook, offload download, HSDP's deferred all-reduce); the lifetime of ``main_grad``; and
+attaching ``param.grad`` / ``param.main_grad`` to it.
+
+``main_grad``'s lifetime: its storage exists only from the first reduction after the optimizer
+dropped the gradients (``zero_grad()``, set_to_none) until the next such drop, which the root's
+next forward notices for every unit (:meth:`GradReducer.release_dropped_grads`): between steps
+it costs nothing, as in FSDP2. A reduction after such a drop overwrites ``main_grad`` (the
+:attr:`Reduction.OVERWRITE` kind), later ones (micro-batches) accumulate into it
+(:attr:`Reduction.ACCUMULATE`); with HSDP's all-reduce deferred, a reduce-scatter only keeps
+its partial sums (:attr:`Reduction.DEFERRED`).
+
+The reducer reads its group's buffers' shapes, placements, dtypes, layout and parts through
+``self.group`` (it is built by the group and rebuilt when the group's buffers change); it keeps
+the gradient state to itself.
+"""
+
+from __future__ import annotations
+
+import enum
+import weakref
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Optional
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from dbuffer import DBuffer, Pending
+
+__all__ = ["GradReducer", "InFlight", "Reduction"]
+
+
+class Reduction(enum.Enum):
+    """What a reduction in flight does with its result once it lands."""
+
+    OVERWRITE = "overwrite"  # main_grad held nothing live: the result replaces it
+    ACCUMULATE = "accumulate"  # added to main_grad (micro-batches)
+    DEFERRED = "deferred"  # HSDP, all-reduce deferred: reduce-scattered sums kept for later
+
+
+@dataclass
+class InFlight:
+    pending: Pending
+    kind: Reduction
+
+
+class GradReducer:
+    """The gradient state of one group that requires grad; see the module docstring."""
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+        g, s, d, pl = group, group.strategy, group.dtypes, group.placements
+        self.grad_in = g._new(pl.partial, d.reduce, zero_fill=False)
+        self.grad_in.release_storage()
+        self.main_grad = g._host(pl.sharded if s.shard_grads else pl.replicated, d.main_grad, zero_fill=False)
+        self.main_grad_views = self.make_views()
+        self.main_grad.release_storage()  # allocated again by the first reduction
+        self._seen: set[int] = set()  # params whose gradient arrived in this backward
+        self._local: set[int] = set()  # params with gradients in grad_in, not yet reduced
+        self._in_main: set[int] = set()  # params with gradients in main_grad
+        self._held: dict[int, torch.Tensor] = {}  # autograd's gradients, until the group has them all
+        self._in_flight: Optional[InFlight] = None
+        # HSDP with set_requires_all_reduce(False): reduce-scattered, not yet all-reduced sums
+        # (placements Partial x Shard) and the parameters they hold gradients of.
+        self._partial: Optional[DBuffer] = None
+        self._partial_members: set[int] = set()
+        self._gaps: Optional[list[tuple[int, int]]] = None  # padding of grad_in, found once
+        self._main_grad_has_data = False  # False: the next reduction overwrites main_grad
+        self._grads_attached = False  # main_grad's storage: allocated by the first reduction
+        self._callbacks: Optional[list] = None  # register_hooks' (weak) callbacks
+        # Whether ``param.grad`` gets a cast copy when main grads are in another dtype than the
+        # main weights; fsdp.optim's flat optimizers turn it off (they upcast chunk by chunk).
+        self.cast_grads = True
+
+    def rebuilt(self) -> "GradReducer":
+        """A fresh reducer for the group's new buffers (``to_empty``), with the same callbacks,
+        hooked on the group's new unsharded parameters."""
+        fresh = GradReducer(self.group)
+        fresh.cast_grads = self.cast_grads
+        fresh._callbacks = self._callbacks
+        fresh.hook_params()
+        return fresh
+
+    def make_views(self) -> list[DTensor]:
+        """``param.grad`` / ``param.main_grad`` of each parameter: DTensor views of ``main_grad``
+        (made while it has storage)."""
+        g = self.group
+        s, pl = g.strategy, g.placements
+        # ``optim``: the grads are whole on every rank but the parameters are shards of them.
+        view = self.main_grad.redistribute(pl.sharded) if s.shard_optim and not s.shard_grads else self.main_grad
+        return g._sharded_views(view)
+
+    # ------------------------------------------------------------------ from autograd
+
+    def register_hooks(self, on_group_done: Callable, on_group_start: Callable) -> None:
+        """Take each unsharded gradient from autograd as soon as it is accumulated, hold it until
+        the group has all of them, then copy them into ``grad_in``; report (with the group) when
+        the group's first gradient arrives or ``grad_in`` is about to be allocated
+        (``on_group_start``) and when the whole group has its gradients (``on_group_done``)."""
+        # The hooks live on our own parameters: holding the reducer or the unit strongly would
+        # make a reference cycle through autograd's C++ hook table, which the garbage collector
+        # cannot see, and a sharded module would never be freed.
+        self._callbacks = [_weak_callable(f) for f in (on_group_done, on_group_start)]
+        self.hook_params()
+
+    def hook_params(self) -> None:
+        """Hook the group's current unsharded parameters (again after they were rebuilt)."""
+        params = self.group.unsharded_params
+        if self._callbacks is None or params is None:
+            return
+        for k, p in enumerate(params):
+            p.register_post_accumulate_grad_hook(_grad_hook(weakref.ref(self), k, self._callbacks))
+
+    @torch.no_grad()
+    def _on_grad(self, k: int, p: torch.Tensor, on_group_done, on_group_start) -> None:
+        grad, p.grad = p.grad, None
+        if grad is None:
+            return
+        if self._in_flight is not None:  # left in flight by set_is_last_backward(False)
+            self.finish_reduce()
+        if not self._seen:
+            on_group_start(self.group)
+        self._seen.add(k)
+        if not self._local:  # hold autograd's gradient; grad_in comes once the group is complete
+            held = self._held.get(k)
+            self._held[k] = grad if held is None else held + grad
+        else:
+            self._pack(k, grad, on_group_start)
+        if len(self._seen) == len(self.group.infos):
+            self._pack_held(on_group_start)
+            # Counted afresh: a unit run twice whose gradients arrive in two rounds of one
+            # backward (reentrant checkpointing: each recomputation has its own nested
+            # backward) completes the group once per round, not at every later gradient.
+            self._seen.clear()
+            on_group_done(self.group)
+
+    def _pack(self, k: int, grad: torch.Tensor, on_group_start=None) -> None:
+        """Write one gradient into ``grad_in``: the first of a parameter is copied, later ones
+        (micro-batches) added; what no gradient wrote is zeroed before the reduction."""
+        if not self._local:
+            if on_group_start is not None:
+                on_group_start(self.group)
+            self.grad_in.reallocate_storage()
+        self._write(k, grad, add=k in self._local)
+        self._local.add(k)
+
+    def _write(self, k: int, grad: Optional[torch.Tensor], add: bool = False) -> None:
+        """Copy (``add``: add) parameter ``k``'s unsharded gradient into ``grad_in``; None: zero it."""
+        g = self.group
+        g.layout.write_grad(self.grad_in, k, g.kind.grad_local(k, grad), add)
+
+    @torch.no_grad()
+    def _pack_held(self, on_group_start=None) -> None:
+        held, self._held = self._held, {}
+        for k, grad in held.items():
+            self._pack(k, grad, on_group_start)
+
+    def end_backward(self) -> None:
+        self._pack_held()  # gradients kept for a later (sync) backward live in grad_in
+        self._seen.clear()
+
+    def has_local_grads(self) -> bool:
+        return bool(self._local or self._held)
+
+    # ------------------------------------------------------------------ reduction
+
+    def launch_reduce(self) -> None:
+        """Average ``grad_in`` over the ranks, asynchronously: reduce-scatter for sharded main
+        grads, all-reduce otherwise; straight into ``main_grad`` when it is overwritten in the
+        same dtype, else into a temporary (sharded, or ``grad_in`` itself) folded in by
+        :meth:`finish_reduce`. On an HSDP mesh with ``reduction.all_reduce`` off, reduce-scatter
+        only and keep the partial sums for the next reduction that all-reduces (FSDP2's
+        ``set_requires_all_reduce(False)``)."""
+        if not (self._local or self._held):
+            return
+        if self._in_flight is not None:  # it may still be reading grad_in
+            self.finish_reduce()
+        g = self.group
+        streams, reduce_dtype = g.streams, g.dtypes.reduce
+        self._pack_held()
+        self._zero_unwritten()
+        target_pl = self.main_grad.placements
+        if self._defers_all_reduce():
+            partial_pl = g._deferred_placements(target_pl)
+            with streams.launch(streams.reduce_scatter):
+                pending = g.reduce_into(self.grad_in, partial_pl, g._new(partial_pl, reduce_dtype))
+            self._partial_members |= self._local
+            self._local = set()
+            self._in_flight = InFlight(pending, Reduction.DEFERRED)
+            return
+        source, members = self.grad_in, self._local
+        if g.reduction.unused_params:  # every parameter's reduced gradient, zeros included
+            members = set(range(len(g.infos)))
+        if self._partial is not None:  # reduce-scatter now, add the deferred sums, all-reduce below
+            partial, self._partial = self._partial, None
+            source = g.reduce_into(self.grad_in, partial.placements, g._new(partial.placements, reduce_dtype), async_op=False)
+            source.local_buffer.add_(partial.local_buffer)
+            members = members | self._partial_members
+            self._partial_members = set()
+        overwrite = self._overwrite_main_grad()
+        self._in_main = set(members) if overwrite else self._in_main | members
+        direct = overwrite and reduce_dtype == g.dtypes.main_grad and g.offload is None
+        if overwrite:
+            self.main_grad.reallocate_storage()
+        with streams.launch(streams.reduce_scatter):
+            if direct:
+                pending = g.reduce_into(source, target_pl, self.main_grad)
+            elif g.strategy.shard_grads:
+                pending = g.reduce_into(source, target_pl, g._new(target_pl, reduce_dtype))
+            else:
+                pending = self._allreduce_in_place()
+        self._local = set()
+        self._in_flight = InFlight(pending, Reduction.OVERWRITE if overwrite else Reduction.ACCUMULATE)
+
+    def _defers_all_reduce(self) -> bool:
+        g = self.group
+        return g.mesh.ndim == 2 and not g.reduction.all_reduce and g.strategy.shard_grads
+
+    def _allreduce_in_place(self) -> Pending:
+        """All-reduce ``grad_in`` over every mesh axis in its own storage (the last one async)."""
+        current, ndim = self.grad_in, self.group.mesh.ndim
+        for axis in range(ndim - 1):
+            current = current.allreduce(axis, out=current)
+        return current.allreduce(ndim - 1, out=current, async_op=True)
+
+    @torch.no_grad()
+    def _zero_unwritten(self) -> None:
+        """Zero what no gradient wrote since ``grad_in`` was allocated: the layout's padding and
+        the parameters that got no gradient (they reduce as 0, as unused parameters should)."""
+        buf = self.grad_in.local_buffer
+        if self._gaps is None:
+            self._gaps = self.group.layout.padding(self.grad_in)
+        for start, end in self._gaps:
+            buf[start:end].zero_()
+        count = len(self.group.infos)
+        if len(self._local) < count:
+            for k in range(count):
+                if k not in self._local:
+                    self._write(k, None)
+
+    def _overwrite_main_grad(self) -> bool:
+        """Whether the next reduction replaces ``main_grad`` (it was zeroed: the optimizer set
+        every ``.grad`` to None since we attached them) or accumulates into it (micro-batches)."""
+        self._detect_zeroed()
+        overwrite = not self._main_grad_has_data
+        self._main_grad_has_data = True
+        return overwrite
+
+    @torch.no_grad()
+    def finish_reduce(self) -> bool:
+        """Wait for the reduction, fold it into ``main_grad`` and free ``grad_in``. True if one ran."""
+        flight, self._in_flight = self._in_flight, None
+        if flight is None:
+            return False
+        g = self.group
+        result = flight.pending.wait()
+        g.streams.wait(g.streams.reduce_scatter)
+        if flight.kind is Reduction.DEFERRED:  # keep the reduce-scattered sums for a later all-reduce
+            if self._partial is None:
+                self._partial = result
+            else:
+                self._partial.local_buffer.add_(result.local_buffer)
+                result.release_storage()
+        else:
+            overwrite = flight.kind is Reduction.OVERWRITE
+            g.reduction.finish(result.local_buffer, g.mesh)  # divide, hook (FSDP2's knobs)
+            if g.offload is not None:  # to the host, off the compute stream (which need not wait)
+                with g.streams.launch(g.streams.reduce_scatter):
+                    g.offload.download(result.local_buffer, self.main_grad.local_buffer, add=not overwrite)
+            elif result is not self.main_grad:
+                if overwrite:
+                    self.main_grad.local_buffer.copy_(result.local_buffer)
+                else:
+                    self.main_grad.local_buffer.add_(result.local_buffer)
+                if result is not self.grad_in:  # a sharded temporary: free it now, not at the next gc
+                    result.release_storage()  # (the collective's handle and the buffer refer to each other)
+        if not self._local:
+            self.grad_in.release_storage()
+        return True
+
+    def discard_in_flight(self) -> None:
+        """Drop every gradient not yet folded into ``main_grad`` (after a failed forward or
+        backward, FSDP2's ``reset_iter_state``): reductions in flight are waited for and their
+        results dropped, local and deferred gradients freed. ``main_grad`` keeps what earlier
+        steps reduced."""
+        flight, self._in_flight = self._in_flight, None
+        if flight is not None:
+            flight.pending.wait()
+            self.group.streams.wait(self.group.streams.reduce_scatter)
+            if flight.kind is Reduction.OVERWRITE:  # it wrote main_grad, which held nothing live
+                self._main_grad_has_data = False
+                self._in_main = set()
+                if not self._grads_attached:
+                    self.main_grad.release_storage()
+        self._local, self._held, self._seen = set(), {}, set()
+        self._partial, self._partial_members = None, set()
+        if not self.grad_in.is_storage_released():
+            self.grad_in.release_storage()
+
+    def busy(self) -> bool:
+        """Whether gradients wait to be reduced or are being reduced."""
+        return bool(self._local or self._held) or self._in_flight is not None or self._partial is not None
+
+    def set_reduction(self, **changes) -> None:
+        """Change the group's ``reduction`` settings (field=value), between steps: a different
+        reduce op rebuilds the (then empty) gradient buffer with the new ``Partial``
+        placements. Raises, changing nothing, while gradients wait to be reduced."""
+        g = self.group
+        new = replace(g.reduction, **changes)
+        if not new.all_reduce and g.mesh.ndim == 2 and not g.strategy.shard_grads:
+            raise ValueError(
+                f"set_requires_all_reduce(False) defers the all-reduce across replicas of reduce-scattered "
+                f"gradients; parameters {g._names()} use sharding_strategy {g.strategy.name!r}, whose "
+                f"gradients are not reduce-scattered. Use set_requires_gradient_sync(False) instead"
+            )
+        if new.op != g.reduction.op:
+            if self.busy():
+                raise RuntimeError(
+                    f"cannot change how gradients of {g._names()} are reduced while some wait to be "
+                    f"reduced; change it before the backward (or after finish_grad_sync())"
+                )
+            g.placements = g._group_placements(g.placements.sharded[-1], new.op)
+            self.grad_in = g._new(g.placements.partial, g.dtypes.reduce, zero_fill=False)
+            self.grad_in.release_storage()
+            self._gaps = None
+        g.reduction = new
+
+    # ------------------------------------------------------------------ main_grad and .grad
+
+    def _detect_zeroed(self) -> None:
+        """The optimizer dropped every ``.grad`` we attached: main_grad's values are dead, so its
+        storage goes until the next reduction rewrites it."""
+        if self._grads_attached and all(p.grad is None for p in self.group.sharded_params):
+            self.drop_main_grads()
+
+    def drop_main_grads(self) -> None:
+        """Forget the reduced gradients (``zero_grad()`` with set_to_none, or :mod:`fsdp.optim`'s):
+        the next reduction overwrites ``main_grad``, whose storage goes until then."""
+        for p in self.group.sharded_params:
+            p.grad = None
+        self._main_grad_has_data = False
+        self._grads_attached = False
+        if self._in_flight is None and not self.main_grad.is_storage_released():
+            self.group._settle()
+            self.main_grad.release_storage()
+
+    def params_with_grads(self) -> list[int]:
+        """Indices of the parameters whose reduced gradients ``main_grad`` holds, in order."""
+        return sorted(self._in_main) if self._main_grad_has_data else []
+
+    def release_dropped_grads(self) -> None:
+        """Called before forward: free main_grad if ``zero_grad()`` dropped the gradients."""
+        self._detect_zeroed()
+
+    @torch.no_grad()
+    def attach_grads(self) -> None:
+        """Point ``param.grad`` / ``param.main_grad`` of the sharded parameters at ``main_grad``,
+        for the parameters that received a gradient (unused ones keep ``grad=None``, as in
+        single-process training, so weight decay and momentum skip them).
+
+        When the main-grad dtype differs from the main-weight dtype, ``param.grad`` is a cast copy
+        (torch requires ``grad.dtype == param.dtype``); zero it with ``zero_grad()`` (set_to_none)
+        or :meth:`zero_grad_buffer`."""
+        self.group._settle()  # the optimizer reads the gradients and writes the weights on the host
+        self._detect_zeroed()
+        if self._main_grad_has_data:
+            self.point_grads()
+
+    def point_grads(self) -> None:
+        """Attach ``.grad`` / ``.main_grad`` of the parameters ``main_grad`` holds gradients of."""
+        for k in sorted(self._in_main):
+            p, view = self.group.sharded_params[k], self.main_grad_views[k]
+            p.main_grad = view
+            if view.dtype == p.dtype:
+                if p.grad is not view:
+                    p.grad = view
+            elif self.cast_grads:
+                p.grad = view.to(p.dtype)
+            else:  # fsdp.optim reads main_grad itself and zeroes it with drop_main_grads()
+                continue
+            self._grads_attached = True
+
+    @torch.no_grad()
+    def zero_grad_buffer(self) -> None:
+        """Zero the main grads (``.grad`` views stay attached) and drop unreduced local grads."""
+        if self._in_flight is not None:
+            self._in_flight.pending.wait()
+            self._in_flight = None
+        self.group._settle()
+        self._local = set()
+        self._held = {}
+        if not self.grad_in.is_storage_released():
+            self.grad_in.release_storage()
+        self.main_grad.reallocate_storage()
+        self.main_grad.local_buffer.zero_()
+        for p in self.group.sharded_params:
+            if p.grad is not None and p.grad.dtype != self.group.dtypes.main_grad:
+                p.grad.zero_()
+        self._seen.clear()
+        self._main_grad_has_data = False
+
+    # ------------------------------------------------------------------ module.to(dtype)
+
+    @torch.no_grad()
+    def convert(self, dtypes, adopt: Callable[[DBuffer], DBuffer]) -> None:
+        """Rebuild ``grad_in`` and ``main_grad`` in ``dtypes`` from their current values (after
+        the reduction in flight lands), keep held gradients in the new compute dtype, and hook
+        the group's (rebuilt) unsharded parameters. ``adopt``: the host part's pinning of a
+        rebuilt host buffer (identity without offload)."""
+        self.finish_reduce()
+        self.group._settle()
+        self._detect_zeroed()
+        old_in, old_main = self.grad_in, self.main_grad
+        self.grad_in = converted(old_in, dtypes.reduce)
+        self.main_grad = adopt(converted(old_main, dtypes.main_grad))
+        if self.main_grad is not old_main:
+            self.main_grad_views = self.make_views()  # made while it has storage
+        for new, old in ((self.grad_in, old_in), (self.main_grad, old_main)):
+            if new is not old and old.is_storage_released():
+                new.release_storage()
+        self._held = {k: t.to(dtypes.model) for k, t in self._held.items()}
+        self.hook_params()
+
+    def reattach_after_swap(self) -> None:
+        """The sharded parameters were swapped (convert): point their ``.grad`` again if attached."""
+        if self._grads_attached:
+            self.point_grads()
+
+
+def converted(buf: DBuffer, dtype: torch.dtype) -> DBuffer:
+    """``buf`` itself if already in ``dtype``, else rebuilt in it (same mesh, placements, layout,
+    device) with its values cast, if it has storage (the new one always has)."""
+    if buf.dtype == dtype:
+        return buf
+    out = DBuffer(
+        buf.mesh, buf.placements, buf.shapes, dtype, buf.device, layout=buf.layout, zero_fill=False, check_ranks=False
+    )
+    if not buf.is_storage_released():
+        out.local_buffer.copy_(buf.local_buffer)
+    return out
+
+
+def _weak_callable(fn: Callable) -> Callable[[], Optional[Callable]]:
+    """A weak reference to a bound method; other callables are held strongly."""
+    if hasattr(fn, "__self__") and hasattr(fn, "__func__"):
+        return weakref.WeakMethod(fn)
+    return lambda: fn
+
+
+def _grad_hook(reducer_ref, k: int, callback_refs) -> Callable[[torch.Tensor], None]:
+    def hook(p: torch.Tensor) -> None:
+        reducer, callbacks = reducer_ref(), [ref() for ref in callback_refs]
+        if reducer is not None and None not in callbacks:
+            reducer._on_grad(k, p, *callbacks)
+
+    return hook
