@@ -54,7 +54,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from dbuffer import DBuffer
-from fsdp.group.param_group import GroupPlacements, ParameterGroup, check_no_late_extension
+from fsdp.group.members import GroupPlacements, check_no_late_extension
+from fsdp.group.param_group import ParameterGroup
 
 __all__ = ["OUTER_STRATEGIES", "OuterShardedParameterGroup", "check_outer_sharding", "transposed_mesh"]
 

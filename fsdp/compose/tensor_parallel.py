@@ -52,7 +52,7 @@ from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from fsdp.group.bucket import mesh_key
 from fsdp.group.layouts import ParamKind
-from fsdp.group.param_group import ParamInfo
+from fsdp.group.members import ParamInfo
 
 __all__ = ["TensorParallelKind", "TensorParallelSpec", "check_params", "clip_grad_norm_", "local_of"]
 

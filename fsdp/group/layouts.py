@@ -35,7 +35,7 @@ from dbuffer import DBuffer, Owned
 from dbuffer.layout import ChunkLayout, OwnedLayout, compute_chunk_layout, compute_layout, compute_owned_layout
 from fsdp.group.layout_choice import group_layout
 
-__all__ = ["ChunkedLayout", "FlatLayout", "ParamKind", "contiguous_stride", "flat_layout"]
+__all__ = ["ChunkedLayout", "FlatLayout", "ParamKind", "contiguous_stride", "describe_layout", "flat_layout"]
 
 
 class ParamKind:
@@ -230,6 +230,16 @@ def flat_layout(shapes: list[tuple[int, ...]], mesh: DeviceMesh, shard_optim: bo
     if isinstance(shard, Owned):
         return FlatLayout(shapes, _owned_layout(shapes, mesh))
     return FlatLayout(shapes, group_layout(shapes, mesh.size()))
+
+
+def describe_layout(layout) -> str:
+    """A short name for logs: ``torch.chunk`` or the flat DBuffer layout's kind."""
+    if isinstance(layout, ChunkedLayout):
+        return "torch.chunk"
+    inner = layout.layout
+    if isinstance(inner, OwnedLayout):
+        return "owned"
+    return "ragged" if type(inner).__name__ == "RaggedLayout" else "row-atomic"
 
 
 def contiguous_stride(shape: torch.Size) -> tuple[int, ...]:

@@ -1,4 +1,4 @@
-"""Meta-device init and FSDP2's adoption of assigned parameters, for :class:`~fsdp.group.param_group.ParameterGroup`.
+"""Meta-device init, ``init_weights`` and FSDP2's adoption of assigned parameters, for :class:`~fsdp.group.param_group.ParameterGroup`.
 
 FSDP2's flow, which this follows: ``fully_shard`` on a model built under ``torch.device("meta")``
 leaves the sharded parameters on meta (a group's buffers are meta DBuffers: shapes, layout and
@@ -19,7 +19,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from dbuffer import DBuffer
+from dbuffer import DBuffer, mesh_device
 from fsdp.group.registration import note_registration
 
 __all__ = ["MetaInit", "meta_error"]
@@ -116,6 +116,59 @@ class MetaInit:
         for m, n in self.infos[k].registrations:
             m._parameters[n] = assigned
         note_registration()  # optimizers are checked again
+
+    # ------------------------------------------------------------------ init_weights and swaps
+
+    def _check_swappable(self) -> None:
+        for p in self.sharded_params:
+            if weakref.getweakrefs(p):
+                raise RuntimeError(
+                    f"cannot rebuild parameter {self._names()}: something holds a weak reference to it, "
+                    f"which swapping its contents (keeping its identity) would break"
+                )
+
+    def _swap_in(self, new_params: list[nn.Parameter]) -> None:
+        """Give the current sharded parameter objects the contents of ``new_params`` (attributes
+        set on the old ones stay), as ``nn.Module._apply`` does for DTensor parameters."""
+        for old, new in zip(self.sharded_params, new_params):
+            old.grad = None  # attached again by the caller; a reference would block the swap
+            for key, value in vars(old).items():
+                if key not in vars(new) and key != "main_grad":
+                    setattr(new, key, value)
+            torch.utils.swap_tensors(old, new)
+
+    def begin_init(self) -> None:
+        """Register full plain parameters in the main dtype for an init function to fill: the
+        main weights themselves when they are replicated (``no_shard``), otherwise a temporary
+        replicated buffer of this group only, never of the whole model."""
+        if self.is_meta:  # init_weights without to_empty: the mesh's device
+            self.materialize(mesh_device(self.mesh))
+        if self.strategy.shard_optim:
+            self._init_buffer = self._init_target()
+        target = self._init_buffer if self._init_buffer is not None else self.main
+        params = [self._module_param(k, target.get_local_tensor(k)) for k in range(len(self.infos))]
+        self._register(params)
+
+    @torch.no_grad()
+    def end_init(self, commit: bool = True) -> None:
+        """Keep this rank's rows of the initialised weights (a local copy, no communication),
+        drop the temporary buffer, register the sharded parameters again and refresh the model
+        weights. ``commit=False`` (after a failed init function) only restores the registration."""
+        buf, self._init_buffer = self._init_buffer, None
+        if commit and buf is not None:
+            self._commit_init(buf)
+        self.use_params(unsharded=False)
+        if commit:
+            self.mark_stale()
+            self.refresh()
+
+    def _init_target(self) -> DBuffer:
+        """The replicated main-dtype buffer of full tensors whose views ``init_weights`` fills."""
+        return self.layout.unsharded_buffer(self.main, self.placements.replicated, self.dtypes.main, self.main.device, True)
+
+    def _commit_init(self, buf: DBuffer) -> None:
+        """Keep this rank's part of the initialised full weights in ``buf`` (a local copy)."""
+        self._fill_main([buf.get_local_tensor(k) for k in range(len(self.infos))])
 
 
 def meta_error(fqns: list[str]) -> str:

@@ -25,21 +25,21 @@ Buffers, all on one layout (parameter registration order, so every rank packs th
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass, field
 from typing import Optional, Union
 
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor import Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from torch.profiler import record_function
 
-from dbuffer import DBuffer, Pending, mesh_device
+from dbuffer import DBuffer, Pending
 from fsdp.group.comms import DBUFFER_COMMS
 from fsdp.group.convert import DtypeConversion
 from fsdp.group.grads import GradReducer
+from fsdp.group.members import GroupPlacements, ParamInfo, check_no_late_extension
 from fsdp.group.layouts import PLAIN, ChunkedLayout, FlatLayout, ParamKind, flat_layout
 from fsdp.group.meta_init import MetaInit, meta_error
 from fsdp.group.registration import note_registration
@@ -47,32 +47,7 @@ from fsdp.group.policy import Dtypes, MixedPrecisionPolicy, Strategy
 from fsdp.group.reduction import ReduceSettings
 from fsdp.group.streams import CommStreams
 
-__all__ = ["ParamInfo", "ParameterGroup"]
-
-
-@dataclass(frozen=True)
-class GroupPlacements:
-    """Where each buffer of a group lives on its mesh: the last mesh axis shards, any outer axis
-    replicates (HSDP); gradients arrive ``Partial`` on every axis."""
-
-    sharded: tuple[Placement, ...]
-    replicated: tuple[Placement, ...]
-    partial: tuple[Placement, ...]
-
-    @classmethod
-    def for_mesh(cls, ndim: int, shard: Placement, reduce_op: str) -> "GroupPlacements":
-        lead = (Replicate(),) * (ndim - 1)
-        return cls(lead + (shard,), lead + (Replicate(),), (Partial(reduce_op),) * ndim)
-
-
-@dataclass
-class ParamInfo:
-    """One parameter of a unit and every (module, attribute) it is registered under. ``param``,
-    the original full tensor, is dropped once the unit is built so that its memory is freed."""
-
-    fqn: str
-    param: Optional[nn.Parameter]
-    registrations: list[tuple[nn.Module, str]] = field(default_factory=list)
+__all__ = ["ParameterGroup"]
 
 
 class ParameterGroup(MetaInit, DtypeConversion):
@@ -469,58 +444,7 @@ class ParameterGroup(MetaInit, DtypeConversion):
     def _names(self) -> str:
         return ", ".join(repr(i.fqn) for i in self.infos[:3]) + (", ..." if len(self.infos) > 3 else "")
 
-    # ------------------------------------------------------------------ initialisation
-
-    def _check_swappable(self) -> None:
-        for p in self.sharded_params:
-            if weakref.getweakrefs(p):
-                raise RuntimeError(
-                    f"cannot rebuild parameter {self._names()}: something holds a weak reference to it, "
-                    f"which swapping its contents (keeping its identity) would break"
-                )
-
-    def _swap_in(self, new_params: list[nn.Parameter]) -> None:
-        """Give the current sharded parameter objects the contents of ``new_params`` (attributes
-        set on the old ones stay), as ``nn.Module._apply`` does for DTensor parameters."""
-        for old, new in zip(self.sharded_params, new_params):
-            old.grad = None  # attached again by the caller; a reference would block the swap
-            for key, value in vars(old).items():
-                if key not in vars(new) and key != "main_grad":
-                    setattr(new, key, value)
-            torch.utils.swap_tensors(old, new)
-
-    def begin_init(self) -> None:
-        """Register full plain parameters in the main dtype for an init function to fill: the
-        main weights themselves when they are replicated (``no_shard``), otherwise a temporary
-        replicated buffer of this group only, never of the whole model."""
-        if self.is_meta:  # init_weights without to_empty: the mesh's device
-            self.materialize(mesh_device(self.mesh))
-        if self.strategy.shard_optim:
-            self._init_buffer = self._init_target()
-        target = self._init_buffer if self._init_buffer is not None else self.main
-        params = [self._module_param(k, target.get_local_tensor(k)) for k in range(len(self.infos))]
-        self._register(params)
-
-    @torch.no_grad()
-    def end_init(self, commit: bool = True) -> None:
-        """Keep this rank's rows of the initialised weights (a local copy, no communication),
-        drop the temporary buffer, register the sharded parameters again and refresh the model
-        weights. ``commit=False`` (after a failed init function) only restores the registration."""
-        buf, self._init_buffer = self._init_buffer, None
-        if commit and buf is not None:
-            self._commit_init(buf)
-        self.use_params(unsharded=False)
-        if commit:
-            self.mark_stale()
-            self.refresh()
-
-    def _init_target(self) -> DBuffer:
-        """The replicated main-dtype buffer of full tensors whose views ``init_weights`` fills."""
-        return self.layout.unsharded_buffer(self.main, self.placements.replicated, self.dtypes.main, self.main.device, True)
-
-    def _commit_init(self, buf: DBuffer) -> None:
-        """Keep this rank's part of the initialised full weights in ``buf`` (a local copy)."""
-        self._fill_main([buf.get_local_tensor(k) for k in range(len(self.infos))])
+    # ------------------------------------------------------------------ registration
 
     def use_params(self, unsharded: bool) -> None:
         """Register the unsharded (plain) or sharded (DTensor) parameters on their modules; see
@@ -561,19 +485,3 @@ class ParameterGroup(MetaInit, DtypeConversion):
                         f"options=StateDictOptions(full_state_dict=True, strict=False)), or "
                         f"fsdp.init_weights(model, fn) with fn copying into the (then full) parameter"
                     )
-
-
-def check_no_late_extension(group: "ParameterGroup") -> None:
-    """A plain parameter whose local tensor was given FSDP2's ``fsdp_pre_all_gather`` (or
-    ``fsdp_post_all_gather``) after ``fully_shard``: its shard is the row-atomic layout's rows,
-    not the padded ``torch.chunk`` piece the protocol assumes, so raise (before any gather)
-    rather than silently gather plain values. Tensor subclasses get the protocol: see
-    :mod:`fsdp.compose.extensions`. Checked at every refresh (a few attribute lookups per parameter)."""
-    for info, p in zip(group.infos, group.sharded_params):
-        local = getattr(p, "_local_tensor", p)
-        if hasattr(local, "fsdp_pre_all_gather") or hasattr(local, "fsdp_post_all_gather"):
-            raise TypeError(
-                f"parameter {info.fqn!r}: its local tensor got fsdp_pre_all_gather/fsdp_post_all_gather after "
-                f"fully_shard, but it was sharded as a plain tensor (row-atomic layout), so the extension "
-                f"cannot be honoured. Make the parameter a tensor subclass defining both methods before fully_shard"
-            )

@@ -14,6 +14,7 @@ shards the same parameters with the same values (:mod:`dbuffer.agreement`).
 from __future__ import annotations
 
 import functools
+import logging
 from dataclasses import replace
 from typing import Callable, Iterable, Optional, Sequence, Union
 
@@ -30,14 +31,15 @@ from fsdp.compose.extensions import ExtensionParameterGroup, check_extension_par
 from fsdp.group.layout_choice import chunk_by_default, describe_layout_policy
 from fsdp.compose.offload import CPUOffloadPolicy, HostOffload, OffloadPolicy, check_offload_policy
 from fsdp.compose.outer_shard import OuterShardedParameterGroup, check_outer_sharding
-from fsdp.group.param_group import ParamInfo, ParameterGroup
+from fsdp.group.members import ParamInfo
+from fsdp.group.param_group import ParameterGroup
 from fsdp.group.policy import MixedPrecisionPolicy, Strategy, parse_strategy
 from fsdp.compose.post_forward import enable_post_forward_slices
 from fsdp.unit import surface
 from fsdp.unit.state import FSDPState, finish_grad_sync
 from fsdp.unit.surface import ArgumentTypeError, DataParallelMeshDims, share_comm_ctx
 from fsdp.compose.tensor_parallel import TensorParallelKind, check_params as _check_tensor_parallel, local_of
-from fsdp.group.layouts import PLAIN, ChunkedLayout
+from fsdp.group.layouts import PLAIN, ChunkedLayout, describe_layout
 
 __all__ = [
     "Bucket",
@@ -49,6 +51,8 @@ __all__ = [
     "register_fsdp_forward_method",
     "share_comm_ctx",
 ]
+
+log = logging.getLogger("fsdp")
 
 # Attribute naming the unit that owns a parameter (set on the original and the sharded one).
 _OWNER = "_fsdp_owner"
@@ -705,6 +709,13 @@ def _build_groups(
             else:  # outer: HFSDP (fsdp.compose.outer_shard), validated by check_outer_sharding
                 cls = OuterShardedParameterGroup if outer else ParameterGroup
                 groups.append(cls(*args, shard=spec.placement, **kw))
+    if log.isEnabledFor(logging.DEBUG):
+        for group in groups:
+            log.debug(
+                "fully_shard: %s of %d parameters (%s): %s layout, %s, strategy %s, dtypes %s, mesh %s",
+                type(group).__name__, len(group.infos), group._names(), describe_layout(group.layout),
+                type(group.kind).__name__, group.strategy.name, group.dtypes, group.mesh,
+            )
     return groups
 
 

@@ -1,0 +1,55 @@
+"""What a group is made of: the unit's parameters (:class:`ParamInfo`) and where its buffers
+sit on the mesh (:class:`GroupPlacements`). Plain values, shared by the group, the unit that
+builds it, and the parts that plug into it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch.nn as nn
+from torch.distributed.tensor import Partial, Replicate
+from torch.distributed.tensor.placement_types import Placement
+
+__all__ = ["GroupPlacements", "ParamInfo", "check_no_late_extension"]
+
+
+@dataclass(frozen=True)
+class GroupPlacements:
+    """Where each buffer of a group lives on its mesh: the last mesh axis shards, any outer axis
+    replicates (HSDP); gradients arrive ``Partial`` on every axis."""
+
+    sharded: tuple[Placement, ...]
+    replicated: tuple[Placement, ...]
+    partial: tuple[Placement, ...]
+
+    @classmethod
+    def for_mesh(cls, ndim: int, shard: Placement, reduce_op: str) -> "GroupPlacements":
+        lead = (Replicate(),) * (ndim - 1)
+        return cls(lead + (shard,), lead + (Replicate(),), (Partial(reduce_op),) * ndim)
+
+
+@dataclass
+class ParamInfo:
+    """One parameter of a unit and every (module, attribute) it is registered under. ``param``,
+    the original full tensor, is dropped once the unit is built so that its memory is freed."""
+
+    fqn: str
+    param: Optional[nn.Parameter]
+    registrations: list[tuple[nn.Module, str]] = field(default_factory=list)
+
+
+def check_no_late_extension(group) -> None:
+    """A plain parameter whose local tensor was given FSDP2's ``fsdp_pre_all_gather`` (or
+    ``fsdp_post_all_gather``) after ``fully_shard``: its shard is the row-atomic layout's rows,
+    not the padded ``torch.chunk`` piece the protocol assumes, so raise (before any gather)
+    rather than silently gather plain values. Tensor subclasses get the protocol: see
+    :mod:`fsdp.compose.extensions`. Checked at every refresh (a few attribute lookups per parameter)."""
+    for info, p in zip(group.infos, group.sharded_params):
+        local = getattr(p, "_local_tensor", p)
+        if hasattr(local, "fsdp_pre_all_gather") or hasattr(local, "fsdp_post_all_gather"):
+            raise TypeError(
+                f"parameter {info.fqn!r}: its local tensor got fsdp_pre_all_gather/fsdp_post_all_gather after "
+                f"fully_shard, but it was sharded as a plain tensor (row-atomic layout), so the extension "
+                f"cannot be honoured. Make the parameter a tensor subclass defining both methods before fully_shard"
+            )
