@@ -144,6 +144,12 @@ Moment = tuple[bool, int]
 WORKING_SETS = {"unsharded_working_set": "unsharded", "reduce_working_set": "grad_in"}  # category: buffer
 
 
+def _working_buffer(g, attr: str):
+    """The group's working-set buffer ``attr`` (``grad_in`` lives on its gradient reducer), or None."""
+    owner = g.grads if attr == "grad_in" else g
+    return getattr(owner, attr, None) if owner is not None else None
+
+
 # ----------------------------------------------------------------------------- presets
 
 
@@ -873,7 +879,7 @@ def _run_probe(strategy: Strategy, world: int) -> dict[str, frozenset[Moment]]:
 
     def note() -> None:
         for key, attr in watched.items():
-            held = [any(hasattr(g, attr) and not getattr(g, attr).is_storage_released() for g in u.groups) for u in units]
+            held = [any(b is not None and not b.is_storage_released() for b in (_working_buffer(g, attr) for g in u.groups)) for u in units]
             seen[key].add((held[-1], sum(held[:-1])))
 
     reallocate = DBuffer.reallocate_storage
