@@ -145,9 +145,10 @@ def classifier(method: bench.Method) -> Callable[[], dict[int, str]]:
                 continue
             seen.add(id(state))
             for g in state.groups:
-                for name, label in (("main", "main"), ("model", "model shard"), ("unsharded", "unsharded"),
-                                    ("grad_in", "grad_in"), ("main_grad", "main grads")):
-                    buf = getattr(g, name, None)
+                for owner, name, label in ((g, "main", "main"), (g, "model", "model shard"), (g, "gathered", "gathered"),
+                                           (g, "unsharded", "unsharded"), (g.grads, "grad_in", "grad_in"),
+                                           (g.grads, "main_grad", "main grads")):
+                    buf = getattr(owner, name, None)
                     if buf is not None:
                         for key in _keys(buf.local_buffer):
                             cats.setdefault(key, label)
