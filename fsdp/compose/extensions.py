@@ -45,74 +45,24 @@ from __future__ import annotations
 import inspect
 import weakref
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from dbuffer import DBuffer
+from dbuffer import DBuffer, mesh_device
 from dbuffer.agreement import check_agreement
 from dbuffer.layout import compute_layout
+from fsdp.compose.extension_protocol import POST, PRE, numel as _numel, plain as _plain, plain_leaves as _plain_leaves
 from fsdp.group.layouts import ChunkedLayout, ParamKind, contiguous_stride
-from fsdp.group.param_group import ParameterGroup
-from dbuffer import mesh_device
 from fsdp.group.meta_init import meta_error
+from fsdp.group.param_group import ParameterGroup
 
-__all__ = [
-    "ExtensionParameterGroup",
-    "check_extension_params",
-    "is_extension_param",
-    "split_extension_members",
-]
+__all__ = ["ExtensionParameterGroup"]
 
-PRE, POST = "fsdp_pre_all_gather", "fsdp_post_all_gather"
 _ALIGN_BYTES = 16  # byte offsets of mixed-dtype inputs, so every output view is aligned
-
-
-def is_extension_param(p: torch.Tensor) -> bool:
-    """Whether ``fully_shard`` must keep ``p`` as its own tensor type: it defines either
-    all-gather method, or it is a tensor subclass with its own ``__torch_dispatch__`` (other
-    than DTensor), whose values a flat buffer of plain elements cannot hold."""
-    if isinstance(p, DTensor):
-        return False
-    if hasattr(p, PRE) or hasattr(p, POST):
-        return True
-    return getattr(type(p), "__torch_dispatch__", None) is not torch.Tensor.__torch_dispatch__
-
-
-def check_extension_params(fqns: Sequence[str], params: Sequence[torch.Tensor], specs) -> None:
-    """Refuse, before any collective and alike on every rank, what the extension path cannot do."""
-    for spec in specs:
-        for j, k in enumerate(spec.members):
-            p, name = params[k], fqns[k]
-            if not is_extension_param(p):
-                continue
-            if hasattr(p, PRE) != hasattr(p, POST):
-                have, lack = (PRE, POST) if hasattr(p, PRE) else (POST, PRE)
-                raise ValueError(
-                    f"parameter {name!r} ({type(p).__name__}) defines {have} but not {lack}; "
-                    f"an all-gather extension needs both"
-                )
-            where = f"parameter {name!r} is a {type(p).__name__} (a tensor subclass / all-gather extension)"
-            if not spec.strategy.shard_optim:
-                raise ValueError(f"{where}, which fsdp shards as FSDP2 does; use a sharded strategy, not 'no_shard'")
-            if type(spec.placement).__name__ == "Owned":
-                raise ValueError(f"{where}; it is sharded like torch.chunk along dim 0: leave it out of Owned() buckets")
-            if spec.dims is not None and spec.dims[j] != 0:
-                raise ValueError(
-                    f"{where}; it is sharded along dim 0 only, but shard_placement_fn returned "
-                    f"Shard({spec.dims[j]}): return Shard(0) or None for it"
-                )
-            if not p.is_contiguous():
-                raise ValueError(f"{where} and is not contiguous; pass a contiguous tensor")
-
-
-def split_extension_members(spec, params: Sequence[torch.Tensor]) -> tuple[list[int], list[int]]:
-    """(extension members, other members) of a bucket spec, each in registration order."""
-    ext = [k for k in spec.members if is_extension_param(params[k])]
-    return ext, [k for k in spec.members if k not in set(ext)]
 
 
 @dataclass(frozen=True)
@@ -508,27 +458,3 @@ class ExtensionParameterGroup(ParameterGroup):
         if commit:
             self.mark_stale()
             self.refresh()
-
-
-def _numel(shape: Sequence[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
-def _plain_leaves(t: torch.Tensor) -> list[torch.Tensor]:
-    """The plain tensors holding ``t``'s storage (a wrapper subclass's inner tensors)."""
-    if type(t) in (torch.Tensor, nn.Parameter) or not hasattr(t, "__tensor_flatten__"):
-        return [t]
-    names, _ = t.__tensor_flatten__()
-    return [leaf for name in names for leaf in _plain_leaves(getattr(t, name))]
-
-
-def _plain(t: torch.Tensor) -> torch.Tensor:
-    """``t``'s values in a plain tensor (a subclass gradient is written through its own copy_)."""
-    if type(t) in (torch.Tensor, nn.Parameter):
-        return t
-    return torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)
-
-

@@ -27,7 +27,8 @@ from torch.distributed.tensor import DTensor, Shard
 from dbuffer import mesh_device
 from dbuffer.agreement import check_agreement, value_digest, values_comparable
 from fsdp.group.bucket import Bucket, GroupSpec, plan_buckets
-from fsdp.compose.extensions import ExtensionParameterGroup, check_extension_params, split_extension_members
+from fsdp.compose.extension_protocol import check_extension_params, split_extension_members
+from fsdp.compose.extensions import ExtensionParameterGroup
 from fsdp.group.layout_choice import chunk_by_default, describe_layout_policy
 from fsdp.compose.offload import CPUOffloadPolicy, HostOffload, OffloadPolicy, check_offload_policy
 from fsdp.compose.outer_shard import OuterShardedParameterGroup, check_outer_sharding
