@@ -43,6 +43,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from dbuffer import DBuffer, Pending, collectives
 from dbuffer.collectives import c10d_reduce_op
 from fsdp.group.comms import DBUFFER_COMMS
+from fsdp.group.streams import CommStreams
 
 try:  # FSDP2's default allocator mixin: torch.empty, nothing an extra copy would buy
     from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllocMixin as _DefaultAlloc
@@ -186,11 +187,15 @@ def reduce_scatter(comm: Any, source: DBuffer, target: DBuffer) -> Pending:
 
 
 def _keep_until_used(*tensors: torch.Tensor) -> None:
-    """On CUDA, a staging tensor allocated on a comm stream and last read on the current one must
-    not be reused by that stream's allocator before the read runs."""
-    for t in tensors:
-        if t.is_cuda:
-            t.record_stream(torch.cuda.current_stream(t.device))
+    """Staging tensors the comm object allocated inside a launch (on a comm side stream), just
+    read by a copy on the current stream and about to be dropped: their memory goes back to that
+    side stream's pool. An event recorded here, after the read, is waited for by each side
+    stream's next launch before its work can reuse the memory (FSDP2 orders its next all-gather
+    after its copy-out event the same way); no ``record_stream``. On the CPU the same lines run
+    on torch.cpu's stand-ins (see :mod:`fsdp.group.streams`, item 5)."""
+    for device in {t.device for t in tensors}:
+        streams = CommStreams.for_device(device)
+        streams.after_read(streams.record())
 
 
 class _MemoryComm:

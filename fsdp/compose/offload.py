@@ -23,9 +23,10 @@ Why the copies are safe on CUDA (``pin_memory=True``: host buffers are pinned an
   stream order makes the gather see it; the upload target is allocated on that stream and freed
   after the compute stream has waited for it;
 * the download runs on the reduce-scatter side stream, ordered after the reduction and the work
-  queued on the compute stream so far (the division), and compute does not wait for it; its
-  device source is marked used by that stream (``record_stream``), so the caching allocator
-  does not hand that memory out (``grad_in`` is freed right after) before the copy has read it;
+  queued on the compute stream so far (the division); its device source may be ``grad_in``,
+  whose storage is freed right after on the compute stream, so the compute stream waits for
+  the download's event at the end of that launch before it can reuse the memory (an event,
+  not ``record_stream``: the ordering protocol of :mod:`fsdp.group.streams`);
 * each non-blocking copy records an event; the host never touches a host buffer a copy may still
   read or write without first waiting for those events (:meth:`HostOffload.settle`): before the
   gradients are attached (so before the optimizer can read them or write the weights), before
@@ -47,6 +48,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 
 from dbuffer import DBuffer
 from dbuffer.layout import Layout
+from fsdp.group.streams import CommStreams
 
 __all__ = ["CPUOffloadPolicy", "HostOffload", "OffloadPolicy", "check_offload_policy"]
 
@@ -76,6 +78,7 @@ class HostOffload:
         # Pinned memory only speeds up copies to an accelerator (see the module docstring).
         self.pin = policy.pin_memory and compute_device.type != "cpu"
         self._events: list = []  # non-blocking copies that may still read or write host memory
+        self._reads: list[torch.Tensor] = []  # device tensors the next recorded copy reads
         self._staging: Optional[DBuffer] = None  # the upload target (device), one per group
 
     # ------------------------------------------------------------------ allocation
@@ -161,20 +164,33 @@ class HostOffload:
 
     # ------------------------------------------------------------------ ordering
 
-    @staticmethod
-    def used_here(t: torch.Tensor) -> None:
-        """Tell the CUDA caching allocator that the current stream uses ``t``: its memory is not
-        handed out again (even once freed) before the work queued here so far is done."""
-        if t.is_cuda:
-            t.record_stream(torch.cuda.current_stream(t.device))
+    def used_here(self, t: torch.Tensor) -> None:
+        """The copy about to be queued on the current stream reads the device tensor ``t``, whose
+        owner may free it right after (``grad_in``'s storage is resized to 0, which no kept
+        reference can delay): :meth:`_record` orders that stream after the copy. Held only until
+        then (the caller holds ``t`` while it queues the copy)."""
+        self._reads.append(t)
 
     def _record(self) -> None:
-        if self.pin and self.compute_device.type == "cuda":
-            self._events.append(torch.cuda.current_stream(self.compute_device).record_event())
+        """After a copy between host and device queued on the current stream. Without pinned
+        memory (and on the CPU) the copy is synchronous, done on return: nothing to order. With
+        it, an event ends the copy: :meth:`settle` waits for it on the host, and if the copy read
+        device memory (:meth:`used_here`), the stream that opened the launch the copy is queued
+        in (the compute stream; the copy runs on the reduce-scatter stream) waits for it when
+        that launch ends, before the memory's owner can free and reuse it (FSDP2's events instead
+        of ``record_stream``; see :mod:`fsdp.group.streams`, item 5)."""
+        reads, self._reads = self._reads, []
+        if not self.pin:
+            return
+        streams = CommStreams.for_device(self.compute_device)
+        event = streams.record()
+        self._events.append(event)
+        if reads:
+            streams.launcher_waits(event)
 
     def settle(self) -> None:
         """Block the host until every non-blocking copy to or from this group's host buffers is
         done (a no-op without pinned memory, whose copies are synchronous)."""
-        events, self._events = self._events, []
+        events, self._events, self._reads = self._events, [], []
         for event in events:
             event.synchronize()

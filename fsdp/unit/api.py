@@ -116,8 +116,9 @@ class FSDPModule:
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """False: the end of backward leaves reductions in flight and ``.grad`` unattached; a
-        later last backward or :meth:`finish_grad_sync` completes them."""
-        self._fsdp_state.is_last_backward = is_last_backward
+        later last backward or :meth:`finish_grad_sync` completes them. Read by the root (set it
+        there; on another unit of an initialised tree it reaches the root too, as in FSDP2)."""
+        self._fsdp_state.root_knobs().is_last_backward = is_last_backward
 
     def set_modules_to_forward_prefetch(self, modules: list["FSDPModule"]) -> None:
         self._fsdp_state.forward_prefetch = [_state_of(m) for m in modules]

@@ -1,50 +1,87 @@
 """FSDPState: one unit's hooks around forward and backward, prefetching, and the end of backward.
 
-Life of a step, per unit (ZeRO-3 shown; the other strategies skip the gathers and frees):
+Life of a step, per unit (ZeRO-3 shown; the other strategies skip the gathers and frees), with
+the unit's :class:`~fsdp.unit.training_state.TrainingState` after each hook:
 
-1. forward pre-hook: refresh model weights if the optimizer stepped, all-gather (or wait for a
-   prefetched gather), register the unsharded parameters, start gathering the next unit;
-2. forward post-hook: with ``reshard_after_forward`` (default: every unit but the root, whose
-   backward comes next), register the sharded parameters again and free the unsharded storage;
-   otherwise the unsharded parameters stay registered (as in FSDP2, under ``no_grad`` too) until
-   step 5 or ``reshard()``. Hook the outputs so that their gradient triggers step 3;
-3. pre-backward (first output gradient): gather again, start gathering the unit before it;
+1. forward pre-hook (FORWARD): refresh model weights if the optimizer stepped, all-gather (or
+   wait for a prefetched gather), register the unsharded parameters, start gathering the next
+   unit;
+2. forward post-hook (IDLE): with ``reshard_after_forward`` (default: every unit but the root,
+   whose backward comes next), register the sharded parameters again and free the unsharded
+   storage; otherwise the unsharded parameters stay registered (as in FSDP2, under ``no_grad``
+   too) until step 5 or ``reshard()``. Hook the outputs so that their gradient triggers step 3;
+3. pre-backward (PRE_BACKWARD; first output gradient): gather again, start gathering the unit
+   before it;
 4. each parameter's post-accumulate-grad hook takes its gradient from autograd; the group's
    first one finishes the reduction still in flight; when a group has all of them they are
    copied into its ``grad_in`` (allocated only then, as FSDP2 allocates its reduce-scatter
-   input), its reduction starts (async; at most one in flight) and its unsharded storage is freed;
-5. the root's final callback (queued on the autograd engine) reduces whatever is left, reshards
-   every unit, waits for every reduction and attaches ``param.grad``.
+   input), its reduction starts (async; at most one in flight) and its unsharded storage is
+   freed (POST_BACKWARD);
+5. the root's final callback (queued on the autograd engine; IDLE) reduces whatever is left,
+   reshards every unit, waits for every reduction and attaches ``param.grad``.
+
+What only the root holds for its tree (units, forward order, reductions in flight, the final
+callback, ...) is its :class:`~fsdp.unit.root.RootContext`; every move between training states is
+checked (:mod:`fsdp.unit.training_state`). Each phase is labelled for ``torch.profiler``
+(:data:`LABELS`, followed by the unit's name below the root, as FSDP2 labels its own), and lazy
+initialisation logs the tree and its forward order to the ``fsdp`` logger at debug level.
 
 Activation checkpointing: step 3 also registers the unsharded parameters, for a recomputation
 that runs outside the unit's hooks (``checkpoint_wrapper`` applied before ``fully_shard``,
 transformers 5); a forward whose hooks run inside backward (``checkpoint(layer.__call__)``,
-transformers 4) is a recomputation: it gathers if needed and registers, and its post-hook leaves
-the weights for the backward that follows. Every hook is registered through :func:`_run_eagerly`
-so that ``torch.compile`` of a unit's module calls it instead of tracing it.
+transformers 4) is a recomputation: it gathers if needed and registers (PRE_BACKWARD), and its
+post-hook leaves the weights for the backward that follows. Every hook is registered through
+:func:`_run_eagerly` so that ``torch.compile`` of a unit's module calls it instead of tracing it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import logging
 from types import MethodType
 from typing import Any, Callable, Optional
 
 import torch
 import torch.nn as nn
+from torch.autograd import _profiler_enabled
+from torch.profiler import record_function
 from torch.utils._pytree import tree_flatten, tree_map
 
 from dbuffer.collectives import release_workspaces
 from fsdp.group.meta_init import meta_error
 from fsdp.group.param_group import ParameterGroup
 from fsdp.group.policy import MixedPrecisionPolicy
+from fsdp.unit.root import MAX_REDUCTIONS_IN_FLIGHT, RootContext
+from fsdp.unit.training_state import TrainingState, check_transition
 
-__all__ = ["FSDPState", "finish_grad_sync"]
+__all__ = ["LABELS", "FSDPState", "MAX_REDUCTIONS_IN_FLIGHT", "finish_grad_sync"]
 
-# One reduction in flight while the next unit computes its gradients: a unit's backward takes far
-# longer than reducing its shard, so a second one in flight buys no overlap and costs a whole
-# unsharded gradient buffer at the step's memory peak (measured: 13 MiB of 419 on the benchmark).
-MAX_REDUCTIONS_IN_FLIGHT = 1
+logger = logging.getLogger("fsdp")
+
+#: The profiler labels of a unit's phases (``torch.profiler.record_function``). A unit other than
+#: the root appends its name: ``fsdp::pre_forward (blocks.0)``.
+LABELS = (
+    "fsdp::lazy_init",  # the first forward: the root finds its tree
+    "fsdp::pre_forward",  # forward pre-hook: gather (or wait for the prefetch), prefetch the next
+    "fsdp::root_pre_forward",  # inside the root's: post-optimizer event, dropped main grads
+    "fsdp::post_forward",  # forward post-hook: reshard, hook the outputs
+    "fsdp::pre_backward",  # the first output gradient, or a recomputation: gather, prefetch
+    "fsdp::wait_reductions",  # a group's first gradient: finish the reductions still in flight
+    "fsdp::post_backward",  # a group's gradients complete: launch its reduction, reshard
+    "fsdp::root_post_backward",  # the root's end-of-backward callback
+    "fsdp::finish_grad_sync",  # wait for every reduction, attach .grad
+    "fsdp::reset_iter_state",  # recovery after a failed forward or backward
+)
+
+
+def _phase(label: str, unit: Optional[str] = None):
+    """``record_function(label)``, ``unit`` (a name below the root) appended, while a profiler
+    records; a no-op context otherwise: ``record_function`` costs about 15 us a call with no
+    profiler on (a 2-core CPU), which over a step's hooks would cost the CPU benchmark about 1%."""
+    if not _profiler_enabled():
+        return contextlib.nullcontext()
+    return record_function(f"{label} ({unit})" if unit else label)
 
 
 def _run_eagerly(hook: MethodType) -> MethodType:
@@ -77,31 +114,28 @@ class FSDPState:
         self.modules = modules
         self.groups = groups
         self.policy = policy
+        # The unit's knobs (FSDPModule's setters).
         self.reshard_after_forward = reshard_after_forward  # None: all but the root
         self.reshard_after_backward = True
         self.requires_grad_sync = True
-        self.is_last_backward = True
         self.unshard_in_backward = True  # False: backward never reads the weights (FSDP2's setter)
-        self.max_reductions_in_flight = MAX_REDUCTIONS_IN_FLIGHT  # root only
-        self.post_optim_event: Optional[Any] = None  # root only: waited for before the next gathers
         self.forward_prefetch: Optional[list[FSDPState]] = None  # None: the next unit run
         self.backward_prefetch: Optional[list[FSDPState]] = None  # None: the previous unit run
-        self.root: Optional[FSDPState] = None
-        self.units: list[FSDPState] = []  # root only: every unit of its tree
-        self.forward_order: list[FSDPState] = []  # root only: units in the order they ran
-        self._order_recorded = False
-        self._unsharded = False  # the unsharded parameters are registered
-        self._pre_backward_done = False
-        self._callback_queued = False
-        self._in_flight: list[ParameterGroup] = []  # root only: reductions launched, oldest first
-        self._filling: list[ParameterGroup] = []  # root only: groups with some gradients, not all
+        # Where it stands.
+        self.root: Optional[FSDPState] = None  # set by the root's lazy initialisation
+        self.root_ctx: Optional[RootContext] = None  # roots only (see fsdp.unit.root)
+        self.fqn: Optional[str] = None  # its name below the root ("" for the root), from lazy init
+        self.training_state = TrainingState.IDLE
+        self.registered_unsharded = False  # the unsharded parameters are the modules' ones
         self.shared_with_other_units: list[str] = []  # tied parameters another unit owns: lazy init raises
 
     def install_hooks(self) -> None:
         """Called once the unit is fully built, so a failed setup leaves no hook behind."""
         for group in self.groups:
             if group.grads is not None:
-                group.grads.register_hooks(self._on_group_grads_done, self._on_group_grads_start)
+                # The group's first gradient and its gradient buffer's allocation both finish the
+                # reductions in flight first (the second is a no-op after the first).
+                group.grads.register_hooks(self._on_group_grads_done, self._finish_reductions_in_flight)
         self._pre_backward_hook = _run_eagerly(self._pre_backward)
         for module in self.modules:
             module.register_forward_pre_hook(_run_eagerly(self._pre_forward), prepend=True, with_kwargs=True)
@@ -118,7 +152,7 @@ class FSDPState:
             module.register_load_state_dict_post_hook(self._adopt_hook)
 
     def _reshard_hook(self, module: nn.Module, *args) -> None:
-        if self._unsharded:
+        if self.registered_unsharded:
             self.reshard()
 
     def _adopt_hook(self, module: nn.Module, incompatible_keys) -> None:
@@ -127,6 +161,38 @@ class FSDPState:
         so the model right after the load already holds fsdp's layout."""
         for group in self.groups:
             group.adopt_assigned()
+
+    # ------------------------------------------------------------------ identity, state, root
+
+    @property
+    def units(self) -> list["FSDPState"]:
+        """Every unit of the tree, for its root (FSDP2's ``all_states``); [] for the others."""
+        return self.root_ctx.units if self.root is self and self.root_ctx is not None else []
+
+    def name(self) -> str:
+        cls = type(self.modules[0]).__name__ if self.modules else "no module"
+        return cls if self.fqn is None else f"{self.fqn or '<root>'!r} ({cls})"
+
+    def _enter(self, target: TrainingState) -> None:
+        check_transition(self.name(), self.training_state, target)
+        self.training_state = target
+
+    def _owner(self) -> "FSDPState":
+        """The unit whose context this one's backward reports to: its root; itself before lazy
+        initialisation (gradients of parameters used after ``unshard()`` outside any forward)."""
+        owner = self.root if self.root is not None else self
+        if owner.root_ctx is None:
+            owner.root_ctx = RootContext([owner])
+        return owner
+
+    def root_knobs(self) -> RootContext:
+        """Where a knob only the root reads goes (``set_is_last_backward``, ...): the root's
+        context once initialised (every unit of a tree shares it, as in FSDP2); before, this
+        unit's own, kept by lazy initialisation only if the unit becomes a root."""
+        return self._owner().root_ctx
+
+    def _tree(self) -> list["FSDPState"]:
+        return self.root_ctx.units if self.root_ctx is not None else [self]
 
     # ------------------------------------------------------------------ setup
 
@@ -144,7 +210,11 @@ class FSDPState:
                 f"FSDP requires a single root module but got {self.modules}: the first module run "
                 f"forward is the root; call fully_shard on a module that holds these ones and run that"
             )
-        units: list[FSDPState] = []
+        with _phase("fsdp::lazy_init"):
+            self._find_tree()
+
+    def _find_tree(self) -> None:
+        units: dict[FSDPState, str] = {}
         for name, m in self.modules[0].named_modules():
             state = getattr(m, "_fsdp_state", None)  # set by fully_shard on every unit's module
             if not isinstance(state, FSDPState) or state in units:
@@ -154,7 +224,7 @@ class FSDPState:
                     f"FSDP state has already been lazily initialized for {name}\nFSDP requires running "
                     f"forward through the root module first"
                 )
-            units.append(state)
+            units[state] = name
         shared = [message for state in units for message in state.shared_with_other_units]
         if shared:  # local and identical on every rank (same model): raised before any collective
             raise ValueError(shared[0])
@@ -166,10 +236,21 @@ class FSDPState:
             on_meta = [p for g in state.groups if g.is_meta for p in g.sharded_params]
             if on_meta:
                 raise RuntimeError(meta_error([names.get(id(p), "?") for p in on_meta]))
-        self.root = self
-        for state in units:
-            state.root = self
-        self.units = units
+        # Knobs set on units before now (root_knobs): the root's stay; the largest bound on
+        # reductions in flight any unit asked for applies (FSDP2 takes the most aggressive cap).
+        early = [state.root_ctx for state in units if state.root_ctx is not None]
+        ctx = self.root_ctx if self.root_ctx is not None else RootContext([self])
+        ctx.max_reductions_in_flight = max((c.max_reductions_in_flight for c in early), default=MAX_REDUCTIONS_IN_FLIGHT)
+        for state, name in units.items():
+            state.root, state.fqn, state.root_ctx = self, name, None
+        self.root_ctx = ctx
+        ctx.adopt(list(units))
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug(
+                "lazy init: root %s of %d units %s; %d parameter groups on %s",
+                self.name(), len(units), [state.fqn or "<root>" for state in units],
+                sum(len(state.groups) for state in units), sorted({str(s.device) for s in ctx.streams}),
+            )
 
     # ------------------------------------------------------------------ unshard / reshard
 
@@ -196,13 +277,13 @@ class FSDPState:
             elif free:
                 group.reshard()
             group.use_params(unsharded=False)
-        self._unsharded = False
+        self.registered_unsharded = False
 
     def _use_unsharded(self) -> None:
-        if not self._unsharded:
+        if not self.registered_unsharded:
             for group in self.groups:
                 group.use_params(unsharded=True)
-            self._unsharded = True
+            self.registered_unsharded = True
 
     # ------------------------------------------------------------------ forward
 
@@ -212,25 +293,35 @@ class FSDPState:
             return self._cast_inputs(args, kwargs)
         if self.root is None:
             self._lazy_init()
-        root = self.root
-        if root is self and self.post_optim_event is not None:
-            self.streams_wait_event(self.post_optim_event)
-            self.post_optim_event = None
-        if root is self and torch.is_grad_enabled():
-            self._order_recorded = bool(self.forward_order)
-        if not root._order_recorded and self not in root.forward_order:
-            root.forward_order.append(self)
-        # The root frees every unit's main grads the optimizer dropped (zero_grad, set_to_none)
-        # before anything of the step is allocated, not each unit at its own forward.
-        for unit in root.units if root is self else [self]:
-            for group in unit.groups:
-                if group.grads is not None:
-                    group.grads.release_dropped_grads()
-        self.unshard()
-        self._use_unsharded()
-        for nxt in self._next_units(self.forward_prefetch, +1):
-            nxt.unshard(async_op=True)
-        return self._cast_inputs(args, kwargs)
+        with _phase("fsdp::pre_forward", self.fqn):
+            self._enter(TrainingState.FORWARD)
+            ctx = self.root.root_ctx
+            if self.root is self:
+                self._root_pre_forward(ctx)
+            ctx.ran_forward(self)
+            if self.root is not self:
+                for group in self.groups:
+                    if group.grads is not None:
+                        group.grads.release_dropped_grads()
+            self.unshard()
+            self._use_unsharded()
+            for nxt in self._next_units(self.forward_prefetch, +1):
+                nxt.unshard(async_op=True)
+            return self._cast_inputs(args, kwargs)
+
+    def _root_pre_forward(self, ctx: RootContext) -> None:
+        """Once per forward, before any gather of the tree: wait for the post-optimizer event, fix
+        the forward order, and free every unit's main grads the optimizer dropped (zero_grad,
+        set_to_none) before anything of the step is allocated, not each unit at its own forward."""
+        with _phase("fsdp::root_pre_forward"):
+            ctx.wait_post_optim_event()
+            if ctx.root_forward_begins(torch.is_grad_enabled()) and logger.isEnabledFor(logging.DEBUG):
+                logger.debug("forward order of %s (prefetching follows it): %s", self.name(),
+                             [unit.fqn or "<root>" for unit in ctx.forward_order])
+            for unit in ctx.units:
+                for group in unit.groups:
+                    if group.grads is not None:
+                        group.grads.release_dropped_grads()
 
     def _cast_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if self.policy.param_dtype is not None and self.policy.cast_forward_inputs:
@@ -246,24 +337,26 @@ class FSDPState:
     def _post_forward(self, module: nn.Module, args: tuple, output: Any):
         if _in_backward():  # a recomputation: its backward runs next, on these weights
             return self._cast_output(output)
-        grad = torch.is_grad_enabled()
-        resharded = self.reshards_after_forward()
-        if resharded:
-            self.reshard(after_forward=True)
-        # Gathered until backward ends, the model shard is not read before the next step. Resharded
-        # with a backward to come, it is not read before that backward's gather, which casts it again
-        # (once per step instead of keeping it through the activations' peak, the start of backward).
-        if not resharded or grad:
-            for group in self.groups:
-                group.release_model_shard()
-        # Otherwise the unsharded parameters stay registered and gathered (with or without grad,
-        # as in FSDP2) until the end of backward or reshard().
-        if grad:
-            self._pre_backward_done = False
-            for t in tree_flatten(output)[0]:
-                if isinstance(t, torch.Tensor) and t.requires_grad:
-                    t.register_hook(self._pre_backward_hook)
-        return self._cast_output(output)
+        with _phase("fsdp::post_forward", self.fqn):
+            self._enter(TrainingState.IDLE)
+            grad = torch.is_grad_enabled()
+            resharded = self.reshards_after_forward()
+            if resharded:
+                self.reshard(after_forward=True)
+            # Gathered until backward ends, the model shard is not read before the next step.
+            # Resharded with a backward to come, it is not read before that backward's gather,
+            # which casts it again (once per step instead of keeping it through the activations'
+            # peak, the start of backward).
+            if not resharded or grad:
+                for group in self.groups:
+                    group.release_model_shard()
+            # Otherwise the unsharded parameters stay registered and gathered (with or without
+            # grad, as in FSDP2) until the end of backward or reshard().
+            if grad:
+                for t in tree_flatten(output)[0]:
+                    if isinstance(t, torch.Tensor) and t.requires_grad:
+                        t.register_hook(self._pre_backward_hook)
+            return self._cast_output(output)
 
     def _cast_output(self, output: Any) -> Any:
         if self.policy.output_dtype is not None:
@@ -273,132 +366,129 @@ class FSDPState:
     def _next_units(self, explicit: Optional[list["FSDPState"]], step: int) -> list["FSDPState"]:
         if explicit is not None:
             return explicit
-        order = self.root.forward_order if self.root is not None else []
-        if not self.root._order_recorded or self not in order:
+        if self.root is None:
             return []
-        k = order.index(self) + step
-        return [order[k]] if 0 <= k < len(order) else []
+        return self.root.root_ctx.neighbour(self, step)
 
     # ------------------------------------------------------------------ backward
 
     def _pre_backward(self, grad: torch.Tensor) -> None:
-        self.root._queue_final_callback()
+        self._owner()._queue_final_callback()
         self._prepare_backward(recompute=False)
 
     def _prepare_backward(self, recompute: bool) -> None:
         """Gather and register the unsharded parameters for this unit's backward, and start
-        gathering the unit before it (once per backward).
+        gathering the unit before it (once per backward: PRE_BACKWARD until its gradients are
+        reduced and its weights resharded).
 
         Registering matters for activation checkpointing: a recomputation reads the module's
         parameters, which must be the unsharded ones its backward differentiates (not the
         sharded DTensors). A recomputation (``recompute``: this unit's forward hooks run inside
         backward) always gathers again if the weights were freed since, e.g. a unit resharding
         after forward, or recomputed twice."""
-        if self._pre_backward_done and not recompute:
+        prepared = self.training_state is TrainingState.PRE_BACKWARD
+        if prepared and not recompute:
             return
-        if self.unshard_in_backward or recompute:  # set_unshard_in_backward(False): not needed
-            self.unshard()
-            self._use_unsharded()
-        if self._pre_backward_done:
-            return
-        self._pre_backward_done = True
-        for prev in self._next_units(self.backward_prefetch, -1):
-            prev.unshard(async_op=True)
+        with _phase("fsdp::pre_backward", self.fqn):
+            self._enter(TrainingState.PRE_BACKWARD)
+            if self.unshard_in_backward or recompute:  # set_unshard_in_backward(False): not needed
+                self.unshard()
+                self._use_unsharded()
+            if prepared:
+                return
+            for prev in self._next_units(self.backward_prefetch, -1):
+                prev.unshard(async_op=True)
 
-    def _on_group_grads_start(self, group: ParameterGroup) -> None:
-        """A group got its first gradient of this backward, or is about to allocate its gradient
-        buffer: finish the reductions still in flight first (by now they have had a whole unit's backward to run), so that their
-        buffers are freed before this one exists."""
-        root = self.root if self.root is not None else self
-        while root._in_flight:
-            root._in_flight.pop(0).grads.finish_reduce()
+    def _finish_reductions_in_flight(self, group: ParameterGroup) -> None:
+        """A group got its first gradient of this backward (it holds autograd's gradients until
+        it has them all, see ``ParameterGroup._on_grad``), or is about to allocate its gradient
+        buffer: finish the reductions still in flight now (by then they have had a whole unit's
+        backward to run), as their buffers would otherwise live through this unit's backward,
+        beside the new one."""
+        ctx = self._owner().root_ctx
+        if ctx.reductions_in_flight:
+            with _phase("fsdp::wait_reductions", self.fqn):
+                ctx.finish_reductions()
 
     def _on_group_grads_done(self, group: ParameterGroup) -> None:
-        root = self.root if self.root is not None else self
-        root._queue_final_callback()
-        if self.requires_grad_sync:
-            group.grads.launch_reduce()
-            # Bound the reductions in flight: finishing older ones frees their unsharded gradient
-            # buffers during backward, instead of all of them living until its end.
-            root._in_flight.append(group)
-            while len(root._in_flight) > root.max_reductions_in_flight:
-                root._in_flight.pop(0).grads.finish_reduce()
-        if self.reshard_after_backward:
-            group.reshard()
-            # A later pre-backward of this unit in the same backward (it ran forward twice and
-            # its gradients came in two rounds) must gather again.
-            self._pre_backward_done = False
+        with _phase("fsdp::post_backward", self.fqn):
+            if self.reshard_after_backward:
+                # A later pre-backward of this unit in the same backward (it ran forward twice
+                # and its gradients came in two rounds) must gather again.
+                self._enter(TrainingState.POST_BACKWARD)
+            owner = self._owner()
+            owner._queue_final_callback()
+            if self.requires_grad_sync:
+                group.grads.launch_reduce()
+                owner.root_ctx.launched(group.grads)
+            if self.reshard_after_backward:
+                group.reshard()
 
     def _queue_final_callback(self) -> None:
-        if not self._callback_queued:
-            self._callback_queued = True
+        ctx = self.root_ctx
+        if not ctx.final_callback_queued:
+            ctx.final_callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(_run_eagerly(self._final_callback))
 
     def _final_callback(self) -> None:
-        self._callback_queued = False
-        self._in_flight.clear()  # whatever is still in flight is finished below
-        units = self.units or [self]
-        for unit in units:
-            if unit.requires_grad_sync:
+        with _phase("fsdp::root_post_backward"):
+            ctx = self.root_ctx
+            ctx.final_callback_queued = False
+            ctx.reductions_in_flight.clear()  # whatever is still in flight is finished below
+            for unit in ctx.units:
+                unit._enter(TrainingState.IDLE)
+                if unit.requires_grad_sync:
+                    for group in unit.groups:
+                        if group.grads is not None and group.grads.has_local_grads():
+                            group.grads.launch_reduce()
+                unit.reshard(free=unit.reshard_after_backward)
                 for group in unit.groups:
-                    if group.grads is not None and group.grads.has_local_grads():
-                        group.grads.launch_reduce()
-            unit.reshard(free=unit.reshard_after_backward)
-            unit._pre_backward_done = False
-            for group in unit.groups:
-                if group.grads is not None:
-                    group.grads.end_backward()
-        if self.is_last_backward:
-            self.finish_grad_sync(launch=False)
-        # Idle collective scratch would otherwise stay through the next forward, the peak of a
-        # step; the next backward's first reduction allocates it again.
-        release_workspaces()
+                    if group.grads is not None:
+                        group.grads.end_backward()
+            if ctx.is_last_backward:
+                self.finish_grad_sync(launch=False)
+            # Idle collective scratch would otherwise stay through the next forward, the peak of
+            # a step; the next backward's first reduction allocates it again.
+            release_workspaces()
 
     def finish_grad_sync(self, launch: bool = True) -> None:
         """Wait for every reduction of this tree and attach the gradients; with ``launch``, first
         reduce gradients still held locally (after ``set_requires_gradient_sync(False)``)."""
-        finish_grad_sync(self.units or [self], launch)
-
-    def streams_wait_event(self, event: Any) -> None:
-        """The next gathers start after ``event`` (FSDP2's ``set_post_optim_event``): on CUDA the
-        all-gather stream waits for it (it also still waits for the current stream); elsewhere
-        the host waits for it."""
-        streams = next((g.streams for unit in (self.units or [self]) for g in unit.groups), None)
-        if streams is not None and streams.enabled:
-            streams.all_gather.wait_event(event)
-        else:
-            event.synchronize()
+        finish_grad_sync(self._tree(), launch)
 
     def reset_iter_state(self) -> None:
         """Recover after a forward or backward raised (FSDP2's ``reset_iter_state``): wait for
         gathers, drop every gradient not yet reduced into the main grads (the failed
         iteration's, and those of microbatches accumulated without sync), reshard every unit and
-        forget the iteration's progress. Only the root may do it: it owns the end of backward."""
+        return it to IDLE. Only the root may do it: it owns the end of backward."""
         if self.root is not None and self.root is not self:  # never run: nothing to reset but itself
             raise RuntimeError(
                 "reset_iter_state must be called on the root FSDP module (the one whose forward ran "
                 "first, normally the one fully_shard was applied to last)"
             )
-        self._callback_queued = False
-        self._in_flight.clear()
-        for unit in self.units or [self]:
-            for group in unit.groups:
-                group.wait_unshard()
-                if group.grads is not None:
-                    group.grads.discard_in_flight()
-            unit.reshard()
-            unit._pre_backward_done = False
-        release_workspaces()
+        with _phase("fsdp::reset_iter_state"):
+            if self.root_ctx is not None:
+                self.root_ctx.final_callback_queued = False
+                self.root_ctx.reductions_in_flight.clear()
+            for unit in self._tree():
+                for group in unit.groups:
+                    group.wait_unshard()
+                    if group.grads is not None:
+                        group.grads.discard_in_flight()
+                unit.reshard()
+                unit._enter(TrainingState.IDLE)
+            release_workspaces()
 
 
 def finish_grad_sync(units: list[FSDPState], launch: bool) -> None:
-    reducers = [g.grads for unit in units for g in unit.groups if g.grads is not None]
-    if launch:
-        for grads in reducers:  # all launched before any wait: they overlap
-            grads.launch_reduce()
-    for grads in reducers:
-        grads.finish_reduce()
-        grads.attach_grads()
+    with _phase("fsdp::finish_grad_sync"):
+        reducers = [g.grads for unit in units for g in unit.groups if g.grads is not None]
+        if launch:
+            for grads in reducers:  # all launched before any wait: they overlap
+                grads.launch_reduce()
+        for grads in reducers:
+            grads.finish_reduce()
+            grads.attach_grads()
 
 
 def _in_backward() -> bool:

@@ -17,8 +17,8 @@ called on fsdp's flat buffers, :mod:`fsdp.compose.custom_comm`), and the comm-me
 meshes (fsdp's comm objects allocating from the process group or symmetric memory). Accepted,
 no effect (fsdp already behaves so, or has no such internal): ``set_separate_reduce_scatter_group``
 (dbuffer owns the process groups), ``share_comm_ctx`` (units on one device always share their
-CUDA streams), ``set_allocate_memory_from_process_group_for_comm`` on gloo (no allocator of its
-own, as in FSDP2). ``set_symm_mem_for_comm`` off CUDA raises ``RuntimeError``, as FSDP2's does.
+streams, :mod:`fsdp.group.streams`), ``set_allocate_memory_from_process_group_for_comm`` on gloo
+(no allocator of its own, as in FSDP2). ``set_symm_mem_for_comm`` off CUDA raises ``RuntimeError``, as FSDP2's does.
 """
 
 from __future__ import annotations
@@ -135,14 +135,16 @@ def set_reduce_scatter_unused_params(
 def set_reduce_scatter_max_input_buffers(self: "FSDPModule", max_input_buffers: int, *, recurse: bool = True) -> None:
     """How many gradient reductions may be in flight at once during backward (default 1: more
     buys overlap only when reductions are slower than a unit's backward, and each costs an
-    unsharded gradient buffer at the peak). Set on the root (the tree's reductions are the
-    root's to bound); ``recurse`` is accepted for FSDP2's signature."""
+    unsharded gradient buffer at the peak). The tree's reductions are the root's to bound (its
+    :class:`~fsdp.unit.root.RootContext`): set on any unit of an initialised tree, it applies to
+    the tree; set before the first forward, the largest value set on a unit of the tree applies,
+    as in FSDP2. ``recurse`` is accepted for FSDP2's signature."""
     if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
         raise TypeError(f"max_input_buffers must be an int, got {type(max_input_buffers).__name__}")
     if max_input_buffers < 1:
         raise ValueError(f"max_input_buffers must be a positive int, got {max_input_buffers}")
     for state in _units(self, recurse):
-        state.max_reductions_in_flight = max_input_buffers
+        state.root_knobs().max_reductions_in_flight = max_input_buffers
 
 
 # ---------------------------------------------------------------- gathers, streams, iteration
@@ -159,12 +161,13 @@ def set_unshard_in_backward(self: "FSDPModule", unshard_in_backward: bool) -> No
 
 def set_post_optim_event(self: "FSDPModule", event: Any) -> None:
     """The root's next forward gathers only after ``event`` (recorded after the optimizer step);
-    used once, then dropped. On CUDA the all-gather stream waits for it; unlike FSDP2 it still
-    waits for the current stream too (fsdp's launch always orders after it), so the event adds
-    an ordering and removes none. Elsewhere the host waits for the event."""
+    used once, then dropped. With real streams (CUDA, XPU) the all-gather stream waits for it;
+    unlike FSDP2 it still waits for the current stream too (fsdp's launch always orders after
+    it), so the event adds an ordering and removes none. Elsewhere (CPU) the host waits for the
+    event (:meth:`fsdp.group.streams.CommStreams.gathers_wait`)."""
     if not hasattr(event, "synchronize"):
         raise ArgumentTypeError(f"event must be a torch.Event (or torch.cuda.Event), got {event!r}")
-    self._fsdp_state.post_optim_event = event
+    self._fsdp_state.root_knobs().post_optim_event = event
 
 
 def reset_iter_state(self: "FSDPModule") -> None:
@@ -256,8 +259,9 @@ def set_symm_mem_for_comm(self: "FSDPModule", backend: Literal["NCCL"] = "NCCL")
 
 
 def share_comm_ctx(modules: list["FSDPModule"]) -> None:
-    """FSDP2 (pipeline parallelism): make several roots share their CUDA streams. fsdp's units
-    on one device always share them (one set per device), so this only checks its argument."""
+    """FSDP2 (pipeline parallelism): make several roots share their comm streams. fsdp's units
+    on one device always share them (one set per device, :mod:`fsdp.group.streams`), so this
+    only checks its argument."""
     for module in modules:
         if not isinstance(getattr(module, "_fsdp_state", None), FSDPState):  # not a sharded module
             raise ValueError(f"Expects list of FSDPModules but got {module}")

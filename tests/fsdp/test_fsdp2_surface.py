@@ -343,7 +343,7 @@ def _small_knobs(model, x, y, ref) -> dict:
     fsdp.share_comm_ctx([m, m.blocks[0]])
     loss_fn(m, xl, yl).backward()
     loss_fn(m, xl, yl).backward()  # the event is used once
-    out = {"event waited": event.waited, "in flight": m._fsdp_state.max_reductions_in_flight}
+    out = {"event waited": event.waited, "in flight": m._fsdp_state.root_ctx.max_reductions_in_flight}
     out["grads"] = _close(_grads(m), ref, 2.0)
     return out
 

@@ -182,7 +182,7 @@ def _order_and_determinism(model, batches) -> dict:
         states.append(full_state(m))
         order = [info.fqn for g in m._fsdp_state.groups for info in g.infos]
         assert order == ["head.weight", "norm.weight", "embed.weight"]  # registration order
-        recorded = [s.modules[0] for s in m._fsdp_state.forward_order]
+        recorded = [s.modules[0] for s in m._fsdp_state.root_ctx.forward_order]
         assert recorded == [m, m.blocks[1], m.blocks[0]]  # forward order
     return {"bitwise_repeat": all(torch.equal(states[0][k], states[1][k]) for k in states[0]),
             "bitwise_prefetch": all(torch.equal(states[0][k], states[2][k]) for k in states[0]),
@@ -308,7 +308,7 @@ def _grad_buffers_in_backward(model, batches, ref) -> tuple[int, float]:
     for unit in units:
         for g in unit.groups:
             if g.requires_grad:
-                g.grads.register_hooks(unit._on_group_grads_done, unit._on_group_grads_start)
+                g.grads.register_hooks(unit._on_group_grads_done, unit._finish_reductions_in_flight)
     train(m, batches, rank=rank, world=world)
     return most, max_diff(full_state(m), ref)
 
@@ -365,7 +365,7 @@ def _gradient_buffers_during_backward(model, batches, ref) -> dict:
             for p in g.unsharded_params:
                 p._post_accumulate_grad_hooks.clear()
                 p.register_post_accumulate_grad_hook(lambda p, g=g: early.append(g.grads.grad_in.is_storage_released()))
-            g.grads.register_hooks(unit._on_group_grads_done, unit._on_group_grads_start)
+            g.grads.register_hooks(unit._on_group_grads_done, unit._finish_reductions_in_flight)
     train(m, batches, rank=rank, world=world)
     return {"seen": seen, "early": early, "diff": max_diff(full_state(m), ref)}
 

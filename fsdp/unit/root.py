@@ -1,0 +1,105 @@
+"""RootContext: what only a root unit holds, for the whole tree of units below it.
+
+The first unit to run forward becomes the root of every unit below it (``FSDPState._lazy_init``),
+and some things exist once per tree, not once per unit (FSDP2 keeps them in the root's
+``FSDPStateContext`` and ``FSDPCommContext``): the tree's units, the order they ran forward in
+(prefetching follows it), the gradient reductions in flight and their bound, the end-of-backward
+callback (queued once per backward), whether that end waits for the reductions
+(``set_is_last_backward``), the post-optimizer event, and the comm streams (one set per device,
+shared by every unit on it: :mod:`fsdp.group.streams`). A unit below a root holds none of it:
+its ``ctx`` is None and its hooks report to ``state.root.ctx``.
+
+Knobs that only a root reads (``set_is_last_backward``, ``set_post_optim_event``,
+``set_reduce_scatter_max_input_buffers``) may be set before the first forward, when no unit
+knows yet whether it is a root: they create the unit's context then. Lazy initialisation keeps
+the root's and drops those of units below it: as in FSDP2, such a knob has an effect only on the
+root. A unit not yet initialised whose gradients arrive anyway (parameters used after
+``unshard()`` outside any forward) acts as the root of itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from fsdp.group.grads import GradReducer
+from fsdp.group.streams import CommStreams
+
+__all__ = ["MAX_REDUCTIONS_IN_FLIGHT", "RootContext"]
+
+Unit = Any  # an fsdp.unit.state.FSDPState (not imported: that module imports this one)
+
+# One reduction in flight while the next unit computes its gradients: a unit's backward takes far
+# longer than reducing its shard, so a second one in flight buys no overlap and costs a whole
+# unsharded gradient buffer at the step's memory peak (measured: 13 MiB of 419 on the benchmark).
+MAX_REDUCTIONS_IN_FLIGHT = 1
+
+
+@dataclass(eq=False)
+class RootContext:
+    """The tree's shared state, held by its root (see the module docstring)."""
+
+    units: list[Unit]  # every unit of the tree, the root first (named_modules order)
+    forward_order: list[Unit] = field(default_factory=list)  # units in the order they ran
+    # The order is complete (prefetching may follow it) from the root's second grad-enabled
+    # forward on: the first one, or a no_grad one before it, records it.
+    order_complete: bool = False
+    reductions_in_flight: list[GradReducer] = field(default_factory=list)  # oldest first
+    max_reductions_in_flight: int = MAX_REDUCTIONS_IN_FLIGHT
+    post_optim_event: Optional[Any] = None  # waited for before the next gathers, then dropped
+    final_callback_queued: bool = False  # once per backward, on the autograd engine
+    is_last_backward: bool = True  # False: the end of backward leaves reductions in flight
+    streams: list[CommStreams] = field(default_factory=list)  # one per device of the tree's groups
+
+    def adopt(self, units: list[Unit]) -> None:
+        """The tree found by lazy initialisation: its units and the streams their groups use."""
+        self.units = units
+        streams = {id(g.streams): g.streams for unit in units for g in unit.groups}
+        self.streams = list(streams.values())
+
+    # ------------------------------------------------------------------ forward order
+
+    def root_forward_begins(self, grad_enabled: bool) -> bool:
+        """The root's forward begins; True if the forward order has just become complete."""
+        was = self.order_complete
+        if grad_enabled:
+            self.order_complete = bool(self.forward_order)
+        return self.order_complete and not was
+
+    def ran_forward(self, unit: Unit) -> None:
+        if not self.order_complete and unit not in self.forward_order:
+            self.forward_order.append(unit)
+
+    def neighbour(self, unit: Unit, step: int) -> list[Unit]:
+        """The unit ``step`` places after ``unit`` in the forward order (-1: before), once the
+        order is complete; none otherwise."""
+        if not self.order_complete or unit not in self.forward_order:
+            return []
+        k = self.forward_order.index(unit) + step
+        return [self.forward_order[k]] if 0 <= k < len(self.forward_order) else []
+
+    # ------------------------------------------------------------------ reductions
+
+    def launched(self, grads: GradReducer) -> None:
+        """A group's reducer launched its reduction. Finishing the oldest ones beyond the bound
+        frees their unsharded gradient buffers during backward, instead of all of them living to
+        its end."""
+        self.reductions_in_flight.append(grads)
+        self.finish_reductions(keep=self.max_reductions_in_flight)
+
+    def finish_reductions(self, keep: int = 0) -> None:
+        """Finish the oldest reductions in flight until at most ``keep`` remain."""
+        while len(self.reductions_in_flight) > keep:
+            self.reductions_in_flight.pop(0).finish_reduce()
+
+    # ------------------------------------------------------------------ post-optimizer event
+
+    def wait_post_optim_event(self) -> None:
+        """The next gathers start after the post-optimizer event, if one was set (used once)."""
+        event, self.post_optim_event = self.post_optim_event, None
+        if event is None:
+            return
+        if not self.streams:  # no group to gather: the host waits, as without real streams
+            event.synchronize()
+        for streams in self.streams:
+            streams.gathers_wait(event)
