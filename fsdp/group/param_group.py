@@ -33,7 +33,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from torch.profiler import record_function
 
 from dbuffer import DBuffer, Pending
 from fsdp.group.comms import DBUFFER_COMMS
@@ -43,6 +42,7 @@ from fsdp.group.members import GroupPlacements, ParamInfo, check_no_late_extensi
 from fsdp.group.layouts import PLAIN, ChunkedLayout, FlatLayout, ParamKind, flat_layout
 from fsdp.group.meta_init import MetaInit, meta_error
 from fsdp.group.registration import note_registration
+from fsdp.group.profiling import label
 from fsdp.group.policy import Dtypes, MixedPrecisionPolicy, Strategy
 from fsdp.group.reduction import ReduceSettings
 from fsdp.group.streams import CommStreams
@@ -292,7 +292,7 @@ class ParameterGroup(MetaInit, DtypeConversion):
             return
         if self.is_meta:  # nothing to cast or gather until to_empty
             return
-        with record_function("fsdp::optimizer_refresh"):
+        with label("fsdp::optimizer_refresh"):
             self._refresh_model(version)
         self._weights_version = version
         self._stale = False
@@ -352,13 +352,13 @@ class ParameterGroup(MetaInit, DtypeConversion):
     def all_gather(self, source: DBuffer, target: DBuffer) -> Pending:
         """Gather ``source`` (sharded) into ``target`` (replicated), in flight, by the group's
         comms (dbuffer's, or FSDP2's comm objects: :mod:`fsdp.compose.custom_comm`)."""
-        with record_function("fsdp::all_gather"):
+        with label("fsdp::all_gather"):
             return self.comms.all_gather(source, self.placements.replicated, target)
 
     def reduce_into(self, source: DBuffer, placements: tuple, out: DBuffer, async_op: bool = True):
         """``source.redistribute(placements, out=out)`` by the group's comms: a reduce-scatter on
         the shard axis (and an HSDP all-reduce across replicas), or an all-reduce."""
-        with record_function("fsdp::reduce_scatter"):
+        with label("fsdp::reduce_scatter"):
             return self.comms.reduce(source, placements, out, async_op)
 
     def _gather_target(self) -> DBuffer:
@@ -379,7 +379,7 @@ class ParameterGroup(MetaInit, DtypeConversion):
         them: a gather in flight, a prefetch, holds the gathered buffer alone, not both)."""
         if self.gathered is None:
             return
-        with record_function("fsdp::copy_out"):
+        with label("fsdp::copy_out"):
             self.unsharded.reallocate_storage()
             self.layout.copy_out(self.gathered, self.unsharded)
             self.gathered.release_storage()

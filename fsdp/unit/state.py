@@ -36,7 +36,6 @@ post-hook leaves the weights for the backward that follows. Every hook is regist
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 from types import MethodType
@@ -44,14 +43,13 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.nn as nn
-from torch.autograd import _profiler_enabled
-from torch.profiler import record_function
 from torch.utils._pytree import tree_flatten, tree_map
 
 from dbuffer.collectives import release_workspaces
 from fsdp.group.meta_init import meta_error
 from fsdp.group.param_group import ParameterGroup
 from fsdp.group.policy import MixedPrecisionPolicy
+from fsdp.group.profiling import label
 from fsdp.unit.root import MAX_REDUCTIONS_IN_FLIGHT, RootContext
 from fsdp.unit.training_state import TrainingState, check_transition
 
@@ -75,13 +73,7 @@ LABELS = (
 )
 
 
-def _phase(label: str, unit: Optional[str] = None):
-    """``record_function(label)``, ``unit`` (a name below the root) appended, while a profiler
-    records; a no-op context otherwise: ``record_function`` costs about 15 us a call with no
-    profiler on (a 2-core CPU), which over a step's hooks would cost the CPU benchmark about 1%."""
-    if not _profiler_enabled():
-        return contextlib.nullcontext()
-    return record_function(f"{label} ({unit})" if unit else label)
+_phase = label  # the unit's phases are labelled like the groups' collectives
 
 
 def _run_eagerly(hook: MethodType) -> MethodType:

@@ -16,10 +16,9 @@ from tests.fsdp.models import loss_fn, make_batches, make_model
 from tests.fsdp.test_parity import shard
 from tests.harness import run_ranks
 
-# The unit-level labels fsdp/unit/state.py adds. The parameter groups' labels (fsdp::all_gather,
-# fsdp::copy_out, fsdp::reduce_scatter, fsdp::optimizer_refresh, ...) are theirs to list here.
+# The unit-level labels fsdp/unit/state.py adds, and the parameter groups' (fsdp/group/).
 UNIT_LABELS = LABELS
-GROUP_LABELS: tuple[str, ...] = ()
+GROUP_LABELS = ("fsdp::all_gather", "fsdp::copy_out", "fsdp::reduce_scatter", "fsdp::optimizer_refresh")
 EXPECTED = UNIT_LABELS + GROUP_LABELS
 
 _UNIT_SUFFIX = re.compile(r" \([^()]*\)$")  # "fsdp::pre_forward (blocks.0)": the unit's name
@@ -35,6 +34,8 @@ def _profiled_step(model, batches) -> dict:
         loss_fn(m, x, y).backward()  # the first step: lazy initialisation included
         opt.step()
         opt.zero_grad()
+        with torch.no_grad():
+            loss_fn(m, x, y)  # the next forward refreshes the weights the optimizer changed
         m.reset_iter_state()  # between steps it resets nothing, but runs (and is labelled)
     names = {e.name for e in prof.events()}
     fsdp_names = sorted(n for n in names if n.startswith("fsdp::"))
