@@ -67,7 +67,9 @@ Differences worth knowing:
   accepts that device only. ``module.to(dtype)`` keeps the dtypes a ``MixedPrecisionPolicy`` set explicitly.
 """
 
-from fsdp.unit.api import FSDPModule, UnshardHandle, fully_shard, init_weights, register_fsdp_forward_method
+from fsdp.unit.fully_shard import fully_shard
+from fsdp.unit.init_weights import init_weights
+from fsdp.unit.module import FSDPModule, UnshardHandle, register_fsdp_forward_method
 from fsdp.unit.surface import DataParallelMeshDims, share_comm_ctx
 from fsdp.group.bucket import Bucket
 from fsdp.group.layout_choice import layout_policy

@@ -5,7 +5,7 @@ the unset ones follow the main weights), the checks that refuse a conversion bef
 changes (the shards stay on this rank's device of the mesh, or on the host under offload), and
 the conversion itself: every buffer rebuilt in its new dtype from the current values, the
 sharded parameters keeping their identity. Called by
-``FSDPModule._apply`` (:mod:`fsdp.unit.api`).
+``FSDPModule._apply`` (:mod:`fsdp.unit.module`).
 
 Why a mixin: the conversion rebuilds the group's own buffers (main, compute, gradient) and
 re-hooks and re-attaches its parameters, so it needs the whole group as ``self``; subclasses

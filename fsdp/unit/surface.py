@@ -23,7 +23,7 @@ streams, :mod:`fsdp.group.streams`), ``set_allocate_memory_from_process_group_fo
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Literal, Optional
+from typing import Any, Callable, Literal, Optional
 
 import torch
 import torch.nn as nn
@@ -34,9 +34,6 @@ from dbuffer import mesh_device
 from fsdp.compose import custom_comm
 from fsdp.group.reduction import check_divide_factor
 from fsdp.unit.state import FSDPState
-
-if TYPE_CHECKING:
-    from fsdp.unit.api import FSDPModule
 
 __all__ = [
     "ArgumentTypeError",
@@ -51,11 +48,11 @@ class ArgumentTypeError(TypeError, ValueError):
     torch FSDP2 raises in the same places (e.g. ``set_reshard_after_forward(2)``)."""
 
 
-def _units(module: "FSDPModule", recurse: bool) -> list["FSDPState"]:
+def _units(module: nn.Module, recurse: bool) -> list["FSDPState"]:
     return module._states(recurse)
 
 
-def _set_reduction(module: "FSDPModule", recurse: bool, **changes: Any) -> None:
+def _set_reduction(module: nn.Module, recurse: bool, **changes: Any) -> None:
     groups = [g for state in _units(module, recurse) for g in state.groups if g.requires_grad]
     for group in groups:  # every group is checked before any changes
         group.grads.set_reduction(**changes)  # raises, changing nothing, mid-reduction
@@ -64,7 +61,7 @@ def _set_reduction(module: "FSDPModule", recurse: bool, **changes: Any) -> None:
 # ---------------------------------------------------------------- gradient reduction
 
 
-def set_requires_all_reduce(self: "FSDPModule", requires_all_reduce: bool, *, recurse: bool = True) -> None:
+def set_requires_all_reduce(self: nn.Module, requires_all_reduce: bool, *, recurse: bool = True) -> None:
     """HSDP: False reduce-scatters each backward's gradients within the shard group but defers
     the all-reduce across replicas; the reduce-scattered sums accumulate and are all-reduced by
     the next reduction with it on (e.g. the last microbatch). ``param.grad`` is not updated by
@@ -81,7 +78,7 @@ def set_requires_all_reduce(self: "FSDPModule", requires_all_reduce: bool, *, re
 
 
 def set_all_reduce_hook(
-    self: "FSDPModule", hook: Callable[[torch.Tensor], None], *, stream: Optional[Any] = None
+    self: nn.Module, hook: Callable[[torch.Tensor], None], *, stream: Optional[Any] = None
 ) -> None:
     """Call ``hook(reduced)`` on this unit's reduced gradient shard of each reduction (not
     recursive): after the reduce-scatter on a 1-D mesh (e.g. to all-reduce across groups you
@@ -97,19 +94,19 @@ def set_all_reduce_hook(
         group.grads.set_reduction(hook=hook, hook_stream=stream)
 
 
-def set_gradient_divide_factor(self: "FSDPModule", factor: float) -> None:
+def set_gradient_divide_factor(self: nn.Module, factor: float) -> None:
     """Divide this unit's summed gradients by ``factor`` instead of averaging them over the
     data-parallel ranks (not recursive). The gradient buffer then reduces with ``sum``."""
     factor = check_divide_factor(factor)
     _set_reduction(self, False, divide_factor=factor)
 
 
-def set_reduce_scatter_divide_factor(self: "FSDPModule", factor: float) -> None:
+def set_reduce_scatter_divide_factor(self: nn.Module, factor: float) -> None:
     """Deprecated in FSDP2: :meth:`set_gradient_divide_factor`."""
     set_gradient_divide_factor(self, factor)
 
 
-def set_force_sum_reduction_for_comms(self: "FSDPModule", enable: bool) -> None:
+def set_force_sum_reduction_for_comms(self: nn.Module, enable: bool) -> None:
     """True: this unit's collectives only sum (not recursive); the division by the divide factor
     (default: the number of data-parallel ranks) runs after, and after the all-reduce hook, as
     in FSDP2. The gradients are the same either way, up to rounding."""
@@ -119,7 +116,7 @@ def set_force_sum_reduction_for_comms(self: "FSDPModule", enable: bool) -> None:
 
 
 def set_reduce_scatter_unused_params(
-    self: "FSDPModule", reduce_scatter_unused_params: bool, *, recurse: bool = True
+    self: nn.Module, reduce_scatter_unused_params: bool, *, recurse: bool = True
 ) -> None:
     """A parameter without a gradient always reduces as zeros in its group's one collective, so
     ranks that use different parameters never mismatch (FSDP2 needs this flag for that). True
@@ -132,7 +129,7 @@ def set_reduce_scatter_unused_params(
     _set_reduction(self, recurse, unused_params=reduce_scatter_unused_params)
 
 
-def set_reduce_scatter_max_input_buffers(self: "FSDPModule", max_input_buffers: int, *, recurse: bool = True) -> None:
+def set_reduce_scatter_max_input_buffers(self: nn.Module, max_input_buffers: int, *, recurse: bool = True) -> None:
     """How many gradient reductions may be in flight at once during backward (default 1: more
     buys overlap only when reductions are slower than a unit's backward, and each costs an
     unsharded gradient buffer at the peak). The tree's reductions are the root's to bound (its
@@ -150,7 +147,7 @@ def set_reduce_scatter_max_input_buffers(self: "FSDPModule", max_input_buffers: 
 # ---------------------------------------------------------------- gathers, streams, iteration
 
 
-def set_unshard_in_backward(self: "FSDPModule", unshard_in_backward: bool) -> None:
+def set_unshard_in_backward(self: nn.Module, unshard_in_backward: bool) -> None:
     """False: this unit's backward does not gather its weights again (not recursive), for units
     whose backward never reads them (an embedding: its gradient needs only the indices). A
     backward that does read them then reads freed storage, so only for such units."""
@@ -159,7 +156,7 @@ def set_unshard_in_backward(self: "FSDPModule", unshard_in_backward: bool) -> No
     self._fsdp_state.unshard_in_backward = unshard_in_backward
 
 
-def set_post_optim_event(self: "FSDPModule", event: Any) -> None:
+def set_post_optim_event(self: nn.Module, event: Any) -> None:
     """The root's next forward gathers only after ``event`` (recorded after the optimizer step);
     used once, then dropped. With real streams (CUDA, XPU) the all-gather stream waits for it;
     unlike FSDP2 it still waits for the current stream too (fsdp's launch always orders after
@@ -170,7 +167,7 @@ def set_post_optim_event(self: "FSDPModule", event: Any) -> None:
     self._fsdp_state.root_knobs().post_optim_event = event
 
 
-def reset_iter_state(self: "FSDPModule") -> None:
+def reset_iter_state(self: nn.Module) -> None:
     """After a forward or backward raised: call on the root, then train on. See
     :meth:`fsdp.unit.state.FSDPState.reset_iter_state` (the failed iteration's gradients are lost)."""
     self._fsdp_state.reset_iter_state()
@@ -179,7 +176,7 @@ def reset_iter_state(self: "FSDPModule") -> None:
 # ---------------------------------------------------------------- FSDP2 internals fsdp lacks
 
 
-def set_custom_all_gather(self: "FSDPModule", comm: Any) -> None:
+def set_custom_all_gather(self: nn.Module, comm: Any) -> None:
     """FSDP2's: gather this unit's weights (not recursive) with ``comm``, an object of FSDP2's
     ``AllGather`` protocol (``allocate`` + ``__call__(output_tensor=, input_tensor=, group=,
     async_op=)``), on the flat buffers dbuffer would have used; see :mod:`fsdp.compose.custom_comm`.
@@ -190,7 +187,7 @@ def set_custom_all_gather(self: "FSDPModule", comm: Any) -> None:
         custom_comm.install(group, all_gather_comm=comm)
 
 
-def set_custom_reduce_scatter(self: "FSDPModule", comm: Any) -> None:
+def set_custom_reduce_scatter(self: nn.Module, comm: Any) -> None:
     """FSDP2's: reduce-scatter this unit's gradients (not recursive) with ``comm``, an object of
     FSDP2's ``ReduceScatter`` protocol (``allocate`` + ``__call__(output_tensor=, input_tensor=,
     group=, op=, async_op=)``); see :mod:`fsdp.compose.custom_comm`. Set it on every rank."""
@@ -199,7 +196,7 @@ def set_custom_reduce_scatter(self: "FSDPModule", comm: Any) -> None:
         custom_comm.install(group, reduce_scatter_comm=comm)
 
 
-def set_separate_reduce_scatter_group(self: "FSDPModule", enable: bool = True, *, recurse: bool = True) -> None:
+def set_separate_reduce_scatter_group(self: nn.Module, enable: bool = True, *, recurse: bool = True) -> None:
     """Accepted, no effect: dbuffer owns the process groups its collectives run on, and fsdp has
     at most one reduction in flight while the next unit's gather runs."""
     if not isinstance(enable, bool):
@@ -211,7 +208,7 @@ class CustomCommConflictError(ValueError, AssertionError):
     ``AssertionError``, which is what torch FSDP2 raises for it."""
 
 
-def _comm_memory(self: "FSDPModule", what: str, kind: str, enable: bool, backend: str = "NCCL") -> None:
+def _comm_memory(self: nn.Module, what: str, kind: str, enable: bool, backend: str = "NCCL") -> None:
     """Install (``enable``) or remove fsdp's comm objects that allocate from special memory
     (:mod:`fsdp.compose.custom_comm`) on this unit's groups whose mesh is on CUDA (not recursive, as in
     FSDP2). A unit with a user's comm object raises first, changing nothing."""
@@ -236,7 +233,7 @@ def _comm_memory(self: "FSDPModule", what: str, kind: str, enable: bool, backend
         custom_comm.install(group, all_gather_comm=gather, reduce_scatter_comm=reduce)
 
 
-def set_allocate_memory_from_process_group_for_comm(self: "FSDPModule", enable: bool) -> None:
+def set_allocate_memory_from_process_group_for_comm(self: nn.Module, enable: bool) -> None:
     """FSDP2's: this unit's (not recursive) collectives read and write buffers allocated by the
     process group (NCCL: registered memory, for zero-copy transfers such as SHARP), staged to and
     from fsdp's persistent buffers by one copy each (:mod:`fsdp.compose.custom_comm`). No effect where the
@@ -247,7 +244,7 @@ def set_allocate_memory_from_process_group_for_comm(self: "FSDPModule", enable: 
     _comm_memory(self, "set_allocate_memory_from_process_group_for_comm", "process_group", enable)
 
 
-def set_symm_mem_for_comm(self: "FSDPModule", backend: Literal["NCCL"] = "NCCL") -> None:
+def set_symm_mem_for_comm(self: nn.Module, backend: Literal["NCCL"] = "NCCL") -> None:
     """FSDP2's: this unit's (not recursive) collectives use buffers from the symmetric-memory pool
     (NCCL's copy-engine / symmetric-kernel algorithms; the reduce-scatter's only when it sums,
     e.g. with ``set_force_sum_reduction_for_comms(True)``, as NCCL's symmetric reduce-scatter only
@@ -258,7 +255,7 @@ def set_symm_mem_for_comm(self: "FSDPModule", backend: Literal["NCCL"] = "NCCL")
     _comm_memory(self, "set_symm_mem_for_comm", "symmetric", True, backend)
 
 
-def share_comm_ctx(modules: list["FSDPModule"]) -> None:
+def share_comm_ctx(modules: list[nn.Module]) -> None:
     """FSDP2 (pipeline parallelism): make several roots share their comm streams. fsdp's units
     on one device always share them (one set per device, :mod:`fsdp.group.streams`), so this
     only checks its argument."""

@@ -13,7 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import fsdp
-import fsdp.unit.api
+import fsdp.unit.fully_shard
 from tests.fsdp.models import Block, loss_fn, make_batches, make_model
 from tests.harness import run_ranks
 
@@ -133,16 +133,16 @@ def _misuse_after_sharding(out: dict, mesh) -> None:
     # a failure during setup restores the class and the parameters
     block = Block()
     before = dict(block.named_parameters())
-    real = fsdp.unit.api.ParameterGroup
+    real = fsdp.unit.fully_shard.ParameterGroup
 
     def boom(*args, **kwargs):
         raise RuntimeError("injected")
 
-    fsdp.unit.api.ParameterGroup = boom
+    fsdp.unit.fully_shard.ParameterGroup = boom
     try:
         out["restore"] = _expect(lambda: fsdp.fully_shard(block, mesh=mesh), RuntimeError, "injected")
     finally:
-        fsdp.unit.api.ParameterGroup = real
+        fsdp.unit.fully_shard.ParameterGroup = real
     assert type(block) is Block and dict(block.named_parameters()) == before
     fsdp.fully_shard(block, mesh=mesh)  # and it can be sharded afterwards
 
@@ -160,7 +160,7 @@ def test_policy_dtypes() -> None:
     assert (d.main, d.model, d.main_grad, d.reduce) == (torch.float64,) * 4
     assert fsdp.MixedPrecisionPolicy().dtypes_for(torch.int64).main == torch.int64
     with pytest.raises(ValueError, match="unknown sharding_strategy"):
-        fsdp.unit.api.parse_strategy("FULL_SHARD")
+        fsdp.unit.fully_shard.parse_strategy("FULL_SHARD")
 
 
 # ----------------------------------------------------------------------------- module.to after fully_shard

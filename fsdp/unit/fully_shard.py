@@ -1,0 +1,298 @@
+"""fully_shard: turn modules into one unit of sharded parameters, shaped like torch FSDP2's.
+
+``fully_shard(module)`` groups the parameters the module owns (everything below it that no
+nested unit owns) into :class:`~fsdp.group.param_group.ParameterGroup` s, registers sharded DTensor
+parameters in their place, and swaps the module's class to ``FSDP<Orig>`` so the FSDP2 methods
+(``unshard``, ``reshard``, ``set_requires_gradient_sync``, ...) are available on it. Like FSDP2,
+shard nested modules first (bottom-up), the root last.
+
+Every check of the arguments runs before any buffer is built or any collective runs, so a
+misuse raises the same error on every rank. Then one small collective checks that every rank
+shards the same parameters with the same values (:mod:`dbuffer.agreement`).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+from typing import Callable, Iterable, Optional, Sequence, Union
+
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from dbuffer import mesh_device
+from fsdp.compose.extension_protocol import check_extension_params, split_extension_members
+from fsdp.compose.extensions import ExtensionParameterGroup
+from fsdp.compose.offload import CPUOffloadPolicy, HostOffload, OffloadPolicy, check_offload_policy
+from fsdp.compose.outer_shard import OuterShardedParameterGroup, check_outer_sharding
+from fsdp.compose.post_forward import enable_post_forward_slices
+from fsdp.compose.tensor_parallel import TensorParallelKind, check_params as _check_tensor_parallel
+from fsdp.group.bucket import Bucket, GroupSpec, plan_buckets
+from fsdp.group.layout_choice import chunk_by_default
+from fsdp.group.layouts import PLAIN, ChunkedLayout, describe_layout
+from fsdp.group.members import ParamInfo
+from fsdp.group.param_group import ParameterGroup
+from fsdp.group.policy import MixedPrecisionPolicy, Strategy, parse_strategy
+from fsdp.unit import surface
+from fsdp.unit.checks import (
+    check_devices,
+    check_mesh,
+    check_offloadable,
+    check_params,
+    check_ranks_agree,
+    check_reshard_after_forward,
+    post_forward_ranks,
+    shard_dims,
+)
+from fsdp.unit.module import FSDPModule, fsdp_class, state_of_module
+from fsdp.unit.state import FSDPState
+from fsdp.unit.surface import ArgumentTypeError, DataParallelMeshDims
+
+__all__ = ["fully_shard"]
+
+log = logging.getLogger("fsdp")
+
+# Attribute naming the unit that owns a parameter (set on the original and the sharded one).
+_OWNER = "_fsdp_owner"
+_IS_SHARD = "_fsdp_is_shard"  # on the sharded parameters fsdp registers (not on the originals)
+
+
+def fully_shard(
+    module: Union[nn.Module, list[nn.Module]],
+    *,
+    mesh: Optional[DeviceMesh] = None,
+    reshard_after_forward: Optional[Union[bool, int]] = None,
+    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
+    sharding_strategy: Union[str, Strategy] = "optim_grads_params",
+    ignored_params: Optional[Iterable[nn.Parameter]] = None,
+    buckets: Sequence[Bucket] = (),
+    bucket_size: Optional[int] = None,
+    shard_placement_fn: Optional[Callable[[nn.Parameter], Optional[Shard]]] = None,
+    offload_policy: OffloadPolicy = OffloadPolicy(),
+    dp_mesh_dims: Optional[DataParallelMeshDims] = None,
+    outer_dp_sharding_strategy: str = "no_shard",
+):
+    """Shard ``module`` (or a list of modules forming one unit) over ``mesh``.
+
+    ``reshard_after_forward``: as in FSDP2, whether a unit frees its gathered weights after
+    forward (and gathers again in backward). ``None`` (default): True, except for the root (the
+    first unit run), whose backward starts right after its forward. After forward a unit that
+    reshards has its sharded DTensor parameters registered, one that does not its unsharded
+    plain ones, until the end of backward or :meth:`FSDPModule.reshard`. An ``int`` ``n`` (FSDP2's
+    resharding to a smaller group) must divide the shard group's size ``W``: 1 means False, ``W``
+    True; in between, each rank keeps ``1/n`` of the gathered weights after forward and backward
+    gathers them within groups of ``n`` consecutive ranks (:mod:`fsdp.compose.post_forward`; ZeRO-3
+    groups of plain parameters on a 1-D mesh without offload; the other groups reshard fully,
+    like True).
+
+    ``mesh``: 1-D (the data-parallel ranks) or 2-D ``(replicate, shard)`` for HSDP: parameters
+    are sharded and gathered within the inner axis, gradients are reduce-scattered within it and
+    all-reduced across the outer one, in one ``redistribute``. ``buckets``: explicit groups of
+    parameters by name, each with its own mesh, placement, strategy and policy (see
+    :class:`fsdp.Bucket`); ``bucket_size``: split the remaining default groups at this many bytes
+    of main weights. Returns the module, its class swapped to ``FSDP<Orig>``. Nested units must be
+    sharded first.
+
+    Layout. By default every parameter's local shard is FSDP2's: exactly
+    ``torch.chunk(full, W, 0)[rank]`` over the ``W`` shard ranks (empty where torch.chunk gives
+    fewer pieces), registered as a plain DTensor with placement ``Shard(0)``, gathered and reduced
+    in flat groups with FSDP2's copy after each gather and before each reduction (see
+    :class:`fsdp.group.layouts.ChunkedLayout`). ``fsdp.layout_policy("auto" | "row" | "ragged")`` around the call opts
+    into Megatron-FSDP's flat layouts instead, whose gathered buffer *is* the unsharded
+    parameters (no copies), with row pieces handed out as exact DTensor subclasses (see
+    :mod:`fsdp.group.layout_choice`); ``no_shard``, HFSDP and explicit buckets always use those.
+
+    ``shard_placement_fn`` (FSDP2's): called once per parameter; ``Shard(dim)`` (``dim`` may be
+    negative) makes its local shard ``torch.chunk(full, W, dim)[rank]``, placement ``Shard(dim)``;
+    ``None`` leaves it to the default above. Any other return value raises ``TypeError``, a dim
+    the parameter lacks ``ValueError``, naming the parameter. With ``no_shard`` nothing is sharded
+    and the function's answers have no effect.
+
+    Parameters that are already DTensors (tensor or expert parallelism on other axes of the same
+    root mesh, e.g. ``parallelize_module(m, mesh["tp"], plan)`` then ``mesh=mesh["dp"]``) are
+    sharded as FSDP2 does: their TP-local tensors in torch.chunk pieces over ``mesh`` (dim 0, or
+    ``shard_placement_fn``'s), registered as DTensors on the joint ``(dp, tp)`` mesh; see
+    :mod:`fsdp.compose.tensor_parallel`.
+
+    ``offload_policy`` (FSDP2's classes, also exported by fsdp): ``CPUOffloadPolicy(pin_memory=)``
+    keeps the main weights, gradients and optimizer state on the host and steps the optimizer
+    there; each gather uploads the shard, each reduction downloads its result (see
+    :mod:`fsdp.compose.offload`). Parameters may then be on the CPU or the mesh's device; every strategy
+    works. ``pin_memory`` on a CPU mesh has nothing to speed up and is ignored.
+
+    ``dp_mesh_dims`` (FSDP2's :class:`DataParallelMeshDims`): ``mesh`` is a named mesh and these
+    of its dims are the data-parallel ones (``shard``, optionally ``replicate`` for HSDP; several
+    names are flattened into one dim); see :func:`fsdp.unit.surface.data_parallel_mesh`.
+
+    ``outer_dp_sharding_strategy`` (Megatron-FSDP's name; not in FSDP2): on a 2-D mesh,
+    ``"no_shard"`` (default) is HSDP; ``"optim"`` (HFSDP) also shards the main weights, main
+    grads and optimizer state across the replicate axis (``1/(R*S)`` per rank) while weights are
+    still gathered on the shard axis only; see :mod:`fsdp.compose.outer_shard`.
+
+    ``fully_shard.state(module)`` returns the unit's state, or None for a module not sharded.
+    """
+    modules = list(module) if isinstance(module, (list, tuple)) else [module]
+    strategy = parse_strategy(sharding_strategy)
+    offload = check_offload_policy(offload_policy)
+    mesh = surface.data_parallel_mesh(mesh, dp_mesh_dims)
+    if not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise TypeError(f"mp_policy must be an fsdp.MixedPrecisionPolicy, got {type(mp_policy).__name__}")
+    if reshard_after_forward is not None and not isinstance(reshard_after_forward, int):
+        raise ArgumentTypeError(f"reshard_after_forward must be a bool, an int or None, got {reshard_after_forward!r}")
+    for m in modules:
+        if not isinstance(m, nn.Module):
+            raise TypeError(f"fully_shard expects nn.Module(s), got {type(m).__name__}")
+        if isinstance(m, FSDPModule):
+            raise ValueError(f"{type(m).__name__} is already sharded; fully_shard each module once")
+    ignored = set(map(id, ignored_params or ()))
+    infos, shared_with_other_units = _collect_params(modules, ignored)
+    check_devices(infos)
+    mesh = check_mesh(mesh, infos, host_ok=offload is not None)
+    config = (strategy, reshard_after_forward, mp_policy, buckets, bucket_size, offload, outer_dp_sharding_strategy)
+    slice_ranks = post_forward_ranks(reshard_after_forward, mesh)
+    reshard_after_forward = check_reshard_after_forward(reshard_after_forward, mesh)
+    if isinstance(buckets, Bucket):
+        buckets = [buckets]
+    dims = shard_dims(infos, shard_placement_fn)
+    specs = plan_buckets(
+        [i.fqn for i in infos],
+        [i.param for i in infos],
+        list(buckets),
+        mesh,
+        strategy,
+        mp_policy,
+        bucket_size,
+        dims,
+        default_dim=0 if chunk_by_default() and outer_dp_sharding_strategy == "no_shard" else None,
+    )
+    for spec in specs:
+        if spec.mesh is not mesh:
+            check_mesh(spec.mesh, infos, what="a bucket's mesh", host_ok=offload is not None)
+        check_params([infos[k] for k in spec.members], spec.strategy, spec.policy)
+        _check_tensor_parallel([infos[k] for k in spec.members], spec.mesh, spec.dims, spec.strategy)
+    check_extension_params([i.fqn for i in infos], [i.param for i in infos], specs)
+    if offload is not None:
+        check_offloadable(infos)
+    outer = check_outer_sharding(outer_dp_sharding_strategy, mesh, specs, [i.param for i in infos], offload)
+    # The arguments are valid here; now the one collective: do all ranks shard the same thing?
+    check_ranks_agree(mesh, infos, specs, config)
+
+    classes = [type(m) for m in modules]
+    try:
+        for m in modules:
+            m.__class__ = fsdp_class(type(m))
+        groups = _build_groups(infos, specs, offload, outer)
+        if slice_ranks is not None:  # every rank gets here: the view's groups are made together
+            enable_post_forward_slices(groups, mesh, slice_ranks)
+        state = FSDPState(modules, groups, mp_policy, reshard_after_forward)
+        state.shared_with_other_units = shared_with_other_units
+        for group in groups:
+            group.use_params(unsharded=False)
+    except BaseException:
+        for m, cls in zip(modules, classes):
+            m.__class__ = cls
+        raise
+    owner = f"the unit of {classes[0].__name__}"
+    for info, group_param in _sharded_of(groups):
+        setattr(info.param, _OWNER, owner)  # a tied registration elsewhere still refers to it
+        setattr(group_param, _OWNER, owner)
+        setattr(group_param, _IS_SHARD, True)
+        info.param = None  # the full tensor is no longer needed
+    state.install_hooks()
+    for m in modules:
+        m._fsdp_state = state
+    return module
+
+
+fully_shard.state = state_of_module  # type: ignore[attr-defined]  # as FSDP2's contract function
+
+
+def _collect_params(modules: list[nn.Module], ignored: set[int]) -> tuple[list[ParamInfo], list[str]]:
+    """Parameters registered below ``modules`` outside nested units, in registration order,
+    each with all of its registrations (tied parameters appear once); and the error messages
+    for parameters another unit already owns (a tie split across units). Like FSDP2, such a
+    unit is still built (from the tensor the other registration keeps) and the error is raised
+    at lazy initialisation, the first forward, before any collective (``FSDPState._lazy_init``)."""
+    infos: dict[int, ParamInfo] = {}
+    shared: list[str] = []
+    seen_modules: set[int] = set()
+    for top in modules:
+        stack: list[tuple[str, nn.Module]] = [("", top)]
+        while stack:
+            prefix, m = stack.pop()
+            if id(m) in seen_modules:
+                continue
+            seen_modules.add(id(m))
+            for name, p in m._parameters.items():
+                if p is None or id(p) in ignored:
+                    continue
+                fqn = prefix + name
+                if getattr(p, _IS_SHARD, False):  # a module another unit already sharded
+                    raise ValueError(
+                        f"parameter {fqn!r} is already owned by {getattr(p, _OWNER)} (already managed by another "
+                        f"FSDP unit): its module belongs to that unit; a parameter (tied ones included) must "
+                        f"belong to one unit: shard a module that holds all its uses, or fully_shard([module_a, "
+                        f"module_b]) as one unit"
+                    )
+                if hasattr(p, _OWNER) and id(p) not in infos:  # a tie: this registration kept the original
+                    shared.append(
+                        f"parameter {fqn!r} is shared with a parameter already managed by another FSDP unit "
+                        f"({getattr(p, _OWNER)}); a parameter (tied ones included) must belong to one unit: shard a "
+                        f"module that holds all its uses, or fully_shard([module_a, module_b]) as one unit"
+                    )
+                info = infos.setdefault(id(p), ParamInfo(fqn, p))
+                info.registrations.append((m, name))
+            children = [(f"{prefix}{n}.", c) for n, c in m.named_children() if not isinstance(c, FSDPModule)]
+            stack.extend(reversed(children))
+    return list(infos.values()), shared
+
+
+def _build_groups(
+    infos: list[ParamInfo], specs: list[GroupSpec], offload: Optional[CPUOffloadPolicy] = None, outer: bool = False
+) -> list[ParameterGroup]:
+    """One group per spec (tensor-subclass members split off into their own): its layout
+    (torch.chunk pieces where the spec has dims, else flat), its parameter kind (plain or
+    tensor-parallel) and its parts (host offload) are chosen here and handed to it."""
+    groups = []
+    for whole in specs:
+        extension, rest = split_extension_members(whole, [i.param for i in infos])
+        for members_k, ext in ((extension, True), (rest, False)):  # tensor subclasses: fsdp.compose.extensions
+            if not members_k:
+                continue
+            spec = replace(whole, members=members_k, dims=_dims_of(whole, members_k))
+            members = [infos[k] for k in spec.members]
+            first = members[0].param
+            part = None if offload is None else HostOffload(offload, mesh_device(spec.mesh))
+            kw = dict(gradient_divide_factor=spec.gradient_divide_factor, policy=spec.policy, offload=part)
+            args = (members, spec.mesh, spec.strategy, spec.policy.dtypes_for(first.dtype), first.requires_grad)
+            if ext:
+                groups.append(ExtensionParameterGroup(*args, **kw))
+            elif spec.dims is not None:
+                kind = TensorParallelKind([i.param for i in members], spec.mesh, spec.dims) if isinstance(first, DTensor) else PLAIN
+                shapes = [tuple(kind.local(i.param).shape) for i in members]
+                mesh = spec.mesh
+                layout = ChunkedLayout(shapes, spec.dims, mesh.shape[-1], mesh.get_coordinate()[-1])
+                groups.append(ParameterGroup(*args, layout=layout, kind=kind, **kw))
+            else:  # outer: HFSDP (fsdp.compose.outer_shard), validated by check_outer_sharding
+                cls = OuterShardedParameterGroup if outer else ParameterGroup
+                groups.append(cls(*args, shard=spec.placement, **kw))
+    if log.isEnabledFor(logging.DEBUG):
+        for group in groups:
+            log.debug(
+                "fully_shard: %s of %d parameters (%s): %s layout, %s, strategy %s, dtypes %s, mesh %s",
+                type(group).__name__, len(group.infos), group._names(), describe_layout(group.layout),
+                type(group.kind).__name__, group.strategy.name, group.dtypes, group.mesh,
+            )
+    return groups
+
+
+def _dims_of(spec: GroupSpec, members: list[int]) -> Optional[list[int]]:
+    if spec.dims is None:
+        return None
+    return [d for k, d in zip(spec.members, spec.dims) if k in set(members)]
+
+
+def _sharded_of(groups: list[ParameterGroup]):
+    for group in groups:
+        yield from zip(group.infos, group.sharded_params)
