@@ -26,6 +26,7 @@ from torch.distributed.tensor import DTensor
 import fsdp
 from dbuffer import RowShardedDTensor
 from fsdp import checkpoint as ckpt
+from fsdp.checkpoint import atomic
 from fsdp.group.layout_choice import layout_policy
 from tests.fsdp.models import loss_fn, make_batches, make_model
 from tests.fsdp.test_parity import STRATEGIES, shard
@@ -446,15 +447,15 @@ def _save_refusals(root: str) -> dict:
     if rank == 0:
         assert open(os.path.join(root, "file")).read() == "user data"
     # Rank 0 decides for every rank: one that would see a clean path still raises with it.
-    real = ckpt._not_ours
-    ckpt._not_ours = real if rank == 0 else (lambda path: None)
+    real = atomic._not_ours
+    atomic._not_ours = real if rank == 0 else (lambda path: None)
     try:
         ckpt.save(state, os.path.join(root, "file"))
         out["rank0_decides"] = "saved"
     except ckpt.CheckpointError as exc:
         out["rank0_decides"] = "ok" if "is a file" in str(exc) else str(exc)
     finally:
-        ckpt._not_ours = real
+        atomic._not_ours = real
     # A checkpoint (with its leftovers) is replaced as before.
     good = os.path.join(root, "good")
     ckpt.save(state, good)

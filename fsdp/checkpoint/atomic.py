@@ -1,0 +1,290 @@
+"""``save`` / ``load``: DCP with an atomic publish and per-file checksums (the guarantees are
+in :mod:`fsdp.checkpoint`'s docstring)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import shutil
+import warnings
+from typing import Any, Optional, Union
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import SavePlanner
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
+
+from dbuffer import debug
+from dbuffer.dtensor import broadcast_object
+from fsdp.checkpoint.files import CHECKSUMS, METADATA, OLD, PARTIAL, CheckpointError, crc32
+
+__all__ = ["load", "save"]
+
+_CRC_KEY = "__fsdp_crc32__/"  # write results that carry a file's checksum to the coordinator
+
+
+def save(state: dict[str, Any], path: Union[str, os.PathLike], *, planner: Optional[SavePlanner] = None) -> None:
+    """``dcp.save(state)`` into the directory ``path``, published atomically (module docstring).
+
+    ``state`` is anything ``dcp.save`` takes, e.g. ``{"model": msd, "optim": osd, "step": 100}``
+    from :func:`get_state_dict`. Every rank calls it. An existing ``path`` must be a checkpoint.
+    """
+    if debug.ENABLED:
+        debug.check(None, "fsdp.checkpoint.save", repr(os.fspath(path)))
+    path = os.path.abspath(os.fspath(path))
+    problem = _on_rank0(lambda: _not_ours(path))
+    if problem is not None:
+        raise CheckpointError(problem)
+    _unwrap(lambda: dcp.save(state, storage_writer=_AtomicWriter(path), planner=planner))
+
+
+# What a DCP save writes into its directory (FileSystemWriter's data and metadata files, the
+# temporary metadata it renames, this module's checksums); anything else is someone else's.
+_SAVE_FILES = re.compile(r"__\d+_\d+\.distcp|(__\d+)?\.metadata(\.tmp)?|\.checksums")
+
+
+def _not_ours(path: str) -> Optional[str]:
+    """Why saving to ``path`` could move, overwrite or delete something that is not a checkpoint
+    (a save replaces ``path``, clears ``<path>.partial`` and deletes ``<path>.old``), or None.
+    ``path`` may be absent or an empty directory; an existing one must be a complete checkpoint;
+    ``.partial`` and ``.old`` may hold only the files a save writes."""
+    fix = "choose another path, or move it away yourself"
+    for target, complete in ((path, True), (path + PARTIAL, False), (path + OLD, False)):
+        try:
+            if not os.path.lexists(target):
+                continue
+            if os.path.islink(target):
+                return (
+                    f"cannot save to {path}: {target} is a symbolic link, which a save would replace; "
+                    f"pass the directory it points to ({os.path.realpath(target)}) or {fix}"
+                )
+            if not os.path.isdir(target):
+                return f"cannot save to {path}: {target} exists and is a file, not a checkpoint directory; {fix}"
+            entries = sorted(os.listdir(target))
+        except OSError as exc:
+            return f"cannot save to {path}: {target} cannot be inspected ({exc!r}); {fix}"
+        foreign = [e for e in entries if not _SAVE_FILES.fullmatch(e)]
+        if foreign:
+            shown = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
+            return (
+                f"cannot save to {path}: {target} exists and is not a checkpoint (it holds {shown}, "
+                f"which no save writes), and a save would replace it; {fix}"
+            )
+        if complete and entries and METADATA not in entries:
+            return (
+                f"cannot save to {path}: {target} exists and is not a checkpoint (no {METADATA}); "
+                f"refusing to replace it: {fix}"
+            )
+    return None
+
+
+def _on_rank0(decide):
+    """``decide()`` run on rank 0 of the default group and sent to every rank (one decision, taken
+    before DCP's first collective, even where ranks see a shared file system differently)."""
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+        return decide()
+    backend = str(dist.get_backend()).lower()
+    if "fake" in backend:
+        return decide()
+    cuda = "nccl" in backend and "gloo" not in backend
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    return broadcast_object(decide() if dist.get_rank() == 0 else None, None, 0, device)
+
+
+def load(state: dict[str, Any], path: Union[str, os.PathLike], *, verify: bool = True) -> None:
+    """``dcp.load(state)`` from ``path``, in place, at any world size or sharding strategy.
+
+    Every key of ``state`` must be in the checkpoint with the same global shape (extra keys in
+    the checkpoint are fine). With ``verify``, each rank checks the CRC32 of the files it reads.
+    Then pass the loaded dicts to ``set_state_dict`` (torch's or this module's).
+    """
+    if debug.ENABLED:
+        debug.check(None, "fsdp.checkpoint.load", repr(os.fspath(path)))
+    path = _resolve(os.path.abspath(os.fspath(path)))
+    _unwrap(lambda: dcp.load(state, storage_reader=_CheckedReader(path, verify), planner=_CheckedPlanner(path)))
+
+
+def _resolve(path: str) -> str:
+    if os.path.exists(os.path.join(path, METADATA)):
+        return path
+    if os.path.exists(os.path.join(path + OLD, METADATA)):
+        warnings.warn(f"{path} is missing; loading {path + OLD}, which a save interrupted mid-publish left behind")
+        return path + OLD
+    hint = f" ({path + PARTIAL} is an interrupted save and is never loaded)" if os.path.exists(path + PARTIAL) else ""
+    if os.path.isdir(path):
+        raise CheckpointError(f"{path} is not a complete checkpoint: {os.path.join(path, METADATA)} is missing{hint}")
+    raise CheckpointError(f"no checkpoint at {path}{hint}")
+
+
+def _unwrap(fn) -> None:
+    """Run a DCP call; re-raise the first failing rank's own error (same on every rank) instead
+    of DCP's wrapper, keeping the wrapper (every rank's traceback) as the cause."""
+    try:
+        fn()
+    except CheckpointException as exc:
+        failures = exc.failures
+        if not failures:
+            raise
+        raise failures[min(failures)][0] from exc
+
+
+class _AtomicWriter(FileSystemWriter):
+    """A FileSystemWriter into ``<path>.partial`` that records each data file's CRC32 and whose
+    ``finish`` (run by the coordinator after every rank has written, before any rank returns)
+    publishes the directory as ``path``."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(path + PARTIAL)
+        self.final = path
+
+    def prepare_global_plan(self, plans):
+        # Coordinator, after every rank's local plan (which creates the directory), before any
+        # write: clear what an interrupted save left there.
+        shutil.rmtree(self.path, ignore_errors=True)
+        os.makedirs(self.path)
+        return super().prepare_global_plan(plans)
+
+    def write_data(self, plan, planner) -> Future:
+        results = super().write_data(plan, planner).wait()
+        for name in sorted({r.storage_data.relative_path for r in results}):
+            crc = crc32(os.path.join(self.path, name))
+            results.append(WriteResult(index=MetadataIndex(_CRC_KEY + name), size_in_bytes=0, storage_data=crc))
+        fut: Future = Future()
+        fut.set_result(results)
+        return fut
+
+    def finish(self, metadata, results) -> None:
+        sums, kept = {}, []
+        for rank_results in results:
+            kept.append([])
+            for r in rank_results:
+                if r.index.fqn.startswith(_CRC_KEY):
+                    sums[r.index.fqn[len(_CRC_KEY) :]] = r.storage_data
+                else:
+                    kept[-1].append(r)
+        with open(os.path.join(self.path, CHECKSUMS), "w") as f:
+            json.dump({"crc32": sums}, f, indent=0, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        super().finish(metadata, kept)  # writes .metadata (fsynced): the directory is complete
+        _publish(os.fspath(self.path), self.final)
+
+
+def _publish(staging: str, final: str) -> None:
+    old = final + OLD
+    if os.path.exists(final):
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(final, old)
+    os.rename(staging, final)
+    _fsync_dir(os.path.dirname(final))
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+
+
+class _CheckedPlanner(DefaultLoadPlanner):
+    """Every key of the (flattened) state dict must be in the checkpoint with the same shape."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__()
+        self.path = path
+
+    def create_local_plan(self):
+        saved = self.metadata.state_dict_metadata
+        for fqn, obj in self.state_dict.items():
+            md = saved.get(fqn)
+            if md is None:
+                raise CheckpointError(f"key {fqn!r} of the state dict is missing from checkpoint {self.path}")
+            if isinstance(obj, torch.Tensor):
+                if not isinstance(md, TensorStorageMetadata):
+                    raise CheckpointError(f"key {fqn!r}: checkpoint {self.path} holds a non-tensor value there")
+                if tuple(md.size) != tuple(obj.size()):
+                    raise CheckpointError(
+                        f"key {fqn!r}: shape {tuple(md.size)} in checkpoint {self.path}, "
+                        f"but {tuple(obj.size())} in the state dict being loaded"
+                    )
+        return super().create_local_plan()
+
+
+class _CheckedReader(FileSystemReader):
+    """Checks the size and CRC32 of every file a rank will read (when the checkpoint records
+    them) while planning, then reads file by file, so that any failure names its file."""
+
+    def __init__(self, path: str, verify: bool) -> None:
+        super().__init__(path)
+        self.verify = verify
+        self.sums: Optional[dict[str, list[int]]] = None
+
+    def read_metadata(self, *args, **kwargs):
+        try:
+            return super().read_metadata(*args, **kwargs)
+        except Exception as exc:
+            file = os.path.join(self.path, METADATA)
+            raise CheckpointError(f"checkpoint metadata {file} cannot be read: {exc!r}") from exc
+
+    def set_up_storage_reader(self, metadata, is_coordinator, *args, **kwargs) -> None:
+        super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+        sums_path = os.path.join(self.path, CHECKSUMS)
+        if self.verify and os.path.exists(sums_path):
+            try:
+                with open(sums_path) as f:
+                    self.sums = json.load(f)["crc32"]
+            except Exception as exc:
+                raise CheckpointError(f"checksum file {sums_path} cannot be read: {exc!r}") from exc
+
+    def prepare_local_plan(self, plan):
+        # Still planning (DCP gathers a failure from any rank): check every file this rank will
+        # read before any rank copies anything into its state.
+        for name in sorted({self.storage_data[item.storage_index].relative_path for item in plan.items}):
+            file = os.path.join(self.path, name)
+            if not os.path.exists(file):
+                raise CheckpointError(f"checkpoint file {file} is missing")
+            if self.sums is not None:
+                self._check(name, file)
+        return super().prepare_local_plan(plan)
+
+    def read_data(self, plan, planner) -> Future:
+        per_file: dict[str, list] = {}
+        for item in plan.items:
+            per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+        for name, items in per_file.items():
+            try:
+                super().read_data(dataclasses.replace(plan, items=items), planner).wait()
+            except Exception as exc:
+                file = os.path.join(self.path, name)
+                raise CheckpointError(f"checkpoint file {file} cannot be read (corrupted?): {exc!r}") from exc
+        fut: Future = Future()
+        fut.set_result(None)
+        return fut
+
+    def _check(self, name: str, file: str) -> None:
+        if name not in self.sums:
+            raise CheckpointError(f"checkpoint file {file} has no checksum in {CHECKSUMS}: not written by this save")
+        want_size, want_crc = self.sums[name]
+        size, crc = crc32(file)
+        if size != want_size:
+            raise CheckpointError(f"checkpoint file {file} is {size} bytes, {want_size} were written: truncated?")
+        if crc != want_crc:
+            raise CheckpointError(f"checkpoint file {file} is corrupted: CRC32 {crc:#010x}, {want_crc:#010x} written")
+
