@@ -40,7 +40,8 @@ class RootContext:
     """The tree's shared state, held by its root (see the module docstring)."""
 
     units: list[Unit]  # every unit of the tree, the root first (named_modules order)
-    forward_order: list[Unit] = field(default_factory=list)  # units in the order they ran
+    forward_order: list[Unit] = field(default_factory=list)  # units in the order their forward began
+    post_forward_order: list[Unit] = field(default_factory=list)  # ... and in the order it ended
     # The order is complete (prefetching may follow it) from the root's second grad-enabled
     # forward on: the first one, or a no_grad one before it, records it.
     order_complete: bool = False
@@ -70,13 +71,23 @@ class RootContext:
         if not self.order_complete and unit not in self.forward_order:
             self.forward_order.append(unit)
 
+    def finished_forward(self, unit: Unit) -> None:
+        if not self.order_complete and unit not in self.post_forward_order:
+            self.post_forward_order.append(unit)
+
     def neighbour(self, unit: Unit, step: int) -> list[Unit]:
-        """The unit ``step`` places after ``unit`` in the forward order (-1: before), once the
-        order is complete; none otherwise."""
-        if not self.order_complete or unit not in self.forward_order:
+        """The unit to prefetch after ``unit``, once the order is complete (none before): in
+        forward (``step`` +1) the next in the order forwards began; in backward (-1) the next in
+        the *reverse* order forwards ended, as FSDP2 does. The backward order matters when a unit
+        ends its forward after the ones it calls (a root holding the head): it comes first in
+        backward, and once its gradients are reduced no unit gathers it again."""
+        if not self.order_complete:
             return []
-        k = self.forward_order.index(unit) + step
-        return [self.forward_order[k]] if 0 <= k < len(self.forward_order) else []
+        order = self.forward_order if step > 0 else self.post_forward_order[::-1]
+        if unit not in order:
+            return []
+        k = order.index(unit) + 1
+        return [order[k]] if k < len(order) else []
 
     # ------------------------------------------------------------------ reductions
 

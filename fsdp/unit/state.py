@@ -331,6 +331,8 @@ class FSDPState:
             return self._cast_output(output)
         with _phase("fsdp::post_forward", self.fqn):
             self._enter(TrainingState.IDLE)
+            if self.root is not None:
+                self.root.root_ctx.finished_forward(self)
             grad = torch.is_grad_enabled()
             resharded = self.reshards_after_forward()
             if resharded:
