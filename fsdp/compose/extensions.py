@@ -109,7 +109,7 @@ class ExtensionParameterGroup(ParameterGroup):
         super().__init__(infos, mesh, strategy, dtypes, requires_grad, layout=layout, kind=_EXTENSION, **kw)
         self._shard_mesh_cache: Optional[DeviceMesh] = None
         self._spec: Optional[tuple] = None  # (shape, dtype) of every pre-all-gather output
-        self._hooks: Optional[tuple] = None  # which methods produced the send buffer
+        self._key: Optional[tuple] = None  # _inputs_key() when the send buffer was made
         self._metadata: list[Any] = []
         self._extended: list[bool] = []
         self.unsharded_params = None  # built by the first gather
@@ -186,12 +186,26 @@ class ExtensionParameterGroup(ParameterGroup):
                 )
         return self._shard_mesh_cache
 
-    def _hook_key(self) -> tuple:
-        def key(p):
-            fn = getattr(p._local_tensor, PRE, None)
-            return getattr(fn, "__func__", fn)
-
-        return tuple(key(p) for p in self.sharded_params)
+    def _inputs_key(self) -> tuple:
+        """Everything ``fsdp_pre_all_gather`` may read, per parameter: the method itself, the
+        parameter's and its local tensor's versions, every plain tensor inside the subclass and
+        every tensor attribute set on it (identity and version: torchao's precomputed float8
+        scale is such an attribute, replaced without any version bump), its other plain
+        attributes and its flatten metadata. The tensors are also kept referenced (in
+        ``_inputs``), so an identity in the key cannot be reused by a new tensor."""
+        key, refs = [], []
+        for p in self.sharded_params:
+            local = p._local_tensor
+            fn = getattr(local, PRE, None)
+            tensors = _plain_leaves(local) + [v for _, v in sorted(vars(local).items()) if isinstance(v, torch.Tensor)]
+            plain = tuple(
+                (name, v) for name, v in sorted(vars(local).items()) if isinstance(v, (bool, int, float, str, type(None)))
+            )
+            meta = repr(local.__tensor_flatten__()[1]) if hasattr(local, "__tensor_flatten__") else None
+            key.append((getattr(fn, "__func__", fn), p._version, tuple((id(t), t._version) for t in tensors), plain, meta))
+            refs += tensors
+        self._inputs = refs
+        return tuple(key)
 
     def _pre_all_gather(self, k: int) -> tuple[tuple[torch.Tensor, ...], Any, bool]:
         """(tensors to gather, metadata, whether the extension made them) for parameter ``k``."""
@@ -228,8 +242,8 @@ class ExtensionParameterGroup(ParameterGroup):
         strategies that keep the unsharded weights gather them right away."""
         if not self._ready:
             return
-        hooks, version = self._hook_key(), self.weights_version()
-        if not self._stale and version == self._weights_version and hooks == self._hooks:
+        key = self._inputs_key()
+        if not self._stale and key == self._key:
             return
         made = [self._pre_all_gather(k) for k in range(len(self.infos))]
         spec = tuple(tuple((tuple(t.shape), t.dtype) for t in inputs) for inputs, _, _ in made)
@@ -243,7 +257,7 @@ class ExtensionParameterGroup(ParameterGroup):
         if extended != self._extended:  # the unsharded parameters come from another path now
             self.unsharded_params = None
         self._extended = extended
-        self._hooks, self._weights_version, self._stale = hooks, version, False
+        self._key, self._stale = key, False
         self._refreshes += 1
         if not self.strategy.shard_params:
             self._launch_gather()

@@ -433,3 +433,54 @@ def test_ranks_with_different_subclass_values_raise_naming_the_parameter() -> No
     messages = run_ranks(_differing_subclass_values, 2, backend="gloo")
     assert messages[0] == messages[1]
     assert "'0.up.weight values'" in messages[0], messages[0]
+
+
+# ----------------------------------------------------------------- a cached cast is never stale
+
+
+class ScaledTwoTensor(TwoTensor):
+    """Mirrors torchao's float8 weight where fsdp meets it: ``fsdp_pre_all_gather`` reads an
+    attribute (torchao's ``_precomputed_scale``) that ``precompute_float8_dynamic_scale_for_fsdp``
+    replaces after the optimizer step without changing any tensor's version."""
+
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        scale = getattr(self, "_precomputed_scale", None)
+        a = self.a if scale is None else self.a * scale
+        rows = -(-outer_size[0] // mesh.size())
+        return (_pad_rows(a, rows), _pad_rows(self.b, rows)), None
+
+    def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
+        a, b = outputs
+        if out is not None:
+            return None
+        return TwoTensor(a, b), (a, b)
+
+
+def _scale_seen_after_a_gather_in_between(model) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = copy.deepcopy(model)
+    full = {n: p.detach().a.clone() for n, p in model.named_parameters()}
+    fsdp.fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+    out = {}
+    for order in ("documented", "gather in between"):
+        scale = torch.tensor(2.0 if order == "documented" else 3.0)
+        if order == "gather in between":  # e.g. an eval forward between opt.step() and the precompute
+            model.unshard()
+            model.reshard()
+        for p in model.parameters():
+            p._local_tensor._precomputed_scale = scale.clone()  # a new tensor: no version bump anywhere
+        model.unshard()
+        seen = {n: m.weight.a for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+        out[order] = max(float((seen[n[: -len(".weight")]] - full[n] * scale).abs().max()) for n in full)
+        model.reshard()
+    return out
+
+
+def test_a_cached_cast_is_recomputed_when_its_inputs_change_without_a_version_bump() -> None:
+    model = as_two_tensor(make_plain(mid=4))
+    for m in model.modules():
+        if isinstance(m, nn.Linear):
+            w = m.weight.detach()
+            m.weight = nn.Parameter(ScaledTwoTensor(w.a.clone(), w.b.clone()))
+    for r in run_ranks(_scale_seen_after_a_gather_in_between, 2, model, backend="threaded"):
+        assert r == {"documented": 0.0, "gather in between": 0.0}, r
