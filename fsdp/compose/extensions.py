@@ -130,9 +130,9 @@ class ExtensionParameterGroup(ParameterGroup):
         for k, p in enumerate(params):
             data = p.detach()
             padded = data.new_zeros(tuple(self.layout.chunks.piece_shape(k, 0)), device=device)
-            start, length = self.layout.chunks.piece(k, rank)
-            if fill and length:
-                padded[:length].copy_(data[start : start + length])
+            _, length = self.layout.chunks.piece(k, rank)
+            if fill and length:  # cut by torch.chunk (aten.split), as FSDP2 does: NF4 has no partial slice
+                padded.narrow(0, 0, length).copy_(_chunk_of(data, self.layout.chunks.num_shards, rank))
             pieces.append(padded)
         self._pieces = pieces
 
@@ -465,10 +465,14 @@ class ExtensionParameterGroup(ParameterGroup):
         if commit and full is not None:
             rank = self.layout.rank
             for k, t in enumerate(full):
-                start, length = self.layout.chunks.piece(k, rank)
-                if length:
-                    self.sharded_params[k]._local_tensor.copy_(t.detach()[start : start + length])
+                if self.layout.chunks.piece(k, rank)[1]:
+                    self.sharded_params[k]._local_tensor.copy_(_chunk_of(t.detach(), self.layout.chunks.num_shards, rank))
         self.use_params(unsharded=False)
         if commit:
             self.mark_stale()
             self.refresh()
+
+
+def _chunk_of(data: torch.Tensor, world: int, rank: int) -> torch.Tensor:
+    """``torch.chunk(data, world)[rank]`` (this rank has a non-empty piece)."""
+    return torch.chunk(data, world, 0)[rank]

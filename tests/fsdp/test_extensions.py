@@ -484,3 +484,52 @@ def test_a_cached_cast_is_recomputed_when_its_inputs_change_without_a_version_bu
             m.weight = nn.Parameter(ScaledTwoTensor(w.a.clone(), w.b.clone()))
     for r in run_ranks(_scale_seen_after_a_gather_in_between, 2, model, backend="threaded"):
         assert r == {"documented": 0.0, "gather in between": 0.0}, r
+
+
+# ----------------------------------------------------------------- NF4: cut by torch.chunk
+
+
+class SplitOnlyTwoTensor(TwoTensor):
+    """Mirrors torchao's ``NF4Tensor`` where fully_shard cuts it: ``torch.chunk`` (``aten.split``)
+    works, a slice that does not span the whole dim raises, as NF4's does
+    (``NotImplementedError: aten.slice(NF4Tensor) with end=...``)."""
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args, kwargs=None):
+        if func is torch.ops.aten.slice.Tensor:
+            t, dim, start, end = (list(args) + [0, None, None])[:4]
+            if (start or 0) != 0 or (end is not None and end < t.shape[dim]):
+                raise NotImplementedError(f"aten.slice({cls.__name__}) with end={end}")
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        return torch.utils._pytree.tree_map_only(TwoTensor, lambda t: t if type(t) is cls else cls(t.a, t.b), out)
+
+
+def _split_only_parity(model, reference, data) -> float:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = copy.deepcopy(model)
+    for block in model:
+        fsdp.fully_shard(block)
+    fsdp.fully_shard(model)
+    assert all(type(p._local_tensor) is SplitOnlyTwoTensor for p in model.parameters())
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for x in data:
+        model(x.chunk(world)[rank]).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    ref = dict(reference.named_parameters())
+    mesh = next(model.parameters()).device_mesh
+    return max(float((p._local_tensor.a - local_rows(ref[n].detach(), mesh)).abs().max()) for n, p in model.named_parameters())
+
+
+def test_a_subclass_without_partial_slices_is_cut_by_torch_chunk_and_trains_like_one_process() -> None:
+    plain = make_plain(mid=4)  # every weight divides evenly over 2 ranks, as NF4's FSDP2 path needs
+    data = batches(2)
+    reference = train_reference(plain, data)
+    model = copy.deepcopy(plain)
+    for m in model.modules():
+        if isinstance(m, nn.Linear):
+            w = m.weight.detach()
+            m.weight = nn.Parameter(SplitOnlyTwoTensor(w.clone(), w.clone()))
+    with pytest.raises(NotImplementedError, match="aten.slice"):  # the mirror refuses what NF4 refuses
+        next(model.parameters()).detach()[0:1]
+    assert max(run_ranks(_split_only_parity, 2, model, reference, data, backend="gloo")) <= 1e-6
