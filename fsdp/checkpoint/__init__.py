@@ -44,6 +44,11 @@ Safety of :func:`save` and :func:`load`:
   written by an earlier version of this module, whose ``.checksums`` does not cover
   ``.metadata`` (its data files are still verified). Damage to an unverified file may then show
   as any error, after some tensors were copied.
+
+``get_state_dict(model, opt)`` of an optimizer that has never stepped is torch's: torch creates
+the optimizer's state with one step at learning rate 0 (AdamW: step 1, zero moments), and the
+next real step is then its second. Build the state dict only to save or to load one, never
+"in case" before a fresh start (README, Checkpoints).
 """
 
 from torch.distributed.checkpoint.state_dict import StateDictOptions
