@@ -19,19 +19,36 @@ Safety of :func:`save` and :func:`load`:
 
 * ``save(state, path)`` writes into ``<path>.partial``. Only after every rank has written its
   files does rank 0 (DCP's coordinator, inside DCP's own final step, so no extra collective)
-  write the metadata and a CRC32 per data file, then rename the directory to ``path``; a previous
-  checkpoint at ``path`` is set aside as ``<path>.old`` for the two renames and then removed. A
-  crash at any point leaves ``path`` holding either the previous checkpoint or the new one
-  (:func:`load` falls back to ``<path>.old`` if the crash hit between the renames).
+  write ``.metadata``, then ``.checksums`` (the size and CRC32 of every other file, ``.metadata``
+  included, and a CRC32 of its own content: :mod:`fsdp.checkpoint.files`), then rename the
+  directory to ``path``; a previous checkpoint at ``path`` is set aside as ``<path>.old`` for the
+  two renames and then removed. A crash at any point leaves ``path`` holding either the previous
+  checkpoint or the new one (:func:`load` falls back to ``<path>.old`` if the crash hit between
+  the renames).
 * A save never moves, overwrites or deletes anything but checkpoint files: before anything is
   touched (and before DCP's first collective) rank 0 checks that ``path`` is absent, an empty
   directory or a complete checkpoint, and that ``<path>.partial`` and ``<path>.old`` (names a
   save reserves) hold nothing but files a save writes; a file, a symbolic link or a directory of
   other files raises :class:`CheckpointError` naming it and the fix. The decision is broadcast
   (one small collective), so every rank raises alike or none does.
-* ``load(state, path)`` raises :class:`CheckpointError` naming the key (missing key, wrong shape,
-  with both shapes) or the file (missing, truncated, or failing its CRC32), the same error on
-  every rank, while DCP is still planning: before any rank has copied anything into ``state``.
+* ``load(state, path)`` verifies before it reads: rank 0 checks ``.checksums`` (its own CRC32),
+  then ``.metadata`` against it, before anything is unpickled, and sends the verdict and the
+  verified metadata to every rank (one small collective); then, while DCP is still planning,
+  each rank checks the size and CRC32 of every data file it will read. A missing, truncated,
+  damaged or foreign file, a missing ``.checksums`` included, raises :class:`CheckpointError`
+  naming it, the same error on every rank, before any rank has copied anything into ``state``:
+  the model and optimizer a failed load was given are left exactly as they were. So does a
+  missing key or a wrong shape (naming the key, with both shapes).
+* A checkpoint written by plain ``dcp.save`` or FSDP2 has no ``.checksums``: it loads with
+  ``load(state, path, allow_unverified=True)``, unverified (a warning says so). So does one
+  written by an earlier version of this module, whose ``.checksums`` does not cover
+  ``.metadata`` (its data files are still verified). Damage to an unverified file may then show
+  as any error, after some tensors were copied.
+
+``get_state_dict(model, opt)`` of an optimizer that has never stepped is torch's: torch creates
+the optimizer's state with one step at learning rate 0 (AdamW: step 1, zero moments), and the
+next real step is then its second. Build the state dict only to save or to load one, never
+"in case" before a fresh start (README, Checkpoints).
 """
 
 from torch.distributed.checkpoint.state_dict import StateDictOptions

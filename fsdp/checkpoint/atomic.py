@@ -1,10 +1,9 @@
-"""``save`` / ``load``: DCP with an atomic publish and per-file checksums (the guarantees are
-in :mod:`fsdp.checkpoint`'s docstring)."""
+"""``save`` / ``load``: DCP with an atomic publish and verification before anything is read
+(the guarantees are in :mod:`fsdp.checkpoint`'s docstring; the files in :mod:`.files`)."""
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import re
 import shutil
@@ -24,11 +23,24 @@ from torch.futures import Future
 
 from dbuffer import debug
 from dbuffer.dtensor import broadcast_object
-from fsdp.checkpoint.files import CHECKSUMS, METADATA, OLD, PARTIAL, CheckpointError, crc32
+from fsdp.checkpoint.files import (
+    METADATA,
+    OLD,
+    PARTIAL,
+    CheckpointError,
+    Verified,
+    check_file,
+    crc32,
+    inspect,
+    write_checksums,
+)
 
 __all__ = ["load", "save"]
 
 _CRC_KEY = "__fsdp_crc32__/"  # write results that carry a file's checksum to the coordinator
+
+
+# ----------------------------------------------------------------------------- save
 
 
 def save(state: dict[str, Any], path: Union[str, os.PathLike], *, planner: Optional[SavePlanner] = None) -> None:
@@ -88,7 +100,8 @@ def _not_ours(path: str) -> Optional[str]:
 
 def _on_rank0(decide):
     """``decide()`` run on rank 0 of the default group and sent to every rank (one decision, taken
-    before DCP's first collective, even where ranks see a shared file system differently)."""
+    before DCP's first collective, even where ranks see a shared file system differently).
+    ``decide`` must not raise: the other ranks would wait for its answer."""
     if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
         return decide()
     backend = str(dist.get_backend()).lower()
@@ -99,47 +112,11 @@ def _on_rank0(decide):
     return broadcast_object(decide() if dist.get_rank() == 0 else None, None, 0, device)
 
 
-def load(state: dict[str, Any], path: Union[str, os.PathLike], *, verify: bool = True) -> None:
-    """``dcp.load(state)`` from ``path``, in place, at any world size or sharding strategy.
-
-    Every key of ``state`` must be in the checkpoint with the same global shape (extra keys in
-    the checkpoint are fine). With ``verify``, each rank checks the CRC32 of the files it reads.
-    Then pass the loaded dicts to ``set_state_dict`` (torch's or this module's).
-    """
-    if debug.ENABLED:
-        debug.check(None, "fsdp.checkpoint.load", repr(os.fspath(path)))
-    path = _resolve(os.path.abspath(os.fspath(path)))
-    _unwrap(lambda: dcp.load(state, storage_reader=_CheckedReader(path, verify), planner=_CheckedPlanner(path)))
-
-
-def _resolve(path: str) -> str:
-    if os.path.exists(os.path.join(path, METADATA)):
-        return path
-    if os.path.exists(os.path.join(path + OLD, METADATA)):
-        warnings.warn(f"{path} is missing; loading {path + OLD}, which a save interrupted mid-publish left behind")
-        return path + OLD
-    hint = f" ({path + PARTIAL} is an interrupted save and is never loaded)" if os.path.exists(path + PARTIAL) else ""
-    if os.path.isdir(path):
-        raise CheckpointError(f"{path} is not a complete checkpoint: {os.path.join(path, METADATA)} is missing{hint}")
-    raise CheckpointError(f"no checkpoint at {path}{hint}")
-
-
-def _unwrap(fn) -> None:
-    """Run a DCP call; re-raise the first failing rank's own error (same on every rank) instead
-    of DCP's wrapper, keeping the wrapper (every rank's traceback) as the cause."""
-    try:
-        fn()
-    except CheckpointException as exc:
-        failures = exc.failures
-        if not failures:
-            raise
-        raise failures[min(failures)][0] from exc
-
-
 class _AtomicWriter(FileSystemWriter):
     """A FileSystemWriter into ``<path>.partial`` that records each data file's CRC32 and whose
     ``finish`` (run by the coordinator after every rank has written, before any rank returns)
-    publishes the directory as ``path``."""
+    writes ``.metadata``, then ``.checksums`` (covering it too), then publishes the directory as
+    ``path``."""
 
     def __init__(self, path: str) -> None:
         super().__init__(path + PARTIAL)
@@ -170,11 +147,9 @@ class _AtomicWriter(FileSystemWriter):
                     sums[r.index.fqn[len(_CRC_KEY) :]] = r.storage_data
                 else:
                     kept[-1].append(r)
-        with open(os.path.join(self.path, CHECKSUMS), "w") as f:
-            json.dump({"crc32": sums}, f, indent=0, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        super().finish(metadata, kept)  # writes .metadata (fsynced): the directory is complete
+        super().finish(metadata, kept)  # writes .metadata (fsynced)
+        sums[METADATA] = crc32(os.path.join(self.path, METADATA))
+        write_checksums(os.fspath(self.path), sums)  # fsynced: the directory is complete
         _publish(os.fspath(self.path), self.final)
 
 
@@ -201,6 +176,42 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+# ----------------------------------------------------------------------------- load
+
+
+def load(state: dict[str, Any], path: Union[str, os.PathLike], *, allow_unverified: bool = False) -> None:
+    """``dcp.load(state)`` from ``path``, in place, at any world size or sharding strategy.
+
+    Every key of ``state`` must be in the checkpoint with the same global shape (extra keys in
+    the checkpoint are fine). Every file read is verified first (size and CRC32, ``.metadata``
+    included); any problem raises :class:`CheckpointError` naming the file on every rank before
+    anything is copied into ``state``. ``allow_unverified=True`` loads a checkpoint that has no
+    ``.checksums`` (one written by plain ``dcp.save`` or FSDP2) without verifying it, warning so;
+    a checkpoint that has one is verified all the same. Then pass the loaded dicts to
+    ``set_state_dict`` (torch's or this module's).
+    """
+    if debug.ENABLED:
+        debug.check(None, "fsdp.checkpoint.load", repr(os.fspath(path)))
+    path = os.path.abspath(os.fspath(path))
+    verdict = _on_rank0(lambda: inspect(path, allow_unverified))
+    if isinstance(verdict, str):
+        raise CheckpointError(verdict)
+    for note in verdict.notes:
+        warnings.warn(note, stacklevel=2)
+    reader, planner = _CheckedReader(verdict), _CheckedPlanner(verdict.path)
+    _unwrap(lambda: dcp.load(state, storage_reader=reader, planner=planner))
+
+
+def _unwrap(fn) -> None:
+    """Run a DCP call; re-raise the first failing rank's own error (same on every rank) instead
+    of DCP's wrapper, keeping the wrapper (every rank's traceback) as the cause."""
+    try:
+        fn()
+    except CheckpointException as exc:
+        failures = exc.failures
+        if not failures:
+            raise
+        raise failures[min(failures)][0] from exc
 
 
 class _CheckedPlanner(DefaultLoadPlanner):
@@ -228,40 +239,24 @@ class _CheckedPlanner(DefaultLoadPlanner):
 
 
 class _CheckedReader(FileSystemReader):
-    """Checks the size and CRC32 of every file a rank will read (when the checkpoint records
-    them) while planning, then reads file by file, so that any failure names its file."""
+    """Reads from a :class:`Verified` checkpoint: the metadata rank 0 verified and sent (never
+    the file again), the size and CRC32 of every data file this rank will read checked while
+    planning, then file by file, so that any failure names its file."""
 
-    def __init__(self, path: str, verify: bool) -> None:
-        super().__init__(path)
-        self.verify = verify
-        self.sums: Optional[dict[str, list[int]]] = None
+    def __init__(self, verified: Verified) -> None:
+        super().__init__(verified.path)
+        self.verified = verified
 
     def read_metadata(self, *args, **kwargs):
-        try:
-            return super().read_metadata(*args, **kwargs)
-        except Exception as exc:
-            file = os.path.join(self.path, METADATA)
-            raise CheckpointError(f"checkpoint metadata {file} cannot be read: {exc!r}") from exc
-
-    def set_up_storage_reader(self, metadata, is_coordinator, *args, **kwargs) -> None:
-        super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
-        sums_path = os.path.join(self.path, CHECKSUMS)
-        if self.verify and os.path.exists(sums_path):
-            try:
-                with open(sums_path) as f:
-                    self.sums = json.load(f)["crc32"]
-            except Exception as exc:
-                raise CheckpointError(f"checksum file {sums_path} cannot be read: {exc!r}") from exc
+        metadata = self.verified.metadata
+        metadata.storage_meta.load_id = self.load_id  # as FileSystemReader's
+        return metadata
 
     def prepare_local_plan(self, plan):
         # Still planning (DCP gathers a failure from any rank): check every file this rank will
         # read before any rank copies anything into its state.
         for name in sorted({self.storage_data[item.storage_index].relative_path for item in plan.items}):
-            file = os.path.join(self.path, name)
-            if not os.path.exists(file):
-                raise CheckpointError(f"checkpoint file {file} is missing")
-            if self.sums is not None:
-                self._check(name, file)
+            check_file(os.fspath(self.path), name, self.verified.sums)
         return super().prepare_local_plan(plan)
 
     def read_data(self, plan, planner) -> Future:
@@ -277,14 +272,3 @@ class _CheckedReader(FileSystemReader):
         fut: Future = Future()
         fut.set_result(None)
         return fut
-
-    def _check(self, name: str, file: str) -> None:
-        if name not in self.sums:
-            raise CheckpointError(f"checkpoint file {file} has no checksum in {CHECKSUMS}: not written by this save")
-        want_size, want_crc = self.sums[name]
-        size, crc = crc32(file)
-        if size != want_size:
-            raise CheckpointError(f"checkpoint file {file} is {size} bytes, {want_size} were written: truncated?")
-        if crc != want_crc:
-            raise CheckpointError(f"checkpoint file {file} is corrupted: CRC32 {crc:#010x}, {want_crc:#010x} written")
-

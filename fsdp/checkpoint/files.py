@@ -1,12 +1,36 @@
-"""What a checkpoint directory holds: file names, :class:`CheckpointError`, CRC32 of a file."""
+"""What a checkpoint directory holds, and its verification before DCP reads any of it.
+
+A save (:mod:`fsdp.checkpoint.atomic`) writes DCP's data files (``__<rank>_<n>.distcp``), DCP's
+``.metadata`` (a pickle: the keys, shapes and where each piece lies in which data file) and last
+``.checksums``: the size and CRC32 of every other file, ``.metadata`` included, as JSON, then one
+line ``crc32 <8 hex digits>`` holding the CRC32 of everything above it. A ``.checksums`` that does
+not end in that line, whose line does not match, or whose JSON is not this format is damaged.
+
+:func:`inspect` (rank 0 runs it, and the load broadcasts its answer) checks ``.checksums`` and
+then ``.metadata`` against it before anything is unpickled, so a damaged ``.metadata`` never
+reaches the unpickler; each rank checks the data files it will read (:func:`check_file`) while
+DCP is still planning.
+"""
 
 from __future__ import annotations
 
+import json
+import os
+import pickle
+import re
 import zlib
+from typing import NamedTuple, Optional, Union
+
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 PARTIAL, OLD = ".partial", ".old"
 METADATA, CHECKSUMS = ".metadata", ".checksums"
+FORMAT = "fsdp.checkpoint checksums 2"
+_TRAILER = re.compile(rb"(.*)\ncrc32 ([0-9a-f]{8})\n", re.S)
 _CHUNK = 16 << 20
+_RESTORE = "restore it from a copy or load an earlier checkpoint"
+
+Sums = dict[str, tuple[int, int]]
 
 
 class CheckpointError(RuntimeError):
@@ -21,3 +45,159 @@ def crc32(path: str) -> tuple[int, int]:
             crc = zlib.crc32(chunk, crc)
             size += len(chunk)
     return size, crc
+
+
+def write_checksums(directory: str, sums: Sums) -> None:
+    """Write ``<directory>/.checksums`` (fsynced) for ``sums``, which must cover ``.metadata``."""
+    lines = [f"{json.dumps(name)}: [{size}, {crc}]" for name, (size, crc) in sorted(sums.items())]
+    body = ('{"format": %s, "files": {\n%s\n}}' % (json.dumps(FORMAT), ",\n".join(lines))).encode()
+    with open(os.path.join(directory, CHECKSUMS), "wb") as f:
+        f.write(body + b"\ncrc32 %08x\n" % zlib.crc32(body))
+        f.flush()
+        os.fsync(f.fileno())
+
+
+class _Legacy(NamedTuple):
+    """``.checksums`` of an earlier fsdp.checkpoint: data files only, no CRC of its own."""
+
+    sums: Sums
+
+
+def _parse_checksums(content: bytes) -> Union[Sums, _Legacy, str]:
+    """The files' sums, an earlier version's sums, or why ``content`` is damaged."""
+    match = _TRAILER.fullmatch(content)
+    if match is None:
+        try:  # the format before .metadata had a checksum: {"crc32": {name: [size, crc]}}
+            legacy = json.loads(content)
+            if isinstance(legacy, dict) and set(legacy) == {"crc32"} and _valid(legacy["crc32"]):
+                return _Legacy({k: tuple(v) for k, v in legacy["crc32"].items()})
+        except ValueError:
+            pass
+        return "it does not end in its own CRC32 line: truncated or overwritten?"
+    body, want = match.group(1), int(match.group(2), 16)
+    if zlib.crc32(body) != want:
+        return f"its content's CRC32 is {zlib.crc32(body):#010x}, its last line says {want:#010x}"
+    try:
+        parsed = json.loads(body)
+    except ValueError as exc:  # a CRC-consistent file that is not JSON: not written by a save
+        return f"it is not JSON ({exc})"
+    if not (isinstance(parsed, dict) and parsed.get("format") == FORMAT and _valid(parsed.get("files"))):
+        return f"it is not in the format {FORMAT!r}"
+    if METADATA not in parsed["files"]:
+        return f"it has no checksum of {METADATA}"
+    return {k: tuple(v) for k, v in parsed["files"].items()}
+
+
+def _valid(files) -> bool:
+    return isinstance(files, dict) and all(
+        isinstance(k, str) and isinstance(v, list) and len(v) == 2 and all(type(x) is int and x >= 0 for x in v)
+        for k, v in files.items()
+    )
+
+
+def mismatch(file: str, have: tuple[int, int], want: tuple[int, int], what: str = "checkpoint file") -> Optional[str]:
+    """Why ``file`` with (size, CRC32) ``have`` is not the one written (``want``), or None."""
+    (size, crc), (want_size, want_crc) = have, want
+    if size != want_size:
+        how = "truncated" if size < want_size else "grown"
+        return f"{what} {file} is {size} bytes, {want_size} were written ({how}); {_RESTORE}"
+    if crc != want_crc:
+        return f"{what} {file} is corrupted: CRC32 {crc:#010x}, {want_crc:#010x} written; {_RESTORE}"
+    return None
+
+
+def check_file(directory: str, name: str, sums: Optional[Sums]) -> None:
+    """Raise :class:`CheckpointError` unless data file ``name`` exists and (when ``sums``) matches
+    its recorded size and CRC32."""
+    file = os.path.join(directory, name)
+    if not os.path.isfile(file):
+        raise CheckpointError(f"checkpoint file {file} is missing; {_RESTORE}")
+    if sums is None:
+        return
+    if name not in sums:
+        raise CheckpointError(f"checkpoint file {file} has no checksum in {CHECKSUMS}: not written by this save")
+    problem = mismatch(file, crc32(file), sums[name])
+    if problem is not None:
+        raise CheckpointError(problem)
+
+
+class Verified(NamedTuple):
+    """A checkpoint whose ``.checksums`` and ``.metadata`` passed (or, with ``allow_unverified``,
+    could not be checked): what every rank loads from."""
+
+    path: str  # the directory: ``path``, or ``<path>.old`` after a save cut between its renames
+    sums: Optional[Sums]  # the data files' (size, CRC32); None: unverified
+    metadata: Metadata
+    notes: tuple[str, ...]  # warnings every rank gives
+
+
+def inspect(path: str, allow_unverified: bool) -> Union[Verified, str]:
+    """Rank 0's verdict on the checkpoint at ``path``: :class:`Verified`, or the message of the
+    :class:`CheckpointError` every rank raises. Never raises (the other ranks wait for it)."""
+    try:
+        return _inspect(path, allow_unverified)
+    except CheckpointError as exc:
+        return str(exc)
+    except Exception as exc:
+        return f"checkpoint {path} cannot be inspected: {type(exc).__name__}: {exc}"
+
+
+def _inspect(path: str, allow_unverified: bool) -> Verified:
+    directory, notes = _resolve(path)
+    sums_file, md_file = os.path.join(directory, CHECKSUMS), os.path.join(directory, METADATA)
+    opt_in = "pass allow_unverified=True to load it"
+    md_sum: Optional[tuple[int, int]] = None  # .metadata's (size, CRC32), where .checksums has it
+    if not os.path.lexists(sums_file):
+        if not allow_unverified:
+            raise CheckpointError(
+                f"checkpoint {directory} cannot be verified: {sums_file} is missing. Every checkpoint "
+                f"fsdp.checkpoint.save writes has one, so this one is damaged or was written by something "
+                f"else: restore the file, load an earlier checkpoint, or, for a checkpoint written by plain "
+                f"dcp.save or FSDP2, {opt_in} unverified"
+            )
+        sums: Optional[Sums] = None
+        notes += (f"loading {directory} unverified: it has no {CHECKSUMS} (allow_unverified=True)",)
+    else:
+        with open(sums_file, "rb") as f:
+            parsed = _parse_checksums(f.read())
+        if isinstance(parsed, str):
+            raise CheckpointError(f"checksum file {sums_file} is damaged: {parsed}; {_RESTORE}")
+        if isinstance(parsed, _Legacy):
+            if not allow_unverified:
+                raise CheckpointError(
+                    f"checksum file {sums_file} was written by an earlier fsdp.checkpoint and does not "
+                    f"cover {md_file}: {opt_in} (its data files are still verified), then save it again"
+                )
+            sums = parsed.sums
+            notes += (f"loading {directory} with {METADATA} unverified: its {CHECKSUMS} predates its checksum",)
+        else:
+            sums = dict(parsed)
+            md_sum = sums.pop(METADATA)
+    with open(md_file, "rb") as f:
+        content = f.read()
+    if md_sum is not None:  # before anything unpickles it
+        problem = mismatch(md_file, (len(content), zlib.crc32(content)), md_sum, "checkpoint metadata file")
+        if problem is not None:
+            raise CheckpointError(problem)
+    try:
+        metadata = pickle.loads(content)
+    except Exception as exc:
+        raise CheckpointError(f"checkpoint metadata file {md_file} cannot be read: {exc!r}; {_RESTORE}") from exc
+    if not isinstance(metadata, Metadata) or not isinstance(metadata.storage_data, dict):
+        raise CheckpointError(f"checkpoint metadata file {md_file} holds no DCP metadata; {_RESTORE}")
+    if getattr(metadata, "storage_meta", None) is None:
+        metadata.storage_meta = StorageMeta()
+    return Verified(directory, sums, metadata, notes)
+
+
+def _resolve(path: str) -> tuple[str, tuple[str, ...]]:
+    """The directory to load (``path``, or ``<path>.old`` which a save cut between its two renames
+    leaves) and the warning that goes with it."""
+    if os.path.exists(os.path.join(path, METADATA)):
+        return path, ()
+    if os.path.exists(os.path.join(path + OLD, METADATA)):
+        return path + OLD, (f"{path} is missing; loading {path + OLD}, which a save interrupted mid-publish left behind",)
+    hint = f" ({path + PARTIAL} is an interrupted save and is never loaded)" if os.path.exists(path + PARTIAL) else ""
+    if os.path.isdir(path):
+        raise CheckpointError(f"{path} is not a complete checkpoint: {os.path.join(path, METADATA)} is missing{hint}")
+    raise CheckpointError(f"no checkpoint at {path}{hint}")

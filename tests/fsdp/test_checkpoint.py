@@ -470,3 +470,47 @@ def test_save_never_replaces_what_it_did_not_write(tmp_path) -> None:
     results = run_ranks(_save_refusals, 2, str(tmp_path), backend="gloo", timeout=60)
     expected = dict.fromkeys(["file", "foreign_dir", "partial_dir", "old_dir", "link", "rank0_decides", "replaced"], "ok")
     assert results[0] == results[1] == expected, results
+
+
+# ----------------------------------------------------------------------------- resume or start fresh
+
+
+def _resume_or_fresh(m, opt, path: str) -> int:
+    """README's loop: the state dict is built only when there is a checkpoint to load."""
+    if os.path.exists(path) or os.path.exists(path + ckpt.OLD):
+        msd, osd = ckpt.get_state_dict(m, opt)
+        state = {"model": msd, "optim": osd, "step": 0}
+        ckpt.load(state, path)
+        ckpt.set_state_dict(m, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        return state["step"]
+    return 0
+
+
+def _fresh_starts(model, batches, root: str) -> dict:
+    out = {}
+    for how in ("plain", "loop", "state dict first"):
+        m, opt = _build(model, "optim_grads_params")
+        if how == "loop":
+            assert _resume_or_fresh(m, opt, os.path.join(root, "none")) == 0
+            assert not opt.state  # nothing built, nothing initialised
+        elif how == "state dict first":
+            ckpt.get_state_dict(m, opt)  # torch creates AdamW's state: one step at lr 0
+            assert all(int(s["step"]) == 1 for s in opt.state.values()) and len(opt.state) > 0
+        _steps(m, opt, batches[:2])
+        out[how] = _full(m, opt)
+        if how == "loop":  # and the same loop resumes where a save left off
+            msd, osd = ckpt.get_state_dict(m, opt)
+            ckpt.save({"model": msd, "optim": osd, "step": 2}, os.path.join(root, "ck"))
+            m2, opt2 = _build(model, "optim_grads")
+            out["resumed step"] = _resume_or_fresh(m2, opt2, os.path.join(root, "ck"))
+            out["resumed"] = _full(m2, opt2)
+    return out
+
+
+def test_state_dict_built_only_to_load_keeps_a_fresh_start_fresh(tmp_path) -> None:
+    out = run_ranks(_fresh_starts, 2, make_model(), make_batches(2), str(tmp_path))[0]
+    assert _diff(out["plain"], out["loop"]) == []  # the README loop without a checkpoint: a true fresh start
+    assert out["resumed step"] == 2 and _diff(out["loop"], out["resumed"]) == []
+    # What README warns about: building the state dict of a never-stepped AdamW "in case" makes
+    # its first real step the second (bias correction), so training differs from a fresh start.
+    assert _diff(out["plain"], out["state dict first"]) != []
