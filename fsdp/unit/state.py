@@ -73,9 +73,6 @@ LABELS = (
 )
 
 
-_phase = label  # the unit's phases are labelled like the groups' collectives
-
-
 def _run_eagerly(hook: MethodType) -> MethodType:
     """``hook`` (a bound method) marked so that torch.compile calls it as it is instead of
     tracing it.
@@ -202,7 +199,7 @@ class FSDPState:
                 f"FSDP requires a single root module but got {self.modules}: the first module run "
                 f"forward is the root; call fully_shard on a module that holds these ones and run that"
             )
-        with _phase("fsdp::lazy_init"):
+        with label("fsdp::lazy_init"):
             self._find_tree()
 
     def _find_tree(self) -> None:
@@ -285,7 +282,7 @@ class FSDPState:
             return self._cast_inputs(args, kwargs)
         if self.root is None:
             self._lazy_init()
-        with _phase("fsdp::pre_forward", self.fqn):
+        with label("fsdp::pre_forward", self.fqn):
             self._enter(TrainingState.FORWARD)
             ctx = self.root.root_ctx
             if self.root is self:
@@ -305,7 +302,7 @@ class FSDPState:
         """Once per forward, before any gather of the tree: wait for the post-optimizer event, fix
         the forward order, and free every unit's main grads the optimizer dropped (zero_grad,
         set_to_none) before anything of the step is allocated, not each unit at its own forward."""
-        with _phase("fsdp::root_pre_forward"):
+        with label("fsdp::root_pre_forward"):
             ctx.wait_post_optim_event()
             if ctx.root_forward_begins(torch.is_grad_enabled()) and logger.isEnabledFor(logging.DEBUG):
                 logger.debug("forward order of %s (prefetching follows it): %s", self.name(),
@@ -329,7 +326,7 @@ class FSDPState:
     def _post_forward(self, module: nn.Module, args: tuple, output: Any):
         if _in_backward():  # a recomputation: its backward runs next, on these weights
             return self._cast_output(output)
-        with _phase("fsdp::post_forward", self.fqn):
+        with label("fsdp::post_forward", self.fqn):
             self._enter(TrainingState.IDLE)
             if self.root is not None:
                 self.root.root_ctx.finished_forward(self)
@@ -383,7 +380,7 @@ class FSDPState:
         prepared = self.training_state is TrainingState.PRE_BACKWARD
         if prepared and not recompute:
             return
-        with _phase("fsdp::pre_backward", self.fqn):
+        with label("fsdp::pre_backward", self.fqn):
             self._enter(TrainingState.PRE_BACKWARD)
             if self.unshard_in_backward or recompute:  # set_unshard_in_backward(False): not needed
                 self.unshard()
@@ -401,11 +398,11 @@ class FSDPState:
         beside the new one."""
         ctx = self._owner().root_ctx
         if ctx.reductions_in_flight:
-            with _phase("fsdp::wait_reductions", self.fqn):
+            with label("fsdp::wait_reductions", self.fqn):
                 ctx.finish_reductions()
 
     def _on_group_grads_done(self, group: ParameterGroup) -> None:
-        with _phase("fsdp::post_backward", self.fqn):
+        with label("fsdp::post_backward", self.fqn):
             if self.reshard_after_backward:
                 # A later pre-backward of this unit in the same backward (it ran forward twice
                 # and its gradients came in two rounds) must gather again.
@@ -425,7 +422,7 @@ class FSDPState:
             torch.autograd.Variable._execution_engine.queue_callback(_run_eagerly(self._final_callback))
 
     def _final_callback(self) -> None:
-        with _phase("fsdp::root_post_backward"):
+        with label("fsdp::root_post_backward"):
             ctx = self.root_ctx
             ctx.final_callback_queued = False
             ctx.reductions_in_flight.clear()  # whatever is still in flight is finished below
@@ -460,7 +457,7 @@ class FSDPState:
                 "reset_iter_state must be called on the root FSDP module (the one whose forward ran "
                 "first, normally the one fully_shard was applied to last)"
             )
-        with _phase("fsdp::reset_iter_state"):
+        with label("fsdp::reset_iter_state"):
             if self.root_ctx is not None:
                 self.root_ctx.final_callback_queued = False
                 self.root_ctx.reductions_in_flight.clear()
@@ -475,7 +472,7 @@ class FSDPState:
 
 
 def finish_grad_sync(units: list[FSDPState], launch: bool) -> None:
-    with _phase("fsdp::finish_grad_sync"):
+    with label("fsdp::finish_grad_sync"):
         reducers = [g.grads for unit in units for g in unit.groups if g.grads is not None]
         if launch:
             for grads in reducers:  # all launched before any wait: they overlap

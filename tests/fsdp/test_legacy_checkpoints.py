@@ -2,7 +2,9 @@
 ``fsdp.checkpoint.save`` and pickled sharded parameters (``RowShardedDTensor``), both made by the
 code at 92f3820 (tests/data/make_legacy_checkpoints.py) after two AdamW steps on two ranks.
 Loaded into today's fully_shard, in the layout they were saved from and in the other one, the
-weights equal the ones saved bit for bit, and training continues from them."""
+weights equal the ones saved bit for bit, and training continues from them. Their ``.checksums``
+predates the format that also covers ``.metadata``, so ``fsdp.checkpoint.load`` refuses them
+unless asked explicitly (``allow_unverified=True``: the data files are still verified)."""
 
 from __future__ import annotations
 
@@ -31,11 +33,18 @@ def _load_legacy(saved: str, into: str) -> dict:
     make_opt = lambda ps: opts.append(torch.optim.AdamW(ps, lr=1e-2)) or opts[-1]  # noqa: E731
     opt = make_opt(list(m.parameters()))
     msd, osd = ckpt.get_state_dict(m, opt)
-    ckpt.load({"model": msd, "optim": osd}, os.path.join(DATA, saved))
+    path = os.path.join(DATA, saved)
+    try:  # its .checksums predates the one that also covers .metadata: loading it is explicit
+        ckpt.load({"model": msd, "optim": osd}, path)
+    except ckpt.CheckpointError as e:
+        refused = "allow_unverified=True" in str(e)
+    else:
+        refused = False
+    ckpt.load({"model": msd, "optim": osd}, path, allow_unverified=True)  # its data files are still verified
     ckpt.set_state_dict(m, opt, model_state_dict=msd, optim_state_dict=osd)
     want = torch.load(os.path.join(DATA, f"{saved}_full.pt"))
     have = full_state(m)
-    out = {"same": all(torch.equal(have[k], want[k]) for k in want) and have.keys() == want.keys()}
+    out = {"same": all(torch.equal(have[k], want[k]) for k in want) and have.keys() == want.keys(), "refused": refused}
     steps = {k: int(s["step"]) for k, s in opt.state_dict()["state"].items()}
     out["steps"] = sorted(set(steps.values()))
     train(m, make_batches(1, seed=5), rank=rank, world=world, make_opt=lambda ps: opt)
@@ -47,6 +56,7 @@ def _load_legacy(saved: str, into: str) -> dict:
 def test_a_checkpoint_saved_before_the_restructuring_loads_bit_for_bit(saved, into) -> None:
     results = run_ranks(_load_legacy, 2, saved, into, backend="gloo")
     assert results[0] == results[1]
+    assert results[0]["refused"]  # without the explicit argument: a CheckpointError naming it
     assert results[0]["same"] and results[0]["trained"]
     assert results[0]["steps"] == [2]  # the optimizer state came along (two steps taken)
 
