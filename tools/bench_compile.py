@@ -4,7 +4,7 @@ with ``layer.compile()`` after sharding, each library in its own fresh processes
     python3 tools/bench_compile.py                           # world 2 gloo, inductor, 3 repeats
     python3 tools/bench_compile.py --layers 2 --dim 64 --steps 3 --repeats 2 --backend eager   # quick
 
-Model: ``tools.llama.Llama`` (``--vocab/--dim/--layers/--heads/--hidden``), ``--batch`` sequences
+Model: ``tests.models.llama.Llama`` (``--vocab/--dim/--layers/--heads/--hidden``), ``--batch`` sequences
 of ``--seq`` random tokens per rank, one CPU thread per rank, fp32, AdamW. A method (``ours``:
 ``fsdp.fully_shard``; ``fsdp2``: ``torch.distributed.fsdp.fully_shard``; on every layer, then on
 the root, every layer then ``layer.compile(backend=--backend)``) is measured by launching
@@ -50,7 +50,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import fsdp  # noqa: E402
-from tools.llama import Llama, LlamaConfig, loss_fn  # noqa: E402
+from tests.models.llama import Llama, LlamaConfig, loss_fn  # noqa: E402
 
 METHODS = ("ours", "fsdp2")
 

@@ -8,7 +8,7 @@ Four methods train the same model (blocks of Linear(d, 4d) -> ReLU -> Linear(4d,
 fp32):
 
 * ``ours bf16`` / ``fsdp2 bf16``: plain weights, ``MixedPrecisionPolicy(param_dtype=bf16)``;
-* ``ours fp8`` / ``fsdp2 fp8``: every weight a :class:`tools.float8_weight.Float8RowwiseWeight`,
+* ``ours fp8`` / ``fsdp2 fp8``: every weight a :class:`tests.models.float8_weight.Float8RowwiseWeight`,
   whose ``fsdp_pre_all_gather`` sends float8 data plus one fp32 scale per row.
 
 Per method, measured on the counted steps (after the warm-up), rank 0 prints: the median step
@@ -41,7 +41,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
 from tools.bench_fsdp import CommCounter  # noqa: E402
-from tools.float8_weight import cast_count, float8_weights  # noqa: E402
+from tests.models.float8_weight import cast_count, float8_weights  # noqa: E402
 
 METHODS = ("ours bf16", "ours fp8", "fsdp2 bf16", "fsdp2 fp8")
 DEFAULTS = dict(dim=256, layers=4, batch=16, micro=1, steps=10, warmup=2, seed=0)

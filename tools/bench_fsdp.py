@@ -6,7 +6,7 @@ compute-only floor, interleaved in one run with a raw-c10d reference (ours' comm
     torchrun --nproc-per-node 2 tools/bench_fsdp.py --dtype fp32
     python3 tools/bench_fsdp.py --json out.json --plot out.png --profile ours
 
-Model: ``tools.llama.Llama`` (defaults: vocab 8192, dim 512, 6 layers, 8 heads, SwiGLU hidden
+Model: ``tests.models.llama.Llama`` (defaults: vocab 8192, dim 512, 6 layers, 8 heads, SwiGLU hidden
 1536), sequence 128, ``--batch`` 4 sequences per rank, on ``--world`` 2 gloo ranks over loopback,
 one CPU thread per rank. Every rank builds the same model from the same seed; each method trains
 its own copy of it on the same batches (real text: ``tools.text_data.ByteText``, or ``--data
@@ -433,7 +433,7 @@ class Method:
     """One way of training: a model, its optimizer and ``step(tokens) -> loss``."""
 
     def __init__(self, name: str, model: torch.nn.Module, cfg: BenchConfig, optimizer=torch.optim.AdamW) -> None:
-        from tools.llama import loss_fn
+        from tests.models.llama import loss_fn
 
         self.name, self.model, self.loss_fn = name, model, loss_fn
         self.opt = optimizer(model.parameters(), lr=cfg.lr, foreach=cfg.foreach)
@@ -499,7 +499,7 @@ def make_batches(cfg: BenchConfig, n: int, rank: int, world: int) -> list[torch.
 
 
 def _model_config(cfg: BenchConfig):
-    from tools.llama import LlamaConfig
+    from tests.models.llama import LlamaConfig
 
     return LlamaConfig(vocab_size=cfg.vocab, dim=cfg.dim, n_layers=cfg.layers, n_heads=cfg.heads,
                        hidden_dim=cfg.hidden, max_seq_len=cfg.seq)
@@ -570,7 +570,7 @@ def run_mode(mode: str, cfg: BenchConfig, mesh, counter: CommCounter, progress: 
     """Build the methods for ``mode`` (``fp32`` / ``bf16``), warm each up and measure its memory
     and communication in one untimed step (one method at a time), then time them interleaved.
     Every rank returns the same dict."""
-    from tools.llama import Llama
+    from tests.models.llama import Llama
 
     rank, world = dist.get_rank(), dist.get_world_size()
     started = time.perf_counter()
@@ -837,7 +837,7 @@ def profile_method(name: str, mode: str, cfg: BenchConfig, steps: int = 2, top: 
     import pstats
 
     from torch.distributed.device_mesh import init_device_mesh
-    from tools.llama import Llama
+    from tests.models.llama import Llama
 
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,))

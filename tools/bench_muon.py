@@ -176,8 +176,8 @@ def format_table(rows: Sequence[CommRow]) -> str:
 def default_rows(elem_bytes: int = 4) -> list[CommRow]:
     import torch
 
-    from tools.llama import Llama, LlamaConfig
-    from tools.padding_report import model_shapes
+    from tests.models.llama import Llama, LlamaConfig
+    from tests.models.shapes import model_shapes
 
     with torch.device("meta"):
         small_llama = [tuple(p.shape) for p in Llama(LlamaConfig()).parameters()]

@@ -3,7 +3,7 @@
     python3 tools/bench_offload.py                       # world 2, gloo on CPU (or NCCL: --cuda)
     python3 tools/bench_offload.py --dim 64 --layers 1 --vocab 256 --steps 2   # a quick check
 
-Trains the Llama-style decoder of ``tools/llama.py`` (``fully_shard`` per block + root, AdamW)
+Trains the Llama-style decoder of ``tests/models/llama.py`` (``fully_shard`` per block + root, AdamW)
 three ways in one run, interleaved step by step so that machine noise hits all alike:
 
 * ``ours``: ``fsdp.fully_shard(..., offload_policy=CPUOffloadPolicy(pin_memory=...))``;
@@ -63,7 +63,7 @@ def build(name: str, base: torch.nn.Module, mesh, pin_memory: bool) -> tuple[tor
 
 
 def step(model, opt, tokens: torch.Tensor) -> None:
-    from tools.llama import loss_fn
+    from tests.models.llama import loss_fn
 
     loss_fn(model(tokens[:, :-1]), tokens).backward()
     opt.step()
@@ -81,7 +81,7 @@ def measure(args, device: torch.device) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     from tools.bench_fsdp import StorageTracker
-    from tools.llama import Llama, LlamaConfig
+    from tests.models.llama import Llama, LlamaConfig
 
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = LlamaConfig(vocab_size=args.vocab, dim=args.dim, n_layers=args.layers, n_heads=args.heads,

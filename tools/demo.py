@@ -5,7 +5,7 @@
     python3 tools/demo.py --size base --steps 500   # a bigger model, for longer
     torchrun --nproc-per-node 2 tools/demo.py       # the same, ranks started by torchrun
 
-What runs: the Llama-style decoder of ``tools/llama.py`` (RMSNorm, causal attention with rotary
+What runs: the Llama-style decoder of ``tests/models/llama.py`` (RMSNorm, causal attention with rotary
 embeddings, SwiGLU) with ``fsdp.fully_shard`` on every block and then on the root (ZeRO-3: each
 rank keeps only its rows of the weights, gradients and AdamW state). The text is the Python
 standard library's own sources as bytes (``tools/text_data.py``; vocabulary 256, no download).
@@ -57,7 +57,7 @@ from dbuffer.teardown import shutdown  # noqa: E402
 from fsdp import checkpoint as ckpt  # noqa: E402
 from fsdp import fully_shard  # noqa: E402
 from tools.bench_fsdp import CommCounter, StorageTracker, live_storages  # noqa: E402
-from tools.llama import Llama, LlamaConfig, loss_fn  # noqa: E402
+from tests.models.llama import Llama, LlamaConfig, loss_fn  # noqa: E402
 from tools.text_data import ByteText  # noqa: E402
 
 DEFAULT_CHECKPOINT = ROOT / "checkpoints" / "demo"

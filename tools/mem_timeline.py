@@ -46,7 +46,7 @@ from tools import bench_fsdp as bench  # noqa: E402
 
 MIB = 1 << 20
 # Source files whose frames say *where* an allocation happens (innermost first wins).
-_WHERE = ("/fsdp/", "/dbuffer/", "torch/distributed/fsdp/", "tools/llama.py", "torch/optim/", "torch/autograd/")
+_WHERE = ("/fsdp/", "/dbuffer/", "torch/distributed/fsdp/", "tests/models/llama.py", "torch/optim/", "torch/autograd/")
 
 
 def _where() -> str:
@@ -263,7 +263,7 @@ def _rank_main(rank: int, world: int, port: int, cfg: bench.BenchConfig, args) -
     from torch.distributed.device_mesh import init_device_mesh
 
     from dbuffer.teardown import shutdown
-    from tools.llama import Llama
+    from tests.models.llama import Llama
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)

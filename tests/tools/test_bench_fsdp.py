@@ -4,8 +4,8 @@ every field; the numbers it reports are checked against what they must be (no ti
 from __future__ import annotations
 
 from tests.harness import run_ranks
+from tests.models.llama import LlamaConfig
 from tools import bench_fsdp
-from tools.llama import LlamaConfig
 
 # Small enough to run in seconds; the vocabulary is large enough that the root unit's shard
 # (embedding + lm_head, 4 MiB of fp32 per rank) takes dbuffer's point-to-point path on gloo,
