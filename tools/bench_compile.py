@@ -4,11 +4,11 @@ with ``layer.compile()`` after sharding, each library in its own fresh processes
     python3 tools/bench_compile.py                           # world 2 gloo, inductor, 3 repeats
     python3 tools/bench_compile.py --layers 2 --dim 64 --steps 3 --repeats 2 --backend eager   # quick
 
-Model: ``tools.llama.Llama`` (``--vocab/--dim/--layers/--heads/--hidden``), ``--batch`` sequences
-of ``--seq`` random tokens per rank, one CPU thread per rank, fp32, AdamW. A method (``ours``:
-``fsdp.fully_shard``; ``fsdp2``: ``torch.distributed.fsdp.fully_shard``; on every layer, then on
-the root, every layer then ``layer.compile(backend=--backend)``) is measured by launching
-``--world`` fresh gloo ranks that run only it:
+Model: ``tests.models.llama.Llama`` (``--vocab/--dim/--layers/--heads/--hidden``), ``--batch``
+sequences of ``--seq`` random tokens per rank, one CPU thread per rank, fp32, AdamW. A method
+(``ours``: ``fsdp.fully_shard``; ``fsdp2``: ``torch.distributed.fsdp.fully_shard``; on every
+layer, then on the root, every layer then ``layer.compile(backend=--backend)``) is measured by
+launching ``--world`` fresh gloo ranks that run only it:
 
 * first step: forward, backward, optimizer step of the freshly sharded model, compilation
   included. Each launch has a fresh, empty inductor cache directory (``TORCHINDUCTOR_CACHE_DIR``)
@@ -36,13 +36,12 @@ import copy
 import json
 import os
 import resource
-import socket
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable, NoReturn, Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -50,7 +49,9 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import fsdp  # noqa: E402
-from tools.llama import Llama, LlamaConfig, loss_fn  # noqa: E402
+from tests.models.llama import Llama, LlamaConfig, loss_fn  # noqa: E402
+from tools.kit import launch  # noqa: E402
+from tools.kit.timing import timed_across_ranks  # noqa: E402
 
 METHODS = ("ours", "fsdp2")
 
@@ -101,14 +102,6 @@ def _cpu_seconds() -> float:
     return me.ru_utime + me.ru_stime + children.ru_utime + children.ru_stime
 
 
-def _timed(fn: Callable[[], None]) -> float:
-    dist.barrier()
-    start = time.perf_counter()
-    fn()
-    dist.barrier()
-    return time.perf_counter() - start
-
-
 def run_method(args: argparse.Namespace, name: str) -> dict:
     """Every rank of a fresh world runs this for one method; returns its measurements (the same
     on every rank up to rounding)."""
@@ -136,7 +129,7 @@ def run_method(args: argparse.Namespace, name: str) -> dict:
     inductor_metrics.reset()
     method = Method(name, base, args.backend)
     cpu = _cpu_seconds()
-    first = _timed(lambda: method.step(batches[0]))
+    first = timed_across_ranks(lambda: method.step(batches[0]))
     cpu = _cpu_seconds() - cpu
     frames = counters["frames"]["ok"]
     work = {  # what was compiled: independent of the machine's load
@@ -153,7 +146,7 @@ def run_method(args: argparse.Namespace, name: str) -> dict:
         "graph_breaks": sum(counters["graph_break"].values()),
         "frames": frames,
         "recompiles": counters["frames"]["ok"] - frames,  # frames compiled again by the second step
-        "steady_s": [_timed(lambda: method.step(b)) for b in batches[2:]],
+        "steady_s": [timed_across_ranks(lambda: method.step(b)) for b in batches[2:]],
     }
     result["steady_median_s"] = statistics.median(result["steady_s"])
     result["losses"] = method.losses
@@ -228,44 +221,27 @@ def format_report(report: dict) -> str:
     return "\n".join(lines)
 
 
-def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace, name: str, out: Optional[str]) -> NoReturn:
-    from dbuffer.teardown import shutdown
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        result = run_method(args, name)
-        if dist.get_rank() == 0 and out is not None:
-            Path(out).write_text(json.dumps(result))
-    except BaseException:
-        shutdown(barrier=False)  # a peer may be gone; the error goes on to the launcher
-        raise
-    shutdown(0)
+def _measure_and_save(args: argparse.Namespace, name: str, out: str) -> None:
+    """Every rank measures ``name``; rank 0 writes the result to ``out`` (JSON)."""
+    result = run_method(args, name)
+    if dist.get_rank() == 0:
+        Path(out).write_text(json.dumps(result))
 
 
 def _launch(args: argparse.Namespace, name: str, scratch: Path) -> dict:
     """``name`` measured by ``args.world`` fresh ranks with a fresh inductor cache directory."""
-    import torch.multiprocessing as tmp
-
     cache = tempfile.mkdtemp(prefix=f"inductor-{name}-", dir=scratch)
     out = scratch / f"{Path(cache).name}.json"
     saved = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache  # inherited by the spawned ranks
     try:
-        tmp.start_processes(_rank_main, args=(args.world, _free_port(), args, name, str(out)), nprocs=args.world,
-                            start_method="spawn")
+        launch.spawn(args.world, _measure_and_save, args, name, str(out))
     finally:
         if saved is None:
             del os.environ["TORCHINDUCTOR_CACHE_DIR"]
         else:
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = saved
     return json.loads(out.read_text())
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
@@ -293,9 +269,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 
 def main(argv: Optional[list[str]] = None) -> None:
     args = parse_args(argv)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+    if launch.under_torchrun():
         raise SystemExit("bench_compile launches its own fresh ranks per method; run it with python3, not torchrun")
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # our own ranks talk over loopback
     pairs = []
     with tempfile.TemporaryDirectory(prefix="bench_compile-") as scratch:
         for k in range(args.repeats):

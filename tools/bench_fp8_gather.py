@@ -8,12 +8,13 @@ Four methods train the same model (blocks of Linear(d, 4d) -> ReLU -> Linear(4d,
 fp32):
 
 * ``ours bf16`` / ``fsdp2 bf16``: plain weights, ``MixedPrecisionPolicy(param_dtype=bf16)``;
-* ``ours fp8`` / ``fsdp2 fp8``: every weight a :class:`tools.float8_weight.Float8RowwiseWeight`,
-  whose ``fsdp_pre_all_gather`` sends float8 data plus one fp32 scale per row.
+* ``ours fp8`` / ``fsdp2 fp8``: every weight a
+  :class:`tests.models.float8_weight.Float8RowwiseWeight`, whose ``fsdp_pre_all_gather`` sends
+  float8 data plus one fp32 scale per row.
 
 Per method, measured on the counted steps (after the warm-up), rank 0 prints: the median step
 time, the bytes this rank sends in all-gathers per step (counted at the c10d calls with
-:class:`tools.bench_fsdp.CommCounter`), the reduce-scatter bytes, and the float8 casts per step
+:class:`tools.kit.comm.CommCounter`), the reduce-scatter bytes, and the float8 casts per step
 (``fsdp_pre_all_gather`` calls: fsdp casts once per optimizer step, FSDP2 at every gather, i.e.
 forward and backward under ZeRO-3, times the micro-batches). Methods run interleaved, one step
 each per round, so machine noise hits them alike; read ratios, not absolute times. The first
@@ -24,13 +25,11 @@ from __future__ import annotations
 
 import argparse
 import copy
-import os
-import socket
 import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any, NoReturn, Optional
+from typing import Any, Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
@@ -40,8 +39,9 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
-from tools.bench_fsdp import CommCounter  # noqa: E402
-from tools.float8_weight import cast_count, float8_weights  # noqa: E402
+from tests.models.float8_weight import cast_count, float8_weights  # noqa: E402
+from tools.kit import launch  # noqa: E402
+from tools.kit.comm import CommCounter  # noqa: E402
 
 METHODS = ("ours bf16", "ours fp8", "fsdp2 bf16", "fsdp2 fp8")
 DEFAULTS = dict(dim=256, layers=4, batch=16, micro=1, steps=10, warmup=2, seed=0)
@@ -184,23 +184,14 @@ def _size(n: float) -> str:
     return f"{n:.1f} GiB"
 
 
-def _worker(rank: int, world: int, port: int, cfg: dict) -> NoReturn:
-    from dbuffer.teardown import shutdown
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        report = run_benchmark(cfg)
-        if rank == 0:
-            print(format_report(report), flush=True)
-    except BaseException:
-        shutdown(barrier=False)  # a peer may be gone; the error goes on to the launcher
-        raise
-    shutdown(0)
+def _bench_and_report(cfg: dict) -> None:
+    """Every rank benchmarks; rank 0 prints."""
+    report = run_benchmark(cfg)
+    if dist.get_rank() == 0:
+        print(format_report(report), flush=True)
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--world", type=int, default=2)
     for key, value in DEFAULTS.items():
@@ -209,12 +200,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     cfg = {k: getattr(args, k) for k in DEFAULTS}
     if cfg["batch"] % cfg["micro"]:
         parser.error("--micro must divide --batch")
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_worker, args=(args.world, port, cfg), nprocs=args.world)
+    launch.spawn(args.world, _bench_and_report, cfg)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ n). Muon matrices: the 2-D parameters, except the first and last of a language m
 output head), which use AdamW as usual.
 
 The measured part runs one warm-up and one counted step of both ways on 2 gloo ranks on a small
-MLP, counts the c10d calls with ``tools.bench_fsdp.CommCounter`` and checks that both ways give
+MLP, counts the c10d calls with ``tools.kit.comm.CommCounter`` and checks that both ways give
 the same weights bit for bit (the same Muon, computed in different places).
 """
 
@@ -37,12 +37,10 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
-import socket
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NoReturn, Optional, Sequence
+from typing import Optional, Sequence
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
@@ -50,6 +48,7 @@ if str(ROOT) not in sys.path:
 
 from dbuffer import DBuffer  # noqa: E402
 from dbuffer.layout import compute_layout, compute_owned_layout  # noqa: E402
+from tools.kit import launch  # noqa: E402
 
 Shape = tuple[int, ...]
 
@@ -176,8 +175,8 @@ def format_table(rows: Sequence[CommRow]) -> str:
 def default_rows(elem_bytes: int = 4) -> list[CommRow]:
     import torch
 
-    from tools.llama import Llama, LlamaConfig
-    from tools.padding_report import model_shapes
+    from tests.models.llama import Llama, LlamaConfig
+    from tests.models.shapes import model_shapes
 
     with torch.device("meta"):
         small_llama = [tuple(p.shape) for p in Llama(LlamaConfig()).parameters()]
@@ -327,7 +326,7 @@ def measure(shapes: Sequence[Shape]) -> dict:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from tools.bench_fsdp import CommCounter
+    from tools.kit.comm import CommCounter
 
     world, rank = dist.get_world_size(), dist.get_rank()
     mesh = init_device_mesh("cpu", (world,))
@@ -345,22 +344,13 @@ def measure(shapes: Sequence[Shape]) -> dict:
     return {"stats": counter.stats, "predicted": muon_comm("measured", shapes, world), "same": same}
 
 
-def _measure_worker(rank: int, world: int, port: int, shapes) -> NoReturn:
-    import torch
+def _measure_and_print(shapes) -> None:
+    """Every rank measures; rank 0 prints."""
     import torch.distributed as dist
 
-    from dbuffer.teardown import shutdown
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        result = measure(shapes)
-        if rank == 0:
-            _print_measured(world, shapes, result)
-    except BaseException:
-        shutdown(barrier=False)  # a peer may be gone; the error goes on to the launcher
-        raise
-    shutdown(0)  # barrier, free the group, exit 0 without finalising (see dbuffer.teardown)
+    result = measure(shapes)
+    if dist.get_rank() == 0:
+        _print_measured(dist.get_world_size(), shapes, result)
 
 
 def _print_measured(world: int, shapes, result: dict) -> None:
@@ -378,7 +368,6 @@ def _print_measured(world: int, shapes, result: dict) -> None:
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the measured ranks are local processes
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--no-measure", action="store_true", help="print the computed table only")
     parser.add_argument("--bytes", type=int, default=4, help="bytes per element (4: fp32, 2: bf16)")
@@ -391,15 +380,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     print(format_table(default_rows(args.bytes)))
     if args.no_measure:
         return
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     widths = [int(w) for w in args.mlp.split(",")]
     if len(widths) < 2 or 64 % args.world:
         parser.error("--mlp needs at least two widths, and --world must divide the batch of 64 rows")
-    mp.spawn(_measure_worker, args=(args.world, port, mlp_shapes(widths)), nprocs=args.world)
+    launch.spawn(args.world, _measure_and_print, mlp_shapes(widths))
 
 
 if __name__ == "__main__":

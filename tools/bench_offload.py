@@ -3,7 +3,7 @@
     python3 tools/bench_offload.py                       # world 2, gloo on CPU (or NCCL: --cuda)
     python3 tools/bench_offload.py --dim 64 --layers 1 --vocab 256 --steps 2   # a quick check
 
-Trains the Llama-style decoder of ``tools/llama.py`` (``fully_shard`` per block + root, AdamW)
+Trains the Llama-style decoder of ``tests/models/llama.py`` (``fully_shard`` per block + root, AdamW)
 three ways in one run, interleaved step by step so that machine noise hits all alike:
 
 * ``ours``: ``fsdp.fully_shard(..., offload_policy=CPUOffloadPolicy(pin_memory=...))``;
@@ -14,7 +14,7 @@ Reported per method: the median step time over the timed steps (after ``--warmup
 ones) and the peak memory of one measured step. On CUDA the peak is the device's
 (``torch.cuda.max_memory_allocated``: what offload saves) and the host side is what is
 offloaded; on CPU everything is host memory, so the peak is that of every tensor storage the
-step holds or touches (``tools.bench_fsdp.StorageTracker``), offloaded state included. Then the
+step holds or touches (``tools.kit.memory.StorageTracker``), offloaded state included. Then the
 ratios ours/FSDP2. On this shared 2-core CPU machine read the ratios, not the milliseconds; on
 CPU, the offload copies are host-to-host and cost little, so the figures that matter are the
 GPU ones.
@@ -24,13 +24,11 @@ from __future__ import annotations
 
 import argparse
 import copy
-import os
-import socket
 import statistics
 import sys
 import time
 from pathlib import Path
-from typing import NoReturn, Optional
+from typing import Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
@@ -38,6 +36,10 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+
+from tests.models.llama import Llama, LlamaConfig, loss_fn  # noqa: E402
+from tools.kit import launch  # noqa: E402
+from tools.kit.memory import StorageTracker  # noqa: E402
 
 METHODS = ("ours", "fsdp2", "ours_no_offload")
 
@@ -63,8 +65,6 @@ def build(name: str, base: torch.nn.Module, mesh, pin_memory: bool) -> tuple[tor
 
 
 def step(model, opt, tokens: torch.Tensor) -> None:
-    from tools.llama import loss_fn
-
     loss_fn(model(tokens[:, :-1]), tokens).backward()
     opt.step()
     opt.zero_grad()
@@ -79,9 +79,6 @@ def measure(args, device: torch.device) -> dict:
     """Every rank: build the three methods, warm up, time ``args.steps`` interleaved steps, then
     one measured step each for peak memory. Returns times (s) and peaks (bytes) by method."""
     from torch.distributed.device_mesh import init_device_mesh
-
-    from tools.bench_fsdp import StorageTracker
-    from tools.llama import Llama, LlamaConfig
 
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = LlamaConfig(vocab_size=args.vocab, dim=args.dim, n_layers=args.layers, n_heads=args.heads,
@@ -135,28 +132,16 @@ def report(result: dict, args, device: torch.device, world: int) -> None:
           f"peak memory {p['ours'] / p['ours_no_offload']:.2f}")
 
 
-def _worker(rank: int, world: int, port: int, args) -> NoReturn:
-    from dbuffer.teardown import shutdown
-
-    device = torch.device("cpu")
-    backend = "gloo"
-    if args.cuda:
-        torch.cuda.set_device(rank)
-        device, backend = torch.device("cuda", rank), "nccl"
-    torch.set_num_threads(args.threads)
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        result = measure(args, device)
-        if rank == 0:
-            report(result, args, device, world)
-    except BaseException:
-        shutdown(barrier=False)
-        raise
-    shutdown(0)
+def _measure_and_report(args) -> None:
+    """Every rank measures (on ``cuda:rank`` with ``--cuda``); rank 0 prints."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", rank) if args.cuda else torch.device("cpu")
+    result = measure(args, device)
+    if rank == 0:
+        report(result, args, device, world)
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--cuda", action="store_true", help="one GPU per rank, NCCL (default: CPU, gloo)")
@@ -177,12 +162,8 @@ def main(argv: Optional[list[str]] = None) -> None:
         args.pin_memory = args.cuda
     if args.cuda and torch.cuda.device_count() < args.world:
         parser.error(f"--cuda needs {args.world} GPUs, found {torch.cuda.device_count()}")
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_worker, args=(args.world, port, args), nprocs=args.world)
+    launch.spawn(args.world, _measure_and_report, args, backend="nccl" if args.cuda else "gloo",
+                 threads=args.threads, cuda=args.cuda)
 
 
 if __name__ == "__main__":

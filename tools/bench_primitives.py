@@ -39,20 +39,17 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import random
-import socket
 import statistics
 import sys
 import time
 from pathlib import Path
-from typing import NoReturn
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+from tools.kit import launch  # noqa: E402
 
 MIB = 1 << 20
 METHODS = ("dbuffer", "c10d", "a2a", "p2p", "dtensor")
@@ -336,25 +333,12 @@ def _bench_size(size_mib: float, world: int, reps: int, warmup: int, min_time: f
     return result
 
 
-def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace) -> NoReturn:
+def _bench_and_report(args: argparse.Namespace) -> None:
+    """Every rank benchmarks every size; rank 0 prints (and writes) the results."""
     import torch
     import torch.distributed as dist
 
-    from dbuffer.teardown import shutdown
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        _bench_and_report(rank, world, args)
-    except BaseException:
-        shutdown(barrier=False)  # a peer may be gone; the error goes on to the launcher
-        raise
-    shutdown(0)  # barrier, free the group, exit 0 without finalising (see dbuffer.teardown)
-
-
-def _bench_and_report(rank: int, world: int, args: argparse.Namespace) -> None:
-    import torch
-
+    rank, world = dist.get_rank(), dist.get_world_size()
     started = time.perf_counter()
     results = []
     for size in args.sizes:
@@ -412,12 +396,6 @@ def format_table(report: dict, stat: str = "median") -> str:
     return "\n".join(lines)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--world", type=int, default=2, help="number of gloo ranks (default 2)")
@@ -434,10 +412,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.world < 1 or args.reps < 1 or args.warmup < 0 or not args.sizes:
         parser.error("need --world >= 1, --reps >= 1, --warmup >= 0 and at least one size")
 
-    import torch.multiprocessing as tmp
-
-    tmp.start_processes(_rank_main, args=(args.world, _free_port(), args), nprocs=args.world,
-                        start_method="spawn")
+    launch.spawn(args.world, _bench_and_report, args)
 
 
 if __name__ == "__main__":

@@ -15,15 +15,12 @@ takes an SGD step on its shard. The losses printed are those of the *global* bat
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
-from typing import NoReturn
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -31,7 +28,7 @@ from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.tensor import Partial, Replicate, Shard  # noqa: E402
 
 from dbuffer import DBuffer, distribute_tensors  # noqa: E402
-from dbuffer.teardown import shutdown  # noqa: E402
+from tools.kit import launch  # noqa: E402
 
 
 def make_model() -> torch.nn.Sequential:
@@ -100,38 +97,15 @@ def train(steps: int, lr: float) -> None:
         print(f"max |weight - single-process reference| after {steps} steps: {gap:.2e}")
 
 
-def _run_rank(steps: int, lr: float) -> NoReturn:
-    """Train in the initialised group, then end the process through dbuffer.teardown.shutdown."""
-    try:
-        train(steps, lr)
-    except BaseException:
-        shutdown(barrier=False)  # a peer may be gone; the error goes on to the launcher
-        raise
-    shutdown(0)  # barrier, free the group, exit 0 without finalising
-
-
-def _worker(rank: int, world: int, port: int, steps: int, lr: float) -> NoReturn:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    _run_rank(steps, lr)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--world", type=int, default=2, help="ranks to launch (ignored under torchrun)")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--lr", type=float, default=0.3)
     args = parser.parse_args()
-    if "RANK" in os.environ:  # launched by torchrun
-        dist.init_process_group("gloo")
-        _run_rank(args.steps, args.lr)
-    import socket
-
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # our own ranks talk over loopback
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_worker, args=(args.world, port, args.steps, args.lr), nprocs=args.world)
+    if launch.under_torchrun():
+        launch.run_rank(train, args.steps, args.lr, threads=None)  # torch's threads (OMP_NUM_THREADS)
+    launch.spawn(args.world, train, args.steps, args.lr)
 
 
 if __name__ == "__main__":

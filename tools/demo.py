@@ -5,9 +5,9 @@
     python3 tools/demo.py --size base --steps 500   # a bigger model, for longer
     torchrun --nproc-per-node 2 tools/demo.py       # the same, ranks started by torchrun
 
-What runs: the Llama-style decoder of ``tools/llama.py`` (RMSNorm, causal attention with rotary
-embeddings, SwiGLU) with ``fsdp.fully_shard`` on every block and then on the root (ZeRO-3: each
-rank keeps only its rows of the weights, gradients and AdamW state). The text is the Python
+What runs: the Llama-style decoder of ``tests/models/llama.py`` (RMSNorm, causal attention with
+rotary embeddings, SwiGLU) with ``fsdp.fully_shard`` on every block and then on the root (ZeRO-3:
+each rank keeps only its rows of the weights, gradients and AdamW state). The text is the Python
 standard library's own sources as bytes (``tools/text_data.py``; vocabulary 256, no download).
 The global batch of step ``s`` depends only on ``s``, and each rank trains on its own rows of it,
 so a run resumed from a checkpoint sees exactly the batches an uninterrupted run would have.
@@ -18,10 +18,10 @@ their losses); and per rank, measured on the last step: peak memory, bytes sent 
 per step. It then saves a DCP checkpoint (model, optimizer and step counter) with
 ``fsdp.checkpoint.save``; ``--resume`` loads it and trains ``--steps`` more.
 
-Memory: on CPU, a storage-level tracker (``StorageTracker`` of ``tools/bench_fsdp.py``) counts
+Memory: on CPU, a storage-level tracker (``StorageTracker`` of ``tools/kit/memory.py``) counts
 every tensor storage the model, its gradients, the optimizer, fsdp's buffers and the step itself
 hold (the text data is left out); on CUDA, ``torch.cuda.max_memory_allocated`` over the last step.
-Communication: ``CommCounter`` of ``tools/bench_fsdp.py`` wraps the ``torch.distributed``
+Communication: ``CommCounter`` of ``tools/kit/comm.py`` wraps the ``torch.distributed``
 functions; "sent" is what this rank sends with a bandwidth-optimal algorithm. Only the training
 step is counted, not the demo's own all-reduce of the loss for printing.
 
@@ -39,11 +39,10 @@ import contextlib
 import gc
 import json
 import os
-import socket
 import sys
 import time
 from pathlib import Path
-from typing import NoReturn, Optional
+from typing import Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
@@ -53,11 +52,12 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 
-from dbuffer.teardown import shutdown  # noqa: E402
 from fsdp import checkpoint as ckpt  # noqa: E402
 from fsdp import fully_shard  # noqa: E402
-from tools.bench_fsdp import CommCounter, StorageTracker, live_storages  # noqa: E402
-from tools.llama import Llama, LlamaConfig, loss_fn  # noqa: E402
+from tests.models.llama import Llama, LlamaConfig, loss_fn  # noqa: E402
+from tools.kit import launch  # noqa: E402
+from tools.kit.comm import CommCounter  # noqa: E402
+from tools.kit.memory import StorageTracker, live_storages  # noqa: E402
 from tools.text_data import ByteText  # noqa: E402
 
 DEFAULT_CHECKPOINT = ROOT / "checkpoints" / "demo"
@@ -230,9 +230,8 @@ def _measure_step(device: torch.device, before: dict):
         yield figures
         figures["peak"] = torch.cuda.max_memory_allocated(device)
         return
-    gc.collect()
     tracker = StorageTracker()
-    tracker.track_storages(st for key, st in live_storages().items() if key not in before)
+    tracker.track_new(before)
     figures["start"] = tracker.current
     with tracker:
         yield figures
@@ -242,31 +241,11 @@ def _measure_step(device: torch.device, before: dict):
 # ----------------------------------------------------------------------------- launching
 
 
-def _rank_main(args: argparse.Namespace) -> NoReturn:
-    """One rank, rendezvous from the environment (torchrun's, or the one :func:`_spawned` sets);
-    it ends the process, exit code 0, through :func:`dbuffer.teardown.shutdown`."""
+def _rank_options(args: argparse.Namespace) -> dict:
+    """How a rank joins (:func:`tools.kit.launch.run_rank`): ``cuda:LOCAL_RANK`` and nccl on CUDA;
+    gloo with one torch thread per rank on CPU (the ranks share the CPU cores)."""
     cuda = use_cuda(args)
-    if cuda:
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    else:
-        torch.set_num_threads(1)  # the ranks share the CPU cores
-    dist.init_process_group("nccl" if cuda else "gloo")
-    try:
-        train(args)
-    except BaseException:
-        shutdown(barrier=False)  # a peer may be gone; the error goes on to the launcher
-        raise
-    shutdown(0)  # barrier, free the groups, exit 0 without finalising (see dbuffer.teardown)
-
-
-def _spawned(rank: int, world: int, port: int, args: argparse.Namespace) -> NoReturn:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    _rank_main(args)
-
-
-def _under_torchrun() -> bool:
-    return all(name in os.environ for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+    return dict(backend="nccl" if cuda else "gloo", threads=None if cuda else 1, cuda=cuda)
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
@@ -292,7 +271,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         if getattr(args, name) is None:
             setattr(args, name, value)
     args.checkpoint = os.path.abspath(args.checkpoint)
-    world = int(os.environ["WORLD_SIZE"]) if _under_torchrun() else args.world
+    world = int(os.environ["WORLD_SIZE"]) if launch.under_torchrun() else args.world
     if args.steps < 1:
         parser.error("--steps must be >= 1")
     if args.dim < 32 or args.dim % 32:
@@ -310,22 +289,15 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 
 def main(argv: Optional[list[str]] = None) -> None:
     args = parse_args(argv)
-    if _under_torchrun():
-        _rank_main(args)
-        return
+    if launch.under_torchrun():
+        launch.run_rank(train, args, **_rank_options(args))
     if args.world is None:
         args.world = torch.cuda.device_count() if use_cuda(args) else 2
     if args.batch % args.world:
         raise SystemExit(f"--batch {args.batch} must be a multiple of --world {args.world}")
     if use_cuda(args) and args.world > torch.cuda.device_count():
         raise SystemExit(f"--world {args.world} needs {args.world} GPUs, {torch.cuda.device_count()} visible")
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # our own ranks talk over loopback
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    import torch.multiprocessing as mp
-
-    mp.start_processes(_spawned, args=(args.world, port, args), nprocs=args.world, start_method="spawn")
+    launch.spawn(args.world, train, args, **_rank_options(args))
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from dbuffer.layout import Layout, compute_layout  # noqa: E402
-from tools.padding_report import MODELS, model_shapes, model_tp_dims  # noqa: E402
+from tests.models.shapes import MODELS, model_shapes, model_tp_dims  # noqa: E402
 from tools.tp_plan import local_shape  # noqa: E402
 
 Shape = tuple[int, ...]

@@ -3,12 +3,12 @@
     python3 tools/mem_timeline.py                              # bench_fsdp's model, fp32, every method
     python3 tools/mem_timeline.py --dtype bf16 --methods ours,fsdp2,flat --layers 2 --dim 256
 
-Builds the methods of ``tools/bench_fsdp.py`` (same model, policies, optimizers; world 2, gloo),
-runs ``--warmup`` steps of each, then one step under :class:`TimelineTracker`, bench_fsdp's
-``StorageTracker`` extended to record every operator and storage resize with the live total, the
-step's phase (forward, backward, optimizer, zero_grad) and the source line that caused it. Rank 0
-prints, per method and phase, the peak, where it happened, and the live storages at that moment
-by category:
+Builds the methods of ``tools/bench_fsdp.py`` (``tools/step_bench/methods.py``: same model,
+policies, optimizers; world 2, gloo), runs ``--warmup`` steps of each, then one step under
+:class:`TimelineTracker`, the ``StorageTracker`` bench_fsdp measures with (``tools/kit/memory.py``)
+extended to record every operator and storage resize with the live total, the step's phase
+(forward, backward, optimizer, zero_grad) and the source line that caused it. Rank 0 prints, per
+method and phase, the peak, where it happened, and the live storages at that moment by category:
 
 * ``main``: the sharded weights the optimizer updates (ours: ``main``; FSDP2: the sharded params);
 * ``model shard``: ours' compute-dtype shard (bf16 policy), a separate buffer from ``main``;
@@ -28,12 +28,11 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
 import sys
 import traceback
 from collections import defaultdict
 from pathlib import Path
-from typing import Callable, NoReturn, Optional
+from typing import Callable, Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
@@ -42,11 +41,20 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from tools import bench_fsdp as bench  # noqa: E402
+from tests.models.llama import Llama  # noqa: E402
+from tools.kit import launch  # noqa: E402
+from tools.kit.memory import (  # noqa: E402
+    StorageTracker,
+    live_storages,
+    local_tensors,
+    release_library_caches,
+)
+from tools.step_bench import methods as bench  # noqa: E402
 
 MIB = 1 << 20
 # Source files whose frames say *where* an allocation happens (innermost first wins).
-_WHERE = ("/fsdp/", "/dbuffer/", "torch/distributed/fsdp/", "tools/llama.py", "torch/optim/", "torch/autograd/")
+_WHERE = ("/fsdp/", "/dbuffer/", "torch/distributed/fsdp/", "tests/models/llama.py", "torch/optim/",
+          "torch/autograd/")
 
 
 def _where() -> str:
@@ -59,7 +67,7 @@ def _where() -> str:
     return "?"
 
 
-class TimelineTracker(bench.StorageTracker):
+class TimelineTracker(StorageTracker):
     """A StorageTracker that also records, per phase, the peak, the op and source line at it, and
     the live storages then (categorised by ``classify``, called at each new phase maximum)."""
 
@@ -117,7 +125,7 @@ def _keys(*tensors) -> list[int]:
     out = []
     for t in tensors:
         if isinstance(t, torch.Tensor):
-            for local in bench._local_tensors(t):
+            for local in local_tensors(t):
                 try:
                     out.append(local.untyped_storage()._cdata)
                 except (RuntimeError, NotImplementedError):
@@ -205,14 +213,13 @@ def measure(name: str, mode: str, cfg: bench.BenchConfig, mesh, base) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     batches = bench.make_batches(cfg, cfg.warmup + 1, rank, world)
     gc.collect()
-    before = bench.live_storages()
+    before = live_storages()
     method = bench.build_method(name, base, mode, cfg, mesh)
     for i in range(cfg.warmup):
         dist.barrier()
         method.step(batches[i])
-    gc.collect()
     tracker = TimelineTracker(classifier(method))
-    tracker.track_storages(st for key, st in bench.live_storages().items() if key not in before)
+    tracker.track_new(before)
     before = None
     tracker._note("start")
     dist.barrier()
@@ -260,28 +267,20 @@ def format_report(name: str, mode: str, res: dict, top: int) -> str:
     return "\n".join(lines)
 
 
-def _rank_main(rank: int, world: int, port: int, cfg: bench.BenchConfig, args) -> NoReturn:
+def _measure_and_report(cfg: bench.BenchConfig, args) -> None:
+    """Every rank measures each method of each mode in turn; rank 0 prints."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from dbuffer.teardown import shutdown
-    from tools.llama import Llama
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        mesh = init_device_mesh("cpu", (world,))
-        for mode in cfg.dtypes:
-            torch.manual_seed(cfg.seed)
-            base = Llama(bench._model_config(cfg))
-            for name in cfg.methods:
-                bench._release_library_caches()
-                res = measure(name, mode, cfg, mesh, base)
-                if rank == 0:
-                    print(format_report(name, mode, res, args.top), flush=True)
-    except BaseException:
-        shutdown(barrier=False)
-        raise
-    shutdown(0)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    for mode in cfg.dtypes:
+        torch.manual_seed(cfg.seed)
+        base = Llama(bench.model_config(cfg))
+        for name in cfg.methods:
+            release_library_caches()
+            res = measure(name, mode, cfg, mesh, base)
+            if rank == 0:
+                print(format_report(name, mode, res, args.top), flush=True)
 
 
 def main(argv: Optional[list[str]] = None) -> None:
@@ -300,13 +299,10 @@ def main(argv: Optional[list[str]] = None) -> None:
         warmup=args.warmup, strategy=args.strategy, data="random",
         methods=tuple(m.strip() for m in args.methods.split(",") if m.strip()),
     )
-    bench._check_config(cfg)
+    bench.check_config(cfg)
     if "c10d" in cfg.methods:
         parser.error("--methods: 'c10d' (bench_fsdp's communication replay) trains no model; leave it out here")
-    import torch.multiprocessing as tmp
-
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    tmp.start_processes(_rank_main, args=(2, bench._free_port(), cfg, args), nprocs=2, start_method="spawn")
+    launch.spawn(2, _measure_and_report, cfg, args)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dbuffer.layout import ItemLayout, Layout, compute_chunk_layout, compute_layout
-from tools.padding_report import model_shapes
+from tests.models.shapes import model_shapes
 
 # -- strategies -------------------------------------------------------------
 _small = st.integers(0, 6)
@@ -351,7 +351,7 @@ def test_choose_layout_keeps_rows_atomic_only_when_cheap(shapes, n, align, limit
 def test_per_unit_padding_at_1024_ranks_is_below_a_tenth_of_a_percent(model):
     """The issue's figure: row-atomic per-unit layouts pad up to 2.78% (Llama-3-70B, world
     1024); with choose_layout every unit pads at most 0.1%, and in total far less."""
-    from tools.padding_report import unit_shapes
+    from tests.models.shapes import unit_shapes
 
     units = unit_shapes(model)
     data = sum(math.prod(s) for u in units for s in u)

@@ -30,7 +30,7 @@ from torch.utils.checkpoint import checkpoint
 
 import fsdp
 from tests.harness import run_ranks
-from tools.llama import Block, Llama, LlamaConfig, loss_fn
+from tests.models.llama import Block, Llama, LlamaConfig, loss_fn
 
 CONFIG = LlamaConfig(vocab_size=32, dim=16, n_layers=2, n_heads=2, hidden_dim=24, max_seq_len=8)
 STEPS, BATCH, SEQ = 3, 4, 8

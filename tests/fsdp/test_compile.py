@@ -19,7 +19,7 @@ import torch.nn as nn
 
 import fsdp
 from tests.harness import run_ranks
-from tools.llama import Llama, LlamaConfig, loss_fn
+from tests.models.llama import Llama, LlamaConfig, loss_fn
 
 CONFIG = LlamaConfig(vocab_size=32, dim=16, n_layers=2, n_heads=2, hidden_dim=24, max_seq_len=8)
 STEPS, BATCH, SEQ = 2, 4, 8

@@ -20,7 +20,7 @@ from torch.testing._internal.two_tensor import TwoTensor
 import fsdp
 from dbuffer.agreement import RankMismatchError
 from tests.harness import run_ranks
-from tools.float8_weight import Float8RowwiseWeight, cast_count, float8_weights, reference_float8_model
+from tests.models.float8_weight import Float8RowwiseWeight, cast_count, float8_weights, reference_float8_model
 
 DIM, ROWS_PER_RANK, STEPS = 8, 2, 3
 

@@ -244,33 +244,6 @@ def test_row_sharded_matrix_raises() -> None:
     assert all(run_ranks(_row_sharded_matrix_raises, 2, backend="threaded"))
 
 
-# ----------------------------------------------------------------------------- tools/bench_muon.py
-
-
-def _bench_measure() -> dict:
-    from tools.bench_muon import MEASURED_MLP, measure, mlp_shapes
-
-    result = measure(mlp_shapes(MEASURED_MLP))
-    predicted = result["predicted"]
-    return {
-        "same": result["same"],
-        "ops": {k: v["ops"] for k, v in result["stats"].items()},
-        "sent": {k: v["bytes_sent"] for k, v in result["stats"].items()},
-        "predicted": {"owned": predicted.owned, "gather": predicted.gather},
-    }
-
-
-def test_bench_muon_counts_what_it_predicts() -> None:
-    """The report's arithmetic matches the c10d calls really made (counted on gloo), Owned Muon
-    issues the two ZeRO-3 collectives only, and the naive gather-every-matrix Muon lands on the
-    same weights bit for bit."""
-    for res in run_ranks(_bench_measure, 2, backend="gloo"):
-        assert res["same"]
-        assert res["ops"] == {"owned": 2, "gather": 3}
-        assert res["sent"] == res["predicted"]
-        assert res["sent"]["owned"] < res["sent"]["gather"]
-
-
 def test_lr_zero_freezes_both_parts_and_schedulers_scale_both() -> None:
     """torch.distributed.checkpoint initialises an empty optimizer by stepping it with lr=0; that
     must not move any weight (AdamW's weight decay included). An lr scheduler sets ``lr`` only;

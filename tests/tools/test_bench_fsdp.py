@@ -1,11 +1,15 @@
-"""tools/bench_fsdp.py: its core trains one tiny Llama three ways on 2 gloo ranks and reports
-every field; the numbers it reports are checked against what they must be (no timing asserts)."""
+"""tools/bench_fsdp.py: its core (tools/step_bench/) trains one tiny Llama three ways on 2 gloo
+ranks and reports every field; the numbers it reports are checked against what they must be (no
+timing asserts)."""
 
 from __future__ import annotations
 
 from tests.harness import run_ranks
+from tests.models.llama import LlamaConfig
 from tools import bench_fsdp
-from tools.llama import LlamaConfig
+from tools.step_bench.methods import BenchConfig, check_config
+from tools.step_bench.report import format_table
+from tools.step_bench.run import c10d_bound, run_benchmark
 
 # Small enough to run in seconds; the vocabulary is large enough that the root unit's shard
 # (embedding + lm_head, 4 MiB of fp32 per rank) takes dbuffer's point-to-point path on gloo,
@@ -17,7 +21,7 @@ METHOD_FIELDS = {"times_ms", "median_ms", "mean_ms", "min_ms", "max_ms", "loss",
 
 
 def test_bench_core_on_a_tiny_model() -> None:
-    reports = run_ranks(bench_fsdp.run_benchmark, 2, TINY, backend="gloo", timeout=90)
+    reports = run_ranks(run_benchmark, 2, TINY, backend="gloo", timeout=90)
     report = reports[0]
     assert {"config", "world", "torch", "data", "timing", "memory_method", "comm_method", "modes"} <= set(report)
     assert report["world"] == 2 and list(report["modes"]) == ["fp32"]
@@ -81,7 +85,7 @@ def test_bench_core_on_a_tiny_model() -> None:
     assert abs(ratios["bound_step_ours_over_floor"] - bound) < 1e-9 and bound >= 1
 
     assert {t["name"] for t in res["targets"]} >= {"step_ours_over_fsdp2", "peak_ours_over_fsdp2"}
-    table = bench_fsdp.format_table(report)
+    table = format_table(report)
     assert "ours" in table and "fsdp2" in table and "floor" in table and "target" in table
     assert "raw c10d: the communication alone takes" in table
 
@@ -89,23 +93,23 @@ def test_bench_core_on_a_tiny_model() -> None:
 def test_c10d_bound_counts_communication_cpu_only_when_no_core_is_idle() -> None:
     methods = {"floor": {"cpu_ms": 500.0, "median_ms": 520.0}, "c10d": {"cpu_ms": 60.0, "median_ms": 90.0},
                "ours": {"cpu_ms": 616.0, "median_ms": 650.0}}
-    full = bench_fsdp._c10d_bound({"methods": methods, "cores": 2, "busy_threads": 2})
+    full = c10d_bound({"methods": methods, "cores": 2, "busy_threads": 2})
     assert full["cores_saturated"] and abs(full["bound_step_ours_over_floor"] - 560 / 500) < 1e-12
     assert abs(full["cpu_ours_over_floor_plus_c10d"] - 616 / 560) < 1e-12
-    spare = bench_fsdp._c10d_bound({"methods": methods, "cores": 16, "busy_threads": 2})
+    spare = c10d_bound({"methods": methods, "cores": 16, "busy_threads": 2})
     assert not spare["cores_saturated"] and spare["bound_step_ours_over_floor"] == 1.0  # it can hide
-    assert bench_fsdp._c10d_bound({"methods": {"floor": methods["floor"]}, "cores": 2, "busy_threads": 2}) == {}
+    assert c10d_bound({"methods": {"floor": methods["floor"]}, "cores": 2, "busy_threads": 2}) == {}
 
 
 def test_c10d_method_needs_ours_first_and_an_untimed_step() -> None:
     for methods, kw in ((("c10d", "ours"), {}), (("floor", "c10d"), {}), (("ours", "c10d"), dict(warmup=0, measure=False))):
         try:
-            bench_fsdp._check_config(bench_fsdp.BenchConfig(methods=methods, **kw))
+            check_config(BenchConfig(methods=methods, **kw))
         except ValueError as exc:
             assert "'c10d'" in str(exc)
         else:
             raise AssertionError(f"{methods} {kw} was accepted")
-    bench_fsdp._check_config(bench_fsdp.BenchConfig(methods=("ours", "c10d"), warmup=0))  # the measured step
+    check_config(BenchConfig(methods=("ours", "c10d"), warmup=0))  # the measured step
     try:  # nothing to profile: the replay trains no model
         bench_fsdp.parse_args(["--profile", "c10d"])
     except SystemExit as exc:
@@ -121,12 +125,12 @@ def test_flat_and_lean_variants_run_and_report() -> None:
     whether its backward peak is lower depends on the model: the FP32 reduce-scatter output of the
     group in flight is a temporary there, which fp32 main grads do not need.)"""
     cfg = dict(TINY, dtypes=("bf16",), vocab=512, steps=1, methods=("ours", "flat", "lean"))
-    report = run_ranks(bench_fsdp.run_benchmark, 2, cfg, backend="gloo", timeout=120)[0]
+    report = run_ranks(run_benchmark, 2, cfg, backend="gloo", timeout=120)[0]
     res = report["modes"]["bf16"]
     peaks = {name: m["peak_bytes"] for name, m in res["methods"].items()}
     print(peaks)
     assert peaks["lean"] < peaks["flat"]
     assert res["optimizer"]["flat"].startswith("FlatAdamW")
     assert res["methods"]["flat"]["loss"] == res["methods"]["lean"]["loss"]
-    table = bench_fsdp.format_table(report)
+    table = format_table(report)
     assert "variant flat" in table and "variant lean" in table

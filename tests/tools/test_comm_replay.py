@@ -1,4 +1,4 @@
-"""tools/comm_replay.py: a recorded step's c10d calls replay alone, as the same calls."""
+"""tools/kit/comm_replay.py: a recorded step's c10d calls replay alone, as the same calls."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import torch
 import torch.distributed as dist
 
 from tests.harness import run_ranks
-from tools import bench_fsdp, comm_replay
+from tools.kit import comm_replay
+from tools.kit.comm import CommCounter
 
 
 def test_an_empty_trace_is_refused() -> None:
@@ -36,7 +37,7 @@ def _step(rank: int) -> None:
 
 def _record_and_replay() -> dict:
     rank = dist.get_rank()
-    counter = bench_fsdp.CommCounter()
+    counter = CommCounter()
     counter.install()
     try:
         with counter.counting("step"), counter.recording() as trace:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from tools import bench_fsdp, mem_timeline
+from tools import mem_timeline
+from tools.step_bench.methods import BenchConfig, Method
 
 MIB = 1 << 20
 
@@ -27,7 +28,7 @@ class _Tiny(torch.nn.Module):
 
 def test_optimizer_phase_holds_weights_grads_and_state_by_category() -> None:
     torch.manual_seed(0)
-    method = bench_fsdp.Method("floor", _Tiny(), bench_fsdp.BenchConfig(foreach=False))
+    method = Method("floor", _Tiny(), BenchConfig(foreach=False))
     method.loss_fn = lambda logits, tokens: logits.float().pow(2).mean()
     method.step(torch.randn(4, 65))  # the optimizer state exists from now on
     tracker = mem_timeline.TimelineTracker(mem_timeline.classifier(method))

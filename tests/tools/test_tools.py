@@ -1,7 +1,9 @@
-"""tools/llama.py, tools/text_data.py and tools/draw_layout.py."""
+"""tests/models/llama.py (the tools' model), tools/text_data.py, tools/draw_layout.py, and the rule
+that imports point from tools/ to the library and tests/models/, never back."""
 
 from __future__ import annotations
 
+import ast
 import math
 import subprocess
 import sys
@@ -13,10 +15,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dbuffer.layout import compute_layout
+from tests.models.llama import Llama, LlamaConfig, loss_fn
+from tests.models.shapes import model_shapes
 from tools.draw_layout import main as draw_main
 from tools.draw_layout import parse_shapes, segments, tp_shapes, truncate_layers
-from tools.llama import Llama, LlamaConfig, loss_fn
-from tools.padding_report import model_shapes
 from tools.text_data import ByteText
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -286,8 +288,8 @@ def test_draw_layout_without_matplotlib_says_how_to_install(tmp_path: Path) -> N
 def test_draw_layout_tp_shapes_follow_the_planner_presets() -> None:
     """--tp's shapes are each TP rank's torch.chunk pieces under the Llama plan, and the picture's
     table of split dims agrees with the plan by module name the planner applies to its presets."""
+    from tests.models.shapes import model_tp_dims
     from tools.plan_memory import PRESETS
-    from tools.padding_report import model_tp_dims
     from tools.tp_plan import tp_dim
 
     for picture, preset in (("Llama-3-8B", "llama3-8b"), ("Mixtral-8x7B", "mixtral-8x7b")):
@@ -307,3 +309,27 @@ def test_draw_layout_tp_shapes_follow_the_planner_presets() -> None:
         tp_shapes("Llama-3-8B", 2, 2)
     with pytest.raises(SystemExit):  # argparse: --tp must divide --world
         draw_main(["--model", "Llama-3-8B", "--world", "12", "--tp", "8"])
+
+
+# ---------------------------------------------------------------- import direction
+
+
+def _imports_tools(path: Path) -> list[str]:
+    """``path``'s import statements that name the ``tools`` package, as ``line: module``."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+        if isinstance(node, ast.ImportFrom) and node.level == 0:
+            names = [node.module or ""]
+        found += [f"{node.lineno}: {n}" for n in names if n == "tools" or n.startswith("tools.")]
+    return found
+
+
+def test_only_the_tools_tests_import_tools() -> None:
+    """The library, its tests and the shared models (tests/models) never import from tools/:
+    the tools depend on them, not the other way round (tests/tools/ tests the tools)."""
+    files = [f for d in ("dbuffer", "fsdp", "tests") for f in sorted((ROOT / d).rglob("*.py"))
+             if (ROOT / "tests" / "tools") not in f.parents]
+    assert any(f.parent.name == "models" for f in files)  # the scan reaches tests/models
+    offenders = {str(f.relative_to(ROOT)): hits for f in files if (hits := _imports_tools(f))}
+    assert offenders == {}

@@ -1,6 +1,6 @@
 """A small Llama-style decoder in plain ``torch.nn``, for examples, tests and benchmarks.
 
-    from tools.llama import Llama, LlamaConfig, loss_fn
+    from tests.models.llama import Llama, LlamaConfig, loss_fn
 
     model = Llama(LlamaConfig())          # 28,842,496 parameters with the defaults
     logits = model(tokens[:, :-1])        # tokens: LongTensor [batch, seq_len + 1]

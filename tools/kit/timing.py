@@ -1,0 +1,46 @@
+"""Timing helpers: one call on this rank, one call across the ranks, and the matmul probe that
+says how fast this machine computes in each dtype (on a CPU without bf16 units a bf16 matmul is
+many times slower than an fp32 one, which decides how long a bf16 benchmark runs)."""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+
+
+def timed(fn: Callable[[], object]) -> float:
+    """Seconds ``fn()`` takes on this rank (wall clock)."""
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def timed_across_ranks(fn: Callable[[], object]) -> float:
+    """Seconds from a barrier before ``fn()`` to a barrier after it: the time of the slowest rank
+    (every rank must call it)."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    start = time.perf_counter()
+    fn()
+    dist.barrier()
+    return time.perf_counter() - start
+
+
+def gemm_probe(dtypes: dict[str, torch.dtype], rows: int = 256, dim: int = 512, reps: int = 3) -> dict:
+    """GFLOP/s of one-thread matmuls in the two layouts a linear layer uses: ``x @ W.T``
+    (forward) and ``g @ W`` (backward, input gradient); best of ``reps``, by name of ``dtypes``."""
+    out: dict[str, dict[str, float]] = {}
+    for name, dtype in dtypes.items():
+        gen = torch.Generator().manual_seed(0)
+        x = torch.randn(rows, dim, generator=gen).to(dtype)
+        w = torch.randn(dim, dim, generator=gen).to(dtype)
+        res = {}
+        for layout, fn in (("x@W.T", lambda: x @ w.t()), ("g@W", lambda: x @ w)):
+            fn()
+            best = min(timed(fn) for _ in range(reps))
+            res[layout] = 2 * rows * dim * dim / best / 1e9
+        out[name] = res
+    return out

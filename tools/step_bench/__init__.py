@@ -1,0 +1,10 @@
+"""One Llama training step benchmarked several ways: the core of ``tools/bench_fsdp.py`` (which
+parses the flags and launches the ranks) and of ``tools/mem_timeline.py`` (which builds the same
+methods to say where their memory peaks).
+
+* ``methods.py``: the configuration, the methods (ours, FSDP2, the floor, ours' variants, the
+  raw-c10d replay), their batches;
+* ``run.py``: the measured run on an initialised process group, its ratios and targets, and the
+  profile of one method;
+* ``report.py``: the table and the plot.
+"""

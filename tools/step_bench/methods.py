@@ -1,0 +1,200 @@
+"""The training step benchmarked several ways: bench_fsdp's methods (``ours``, ``fsdp2``, ``floor``,
+the raw-c10d replay ``c10d``, and ours' variants ``flat``, ``lean``, ``row``), its configuration
+and its batches. ``tools/bench_fsdp.py``'s docstring says what each method runs and how it is
+measured; ``tools/mem_timeline.py`` builds the same methods to say where their memory peaks.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from tools.kit import comm_replay
+
+METHODS = ("ours", "fsdp2", "floor", "c10d", "flat")
+# Variants of ours: "flat" = fsdp.FlatAdamW (the step over the flat shards) with BF16 main grads in
+# bf16 mode; "lean" = flat + MixedPrecisionPolicy(persistent_param_shard=False) (no BF16 shard
+# kept between steps); "row" = ours under layout_policy("auto"), Megatron's flat row-atomic layout
+# (no copy out of each gather and into each reduction, which ours, on FSDP2's pieces, makes).
+# Not run by default: "lean", "row".
+VARIANTS = ("flat", "lean", "row")
+ALL_METHODS = METHODS + ("lean", "row")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+# bf16 matmuls are very slow on a CPU without bf16 units (a bf16 step of the default model takes
+# about 30 s on a 2-core AVX2 machine, an fp32 one about 1.3 s): time one bf16 step by default.
+DEFAULT_STEPS = {"fp32": 6, "bf16": 1}
+
+
+
+@dataclass
+class BenchConfig:
+    """Everything one benchmark run needs; plain values, so it pickles to worker processes."""
+
+    dtypes: tuple = ("fp32", "bf16")
+    vocab: int = 8192
+    dim: int = 512
+    layers: int = 6
+    heads: int = 8
+    hidden: int = 1536
+    seq: int = 128
+    batch: int = 4  # sequences per rank
+    steps: Optional[int] = None  # timed steps per method; None: DEFAULT_STEPS of the mode
+    warmup: int = 1
+    strategy: str = "optim_grads_params"
+    data: str = "text"  # "text" (ByteText) or "random"
+    foreach: Optional[bool] = None  # AdamW's foreach; None: torch's default
+    lr: float = 1e-3
+    seed: int = 0
+    measure: bool = True  # the untimed measured step (memory + communication)
+    methods: tuple = METHODS
+
+    def steps_for(self, mode: str) -> int:
+        return self.steps if self.steps is not None else DEFAULT_STEPS[mode]
+
+
+def check_config(cfg: BenchConfig) -> None:
+    bad = [d for d in cfg.dtypes if d not in DTYPES]
+    if bad or not cfg.dtypes:
+        raise ValueError(f"dtypes must be a non-empty subset of {sorted(DTYPES)}, got {cfg.dtypes!r}")
+    if cfg.strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {STRATEGIES}, got {cfg.strategy!r}")
+    if any(m not in ALL_METHODS for m in cfg.methods) or not cfg.methods:
+        raise ValueError(f"methods must be a non-empty subset of {ALL_METHODS}, got {cfg.methods!r}")
+    if cfg.warmup < 0 or (cfg.steps is not None and cfg.steps < 0):
+        raise ValueError("warmup and steps must be >= 0")
+    if "c10d" in cfg.methods:
+        names = list(cfg.methods)
+        if "ours" not in names or names.index("ours") > names.index("c10d"):
+            raise ValueError("methods: 'c10d' replays the c10d calls of ours' last untimed step, so "
+                             "'ours' must come before 'c10d' (or leave 'c10d' out)")
+        if cfg.warmup + int(cfg.measure) == 0:
+            raise ValueError("methods: 'c10d' needs one untimed step of ours to record: use --warmup >= 1 "
+                             "or the measured step (leave out --no-measure), or leave 'c10d' out")
+
+
+def policy_text(mode: str) -> dict[str, str]:
+    if mode == "fp32":
+        return {
+            "ours": "no policy: main/model/main-grad/reduce all fp32",
+            "fsdp2": "no policy: fp32 params, grads, reduce-scatter",
+            "floor": "plain fp32 model, fp32 AdamW",
+            "flat": "no policy (as ours)",
+            "lean": "no policy (as ours; nothing to cast)",
+            "row": "no policy (as ours), layout_policy('auto'): flat row-atomic layout",
+            "c10d": _REPLAY_TEXT,
+        }
+    return {
+        "ours": "param_dtype=bf16, main_params_dtype=fp32, main_grads_dtype=fp32, reduce_dtype=fp32",
+        "fsdp2": "param_dtype=bf16, reduce_dtype=fp32 (sharded params, grads, AdamW fp32)",
+        "floor": "bf16 copy of the model (.to(bfloat16)): bf16 weights, grads and AdamW states",
+        "flat": "param_dtype=bf16, main_params_dtype=fp32, main_grads_dtype=bf16, reduce_dtype=fp32",
+        "lean": "as flat, persistent_param_shard=False (cast the shard before each gather)",
+        "row": "as ours, layout_policy('auto'): flat row-atomic layout",
+        "c10d": _REPLAY_TEXT,
+    }
+
+
+_REPLAY_TEXT = "raw c10d: ours' c10d calls of one step replayed alone (no model, no framework)"
+
+
+class ReplayMethod:
+    """``c10d``: a step is :meth:`comm_replay.Replay.run`; its "loss" is 0 (there is no model)."""
+
+    def __init__(self, trace: list) -> None:
+        self.name, self.opt, self.replay = "c10d", None, comm_replay.Replay(trace)
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        self.replay.run()
+        return torch.zeros(())
+
+
+class Method:
+    """One way of training: a model, its optimizer and ``step(tokens) -> loss``."""
+
+    def __init__(self, name: str, model: torch.nn.Module, cfg: BenchConfig, optimizer=torch.optim.AdamW) -> None:
+        from tests.models.llama import loss_fn
+
+        self.name, self.model, self.loss_fn = name, model, loss_fn
+        self.opt = optimizer(model.parameters(), lr=cfg.lr, foreach=cfg.foreach)
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        loss = self.loss_fn(self.model(tokens[:, :-1]), tokens)  # no name keeps the logits alive
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad()
+        return loss.detach()
+
+
+def build_method(name: str, base: torch.nn.Module, mode: str, cfg: BenchConfig, mesh) -> Method:
+    model = copy.deepcopy(base)
+    if name == "floor":
+        if mode == "bf16":
+            model = model.to(torch.bfloat16)
+        return Method(name, model, cfg)
+    if name in ("ours",) + VARIANTS:
+        import fsdp
+
+        policy = fsdp.MixedPrecisionPolicy()
+        if mode == "bf16":
+            policy = fsdp.MixedPrecisionPolicy(
+                param_dtype=torch.bfloat16, reduce_dtype=torch.float32, main_params_dtype=torch.float32,
+                main_grads_dtype=torch.float32 if name in ("ours", "row") else torch.bfloat16,
+                persistent_param_shard=name != "lean",
+            )
+        kw = dict(mesh=mesh, mp_policy=policy, sharding_strategy=cfg.strategy)
+        with fsdp.layout_policy("auto" if name == "row" else "chunk"):
+            for block in model.layers:
+                fsdp.fully_shard(block, **kw)
+            fsdp.fully_shard(model, **kw)
+        return Method(name, model, cfg, torch.optim.AdamW if name in ("ours", "row") else fsdp.FlatAdamW)
+    if name == "fsdp2":
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        policy = MixedPrecisionPolicy()
+        if mode == "bf16":
+            policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for block in model.layers:
+            fully_shard(block, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
+        return Method(name, model, cfg)
+    raise ValueError(f"unknown method {name!r}; use one of {ALL_METHODS}")
+
+
+def make_batches(cfg: BenchConfig, n: int, rank: int, world: int) -> list[torch.Tensor]:
+    """This rank's ``[batch, seq + 1]`` tokens for steps ``0..n-1`` (the same for every method)."""
+    if cfg.data == "text":
+        from tools.text_data import ByteText
+
+        data = ByteText(seed=cfg.seed)
+        return [data.batch(s, cfg.batch * world, cfg.seq, rank=rank, world_size=world) for s in range(n)]
+    if cfg.data == "random":
+        out = []
+        for s in range(n):
+            gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + s)
+            full = torch.randint(0, cfg.vocab, (cfg.batch * world, cfg.seq + 1), generator=gen)
+            out.append(full[rank * cfg.batch:(rank + 1) * cfg.batch].clone())
+        return out
+    raise ValueError(f"data must be 'text' or 'random', got {cfg.data!r}")
+
+
+def model_config(cfg: BenchConfig):
+    from tests.models.llama import LlamaConfig
+
+    return LlamaConfig(vocab_size=cfg.vocab, dim=cfg.dim, n_layers=cfg.layers, n_heads=cfg.heads,
+                       hidden_dim=cfg.hidden, max_seq_len=cfg.seq)
+
+
+def optimizer_impl(method: Method) -> str:
+    from torch.optim.optimizer import _default_to_fused_or_foreach
+
+    if method.opt is None:
+        return "-"
+    foreach = method.opt.defaults.get("foreach")
+    if foreach is None:
+        params = [p for g in method.opt.param_groups for p in g["params"]]
+        _, foreach = _default_to_fused_or_foreach(params, False, False)
+    return "foreach" if foreach else "for-loop"

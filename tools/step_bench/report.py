@@ -1,0 +1,145 @@
+"""bench_fsdp's report: the table it prints and the bar chart it draws (``--plot``)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from tools.step_bench.methods import METHODS, VARIANTS
+
+MIB = 1 << 20
+
+
+def _fmt(x: Optional[float], spec: str = ".2f", suffix: str = "") -> str:
+    return "-" if x is None else f"{x:{spec}}{suffix}"
+
+
+def format_table(report: dict) -> str:
+    cfg = report["config"]
+    lines = [
+        f"Llama vocab {cfg['vocab']}, dim {cfg['dim']}, {cfg['layers']} layers, {cfg['heads']} heads, "
+        f"hidden {cfg['hidden']}, seq {cfg['seq']}, batch {cfg['batch']}/rank; world {report['world']} "
+        f"({report['backend']}, {report['threads_per_rank']} thread/rank), torch {report['torch']}",
+        f"ours: fsdp.fully_shard per block + root, sharding_strategy={cfg['strategy']}; "
+        f"fsdp2: torch fully_shard per block + root (its default ZeRO-3); floor: plain model, no communication",
+        f"data: {report['data']}",
+        f"time: {report['timing']}",
+        f"memory: {report['memory_method']}",
+        f"communication: {report['comm_method']}",
+    ]
+    for mode, res in report["modes"].items():
+        lines.append("")
+        lines.append(f"== {mode}: {res['steps']} timed steps per method after {res['warmup']} warmup + "
+                     f"{res['measured_steps']} measured (untimed) ==")
+        gemm = res.get("gemm_gflops")
+        if gemm and mode in gemm:
+            g, f = gemm[mode], gemm["fp32"]
+            lines.append(f"  one-thread {mode} matmul here: {g['x@W.T']:.1f} GFLOP/s as x@W.T (forward), "
+                         f"{g['g@W']:.1f} as g@W (backward)" + ("" if mode == "fp32" else
+                         f"; fp32: {f['x@W.T']:.1f} / {f['g@W']:.1f}"))
+        for name, text in res["policy"].items():
+            lines.append(f"  {name:<6} {text}; {res['optimizer'][name]}")
+        head = (f"  {'method':<7}{'median ms':>10}{'min ms':>9}{'max ms':>9}{'cpu ms':>9}{'peak MiB r0/r1':>18}"
+                f"{'start MiB':>10}{'ops/step':>9}{'calls':>7}{'sent MiB':>10}{'loss@0':>9}{'loss@end':>9}")
+        lines.append(head)
+        lines.append("  " + "-" * (len(head) - 2))
+        for name, m in res["methods"].items():
+            peaks = m.get("peak_bytes_by_rank")
+            peak_txt = "/".join(f"{b / MIB:.1f}" for b in peaks) if peaks else "-"
+            start = max(m["start_bytes_by_rank"]) / MIB if peaks else None
+            comm = m.get("comm")
+            lines.append(
+                f"  {name:<7}{_fmt(m['median_ms'], '.1f'):>10}{_fmt(m['min_ms'], '.1f'):>9}"
+                f"{_fmt(m['max_ms'], '.1f'):>9}{_fmt(m.get('cpu_ms'), '.1f'):>9}{peak_txt:>18}{_fmt(start, '.1f'):>10}"
+                f"{(comm['ops'] if comm else '-'):>9}{(comm['calls'] if comm else '-'):>7}"
+                f"{_fmt(comm['bytes_sent'] / MIB if comm else None, '.1f'):>10}"
+                + (f"{'-':>9}{'-':>9}" if name == "c10d" else f"{m['loss'][0]:>9.4f}{m['loss'][-1]:>9.4f}")
+            )
+        for name, m in res["methods"].items():
+            comm = m.get("comm")
+            if comm and comm["calls"]:
+                kinds = ", ".join(f"{k} {v['calls']} x ({v['bytes_sent'] / MIB:.1f} MiB sent)"
+                                  for k, v in sorted(comm["by_kind"].items()))
+                lines.append(f"  {name} c10d calls per step: {kinds}")
+        r = res["ratios"]
+        lines.append(
+            f"  ratios: step ours/fsdp2 {_fmt(r['step_ours_over_fsdp2'])}, ours/floor "
+            f"{_fmt(r['step_ours_over_floor'])}, fsdp2/floor {_fmt(r['step_fsdp2_over_floor'])}; peak memory "
+            f"ours/fsdp2 {_fmt(r['peak_ours_over_fsdp2'])}, ours/floor {_fmt(r['peak_ours_over_floor'])}; "
+            f"collective ops ours/fsdp2 {_fmt(r['ops_ours_over_fsdp2'])} (c10d calls "
+            f"{_fmt(r['calls_ours_over_fsdp2'])}, bytes sent {_fmt(r['sent_ours_over_fsdp2'])})"
+        )
+        for v in VARIANTS:
+            if f"peak_{v}_over_fsdp2" in r:
+                lines.append(
+                    f"  variant {v} ({res['policy'][v]}; {res['optimizer'][v]}): peak memory {v}/fsdp2 "
+                    f"{_fmt(r[f'peak_{v}_over_fsdp2'])}, {v}/ours {_fmt(r[f'peak_{v}_over_ours'])}; step {v}/fsdp2 "
+                    f"{_fmt(r[f'step_{v}_over_fsdp2'])}"
+                )
+        if "bound_step_ours_over_floor" in r:
+            lines.append(
+                f"  raw c10d: the communication alone takes {_fmt(r['cpu_c10d_over_floor'])} of the floor's CPU time; "
+                + (f"{res['busy_threads']} compute threads on {res['cores']} cores leave it no idle core, so no step "
+                   f"can be below (floor + c10d CPU)/floor = {_fmt(r['bound_step_ours_over_floor'])} of the floor here"
+                   if r["cores_saturated"] else
+                   f"{res['cores']} cores for {res['busy_threads']} compute threads: it can hide, bound "
+                   f"{_fmt(r['bound_step_ours_over_floor'])} of the floor")
+                + (f"; ours' CPU time / (floor + c10d) {_fmt(r['cpu_ours_over_floor_plus_c10d'])} (the framework's own share)"
+                   if "cpu_ours_over_floor_plus_c10d" in r else "")
+            )
+        lines.append(
+            f"  robustness: ours/fsdp2 paired per round {_fmt(r.get('paired_step_ours_over_fsdp2'))}, of minima "
+            f"{_fmt(r['min_step_ours_over_fsdp2'])}, of CPU time {_fmt(r['cpu_ours_over_fsdp2'])}; ours/floor paired "
+            f"{_fmt(r.get('paired_step_ours_over_floor'))}, of minima {_fmt(r['min_step_ours_over_floor'])}, of CPU "
+            f"time {_fmt(r['cpu_ours_over_floor'])}"
+        )
+        for t in res["targets"]:
+            verdict = "n/a" if t["value"] is None else ("MET" if t["met"] else "MISSED")
+            bound = t.get("bound")
+            below = (f" (unreachable on this host: floor + raw c10d CPU is already {_fmt(bound)} of the floor)"
+                     if bound is not None and bound > t["limit"] else "")
+            lines.append(f"  target {t['what']} <= {t['limit']:.2f}: {_fmt(t['value'])} {verdict}{below}")
+        lines.append(f"  ({res['wall_s']:.0f} s)")
+    lines.append(f"\nwall time {report['wall_s']:.0f} s")
+    return "\n".join(lines)
+
+
+def write_plot(report: dict, path: str) -> str:
+    """Bar charts: median step time relative to the floor (absolute ms on the bars) and peak
+    memory per rank, per mode and method."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return f"--plot: matplotlib is not installed, so no plot was written to {path} (pip install matplotlib)"
+    modes = list(report["modes"])
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    shown = [m for m in METHODS if m != "c10d"]  # the replay trains nothing
+    width = 0.8 / len(shown)
+    for k, name in enumerate(shown):
+        xs = [i + (k - (len(shown) - 1) / 2) * width for i in range(len(modes))]
+        rel, labels, peaks = [], [], []
+        for mode in modes:
+            methods = report["modes"][mode]["methods"]
+            ms = methods.get(name, {}).get("median_ms")
+            floor = methods.get("floor", {}).get("median_ms")
+            rel.append(ms / floor if ms and floor else 0)
+            labels.append(f"{ms / 1e3:.1f}s" if ms else "")
+            peaks.append((methods.get(name, {}).get("peak_bytes") or 0) / MIB)
+        bars = axes[0].bar(xs, rel, width, label=name)
+        axes[0].bar_label(bars, labels, fontsize=7)
+        axes[1].bar(xs, peaks, width, label=name)
+    axes[0].axhline(1.0, color="grey", linewidth=0.8)
+    for ax, title in zip(axes, ("median step time / floor (seconds on bars)", "peak memory per rank (MiB)")):
+        ax.set_xticks(range(len(modes)))
+        ax.set_xticklabels(modes)
+        ax.set_title(title)
+        ax.legend()
+    cfg = report["config"]
+    fig.suptitle(f"Llama dim {cfg['dim']}, {cfg['layers']} layers, batch {cfg['batch']}/rank, world "
+                 f"{report['world']} (gloo, CPU, torch {report['torch']})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return f"plot written to {path}"
