@@ -12,7 +12,6 @@ import sys
 import torch
 import torch.distributed as dist
 
-import fsdp
 import fsdp.checkpoint as ckpt
 from fsdp.layout_choice import layout_policy
 from tests.fsdp.models import full_state, make_batches, make_model, train

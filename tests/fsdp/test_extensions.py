@@ -457,7 +457,7 @@ class ScaledTwoTensor(TwoTensor):
 
 
 def _scale_seen_after_a_gather_in_between(model) -> dict:
-    rank, world = dist.get_rank(), dist.get_world_size()
+    world = dist.get_world_size()
     model = copy.deepcopy(model)
     full = {n: p.detach().a.clone() for n, p in model.named_parameters()}
     fsdp.fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
