@@ -75,6 +75,24 @@ def local_rows(full: torch.Tensor, mesh) -> torch.Tensor:
     return chunks[rank] if rank < len(chunks) else full[:0]
 
 
+def _train_and_diff(model: nn.Module, reference: nn.Module, data: list[torch.Tensor]) -> float:
+    """Train the sharded ``model`` (Adam, each rank its rows of each batch) and return the largest
+    difference of its local pieces (``.a`` of the subclass) from the reference's rows."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for x in data:
+        model(x.chunk(world)[rank]).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    ref = dict(reference.named_parameters())
+    mesh = next(model.parameters()).device_mesh
+    return max(
+        (p._local_tensor.a - local_rows(ref[n].detach(), mesh)).abs().max().item()
+        for n, p in model.named_parameters()
+        if local_rows(ref[n], mesh).numel()
+    )
+
+
 # ----------------------------------------------------------------- TwoTensor with the protocol
 
 CALLS: dict[str, list] = {"pre": [], "post": [], "post_out": []}
@@ -312,18 +330,7 @@ def _meta_init_and_patch(plain, reference, data) -> dict:
             m.weight.copy_(TwoTensor(w, w))
 
     fsdp.init_weights(model, init)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    for x in data:
-        model(x.chunk(world)[rank]).square().mean().backward()
-        opt.step()
-        opt.zero_grad()
-    ref = dict(reference.named_parameters())
-    mesh = next(model.parameters()).device_mesh
-    worst = max(
-        (p._local_tensor.a - local_rows(ref[n].detach(), mesh)).abs().max().item()
-        for n, p in model.named_parameters()
-        if local_rows(ref[n], mesh).numel()
-    )
+    worst = _train_and_diff(model, reference, data)
     seen = []
 
     def pre(self, mesh):
@@ -505,20 +512,12 @@ class SplitOnlyTwoTensor(TwoTensor):
 
 
 def _split_only_parity(model, reference, data) -> float:
-    rank, world = dist.get_rank(), dist.get_world_size()
     model = copy.deepcopy(model)
     for block in model:
         fsdp.fully_shard(block)
     fsdp.fully_shard(model)
     assert all(type(p._local_tensor) is SplitOnlyTwoTensor for p in model.parameters())
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    for x in data:
-        model(x.chunk(world)[rank]).square().mean().backward()
-        opt.step()
-        opt.zero_grad()
-    ref = dict(reference.named_parameters())
-    mesh = next(model.parameters()).device_mesh
-    return max(float((p._local_tensor.a - local_rows(ref[n].detach(), mesh)).abs().max()) for n, p in model.named_parameters())
+    return _train_and_diff(model, reference, data)
 
 
 def test_a_subclass_without_partial_slices_is_cut_by_torch_chunk_and_trains_like_one_process() -> None:
