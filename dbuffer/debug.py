@@ -96,7 +96,8 @@ _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 _ROOT = os.path.dirname(_PACKAGE_DIR)
 _TOOLKIT_DIRS = tuple(os.path.join(_ROOT, d) + os.sep for d in ("dbuffer", "fsdp"))
 _FSDP_DIR = _TOOLKIT_DIRS[1]
-_SELF_FILES = (os.sep + "debug.py", os.sep + "collectives.py")
+# Plumbing below the public methods, never shown: this module, the collectives, a redistribute's steps.
+_SELF_FILES = (os.sep + "debug.py", os.sep + "collectives.py", os.sep + "steps.py")
 _SKIP_DIRS = (os.path.dirname(os.path.dirname(os.path.abspath(dist.__file__))) + os.sep, os.path.dirname(os.__file__) + os.sep)
 
 
@@ -235,7 +236,7 @@ def _caller() -> str:
         path = code.co_filename
         if path.startswith(_TOOLKIT_DIRS):
             public = path.startswith(_FSDP_DIR) or not code.co_name.startswith("_")
-            if public and len(parts) < 4 and not path.endswith(_SELF_FILES):
+            if public and len(parts) < 5 and not path.endswith(_SELF_FILES):
                 parts.append(f"{os.path.relpath(path, _ROOT)}:{frame.f_lineno} {code.co_name}")
         elif not path.startswith(_SKIP_DIRS) and not path.startswith("<"):
             parts.append(f"{os.path.basename(path)}:{frame.f_lineno} {code.co_name}")
