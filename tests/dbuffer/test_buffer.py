@@ -209,6 +209,8 @@ def _saved_view_survives_release() -> bool:
     loss = (w * x).sum()  # autograd saves the view w
     full.release_storage()
     assert full.is_storage_released() and w.untyped_storage().nbytes() == 0
+    with pytest.raises(ValueError, match="released storage"):  # refused: it would write freed memory
+        weights.allgather(0, out=full)
     full.reallocate_storage()
     weights.allgather(0, out=full)
     loss.backward()
