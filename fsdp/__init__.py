@@ -80,6 +80,7 @@ from fsdp.group.param_group import ParameterGroup
 from fsdp.group.policy import MixedPrecisionPolicy, Strategy
 from fsdp.compose.tensor_parallel import clip_grad_norm_
 from fsdp.optim.step_hooks import optimizer_step_hooks
+from fsdp.unit.torch_names import torch_names
 
 # Any torch.optim optimizer works on sharded modules unchanged: see fsdp.optim.step_hooks.
 optimizer_step_hooks(True)
@@ -107,4 +108,5 @@ __all__ = [
     "optimizer_step_hooks",
     "register_fsdp_forward_method",
     "share_comm_ctx",
+    "torch_names",
 ]
