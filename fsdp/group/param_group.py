@@ -15,11 +15,14 @@ Buffers, all on one layout (parameter registration order, so every rank packs th
 * ``unsharded``: the full compute weights forward/backward read. ``optim_grads_params`` gathers
   it before use and releases its storage after; the other strategies keep it (for ``no_shard``
   with matching dtype it is ``main`` itself).
-* ``grad_in``: where the unsharded gradients of this rank land, ``Partial("avg")`` in the reduce
-  dtype; storage exists only while gradients are being accumulated.
-* ``main_grad``: the reduced gradients, sharded for ``optim_grads*``; ``param.grad`` and
-  ``param.main_grad`` are DTensor views of it. Its lifetime, and everything from autograd's
-  hooks to ``param.grad``: :mod:`fsdp.group.grad_reduction`.
+* ``gathered``: with FSDP2's chunked layout only, where an all-gather lands before the pieces
+  are copied out into ``unsharded``; storage only while a gather lands.
+* ``grads.grad_in`` / ``grads.main_grad``: the gradient buffers of the group's
+  :class:`~fsdp.group.grads.GradReducer` (where this rank's unsharded gradients land; the reduced
+  ones, which ``param.grad`` and ``param.main_grad`` are views of).
+
+Where each parameter sits in these buffers, and which copies a collective needs, is the group's
+layout (:mod:`fsdp.group.layouts`).
 """
 
 from __future__ import annotations

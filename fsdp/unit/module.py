@@ -146,7 +146,7 @@ class FSDPModule:
             for module, name, param in reversed(hidden):
                 module._parameters[name] = param
 
-    # ---------------------------------------------------------------- FSDP2 knobs (fsdp/surface.py)
+    # ---------------------------------------------------------------- FSDP2 knobs (fsdp/unit/surface.py)
 
     set_requires_all_reduce = surface.set_requires_all_reduce
     set_all_reduce_hook = surface.set_all_reduce_hook

@@ -1,4 +1,4 @@
-"""torch FSDP2's public surface on fsdp (fsdp/surface.py, fsdp/reduction.py): every public
+"""torch FSDP2's public surface on fsdp (fsdp/unit/surface.py, fsdp/group/reduction.py): every public
 name, method and argument exists with compatible parameters; the reduction knobs change the
 gradients exactly as FSDP2's do (checked against one process on the global batch); the
 iteration controls (unshard_in_backward, reset_iter_state, post-optimizer event) work; and
