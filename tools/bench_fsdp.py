@@ -160,7 +160,8 @@ def parse_args(argv: Optional[list[str]] = None) -> tuple[BenchConfig, argparse.
     parser.add_argument("--json", default=None, help="write all results to this JSON file")
     parser.add_argument("--plot", default=None, help="write a PNG bar chart here (needs matplotlib)")
     parser.add_argument("--profile", choices=[m for m in ALL_METHODS if m != "c10d"], default=None,
-                        help="afterwards, profile this method on rank 0 (torch.profiler + cProfile)")
+                        help="afterwards, profile this method on rank 0: torch.profiler, the step by fsdp:: "
+                             "range (ours), cProfile")
     parser.add_argument("--profile-steps", type=int, default=2)
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     args = parser.parse_args(argv)

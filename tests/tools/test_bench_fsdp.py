@@ -134,3 +134,35 @@ def test_flat_and_lean_variants_run_and_report() -> None:
     assert res["methods"]["flat"]["loss"] == res["methods"]["lean"]["loss"]
     table = format_table(report)
     assert "variant flat" in table and "variant lean" in table
+
+
+def _profile_ours(cfg: dict) -> str:
+    from tools.step_bench.run import profile_method
+
+    return profile_method("ours", "fp32", BenchConfig(**cfg), steps=1, top=5)
+
+
+def test_profile_prints_where_ours_spends_its_step_by_fsdp_range() -> None:
+    text = run_ranks(_profile_ours, 2, TINY, backend="gloo", timeout=90)[0]
+    section = text.split("== fsdp's own ranges", 1)[1].split("== cProfile", 1)[0]
+    for label in ("fsdp::pre_forward", "fsdp::post_backward", "fsdp::all_gather", "fsdp::copy_out", "fsdp::reduce_scatter"):
+        assert label in section, (label, section)
+    assert "(blocks." not in section  # units below the root are summed into their phase
+
+
+def test_breakdown_sums_units_per_phase_and_keeps_inner_ranges_apart() -> None:
+    from types import SimpleNamespace as Row
+
+    from tools.step_bench.report import fsdp_breakdown
+
+    rows = [Row(key="fsdp::pre_forward", count=2, cpu_time_total=3000.0),
+            Row(key="fsdp::pre_forward (blocks.0)", count=2, cpu_time_total=1000.0),
+            Row(key="fsdp::all_gather", count=6, cpu_time_total=2000.0),
+            Row(key="aten::mm", count=99, cpu_time_total=9e6)]
+    text = fsdp_breakdown(rows, steps=2, step_ms=10.0)
+    phase = next(line for line in text.splitlines() if line.startswith("fsdp::pre_forward"))
+    assert phase.split()[1:] == ["2.0", "2.00", "20.0%"]  # (2 + 2) calls and (3 + 1) ms over 2 steps
+    lines = text.splitlines()
+    assert lines.index(next(l for l in lines if l.startswith("fsdp::all_gather"))) > lines.index(
+        next(l for l in lines if l.startswith("-- inside")))
+    assert "aten::mm" not in text and fsdp_breakdown(rows[3:], steps=1).startswith("no fsdp:: ranges")

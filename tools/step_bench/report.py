@@ -103,6 +103,38 @@ def format_table(report: dict) -> str:
     return "\n".join(lines)
 
 
+# fsdp's own profiler ranges (fsdp/unit/state.py LABELS, fsdp/group/*): the unit's phases contain
+# the group's collectives and copies, so the two kinds are listed apart, never summed together.
+INNER_LABELS = ("fsdp::all_gather", "fsdp::copy_out", "fsdp::reduce_scatter", "fsdp::optimizer_refresh")
+
+
+def fsdp_breakdown(events, steps: int, step_ms: Optional[float] = None) -> str:
+    """Where ours' step goes by fsdp's own profiler labels: ``events`` are torch.profiler's
+    ``key_averages()`` rows (``key``, ``count``, ``cpu_time_total`` in us); the labels of units below
+    the root (``fsdp::pre_forward (blocks.0)``) are summed per phase. Per step: calls, CPU ms
+    inside the range (inclusive), and its share of the step's time when ``step_ms`` is given."""
+    totals: dict[str, list[float]] = {}
+    for e in events:
+        if not e.key.startswith("fsdp::"):
+            continue
+        label = e.key.split(" (", 1)[0]
+        entry = totals.setdefault(label, [0, 0.0])
+        entry[0] += e.count
+        entry[1] += e.cpu_time_total / 1000.0
+    if not totals:
+        return "no fsdp:: ranges recorded (is this method fsdp's?)"
+    lines = [f"{'fsdp range':<26}{'calls/step':>11}{'ms/step':>10}" + ("   share of step" if step_ms else "")]
+    for title, inner in (("phases of a unit", False), ("inside them: collectives, copies, refresh", True)):
+        lines.append(f"-- {title}")
+        for label in sorted(totals, key=lambda k: -totals[k][1]):
+            if (label in INNER_LABELS) != inner:
+                continue
+            calls, ms = totals[label][0] / steps, totals[label][1] / steps
+            share = f"   {ms / step_ms:>6.1%}" if step_ms else ""
+            lines.append(f"{label:<26}{calls:>11.1f}{ms:>10.2f}{share}")
+    return "\n".join(lines)
+
+
 def write_plot(report: dict, path: str) -> str:
     """Bar charts: median step time relative to the floor (absolute ms on the bars) and peak
     memory per rank, per mode and method."""

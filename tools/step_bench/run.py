@@ -33,6 +33,7 @@ from tools.step_bench.methods import (
     optimizer_impl,
     policy_text,
 )
+from tools.step_bench.report import fsdp_breakdown
 
 # Targets from the issue: (name, what, limit); a ratio must be <= its limit.
 TARGETS = {
@@ -306,12 +307,16 @@ def profile_method(name: str, mode: str, cfg: BenchConfig, steps: int = 2, top: 
     if rank == 0:
         from torch.profiler import ProfilerActivity, profile
 
+        t0 = time.perf_counter()
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             for i in range(steps):
                 method.step(batches[warm + i])
+        step_ms = (time.perf_counter() - t0) * 1000 / steps
+        averages = prof.key_averages()
         report.write(f"== torch.profiler, {name} {mode}, {steps} steps, rank 0: top {top} by self CPU ==\n")
-        report.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top,
-                                               max_name_column_width=50))
+        report.write(averages.table(sort_by="self_cpu_time_total", row_limit=top, max_name_column_width=50))
+        report.write(f"\n== fsdp's own ranges, {name} {mode}, rank 0, {step_ms:.1f} ms per profiled step ==\n")
+        report.write(fsdp_breakdown(averages, steps, step_ms) + "\n")
     else:
         for i in range(steps):
             method.step(batches[warm + i])
