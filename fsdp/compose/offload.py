@@ -72,6 +72,7 @@ class HostOffload:
     between them and the compute device, with the events that order those copies."""
 
     device = torch.device("cpu")
+    on_host = True  # the group's other offload part is fsdp.group.residence.NoOffload
 
     def __init__(self, policy: CPUOffloadPolicy, compute_device: torch.device) -> None:
         self.compute_device = compute_device

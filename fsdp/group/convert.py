@@ -49,7 +49,7 @@ class DtypeConversion:
         device = torch.device(device)
         if not self.accepts_device(device):
             have = self.main.device
-            if self.offload is not None:
+            if self.offload.on_host:
                 raise ValueError(
                     f"cannot move sharded parameters {self._names()} to {device}: fully_shard's "
                     f"CPUOffloadPolicy keeps them on the host ({have}) and computes on {self.compute_device}"
@@ -64,7 +64,7 @@ class DtypeConversion:
 
     def accepts_device(self, device: torch.device) -> bool:
         """Whether ``device`` is where the shards live (or, under offload, the compute device)."""
-        places = [self.main.device] if self.offload is None else [self.main.device, self.compute_device]
+        places = [self.main.device, self.compute_device] if self.offload.on_host else [self.main.device]
         return any(
             device.type == have.type and (None in (device.index, have.index) or device.index == have.index)
             for have in places
@@ -91,13 +91,12 @@ class DtypeConversion:
         self.wait_unshard()
         self.dtypes = dtypes
         self.main = converted(self.main, dtypes.main)
-        if self.offload is not None:
-            self.main = self.offload.adopt(self.main)
+        self.main = self.offload.adopt(self.main)
         self._build_compute_buffers()
         self._gathered = None
         self.mark_stale()
         if self.grads is not None:
-            self.grads.convert(dtypes, adopt=self.offload.adopt if self.offload is not None else (lambda buf: buf))
+            self.grads.convert(dtypes, adopt=self.offload.adopt)
         self._swap_in(self._new_sharded_params())
         if self.grads is not None:
             self.grads.reattach_after_swap()

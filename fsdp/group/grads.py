@@ -205,7 +205,7 @@ class GradReducer:
             self._partial_members = set()
         overwrite = self._overwrite_main_grad()
         self._in_main = set(members) if overwrite else self._in_main | members
-        direct = overwrite and reduce_dtype == g.dtypes.main_grad and g.offload is None
+        direct = overwrite and reduce_dtype == g.dtypes.main_grad and not g.offload.on_host
         if overwrite:
             self.main_grad.reallocate_storage()
         with streams.launch(streams.reduce_scatter):
@@ -270,7 +270,7 @@ class GradReducer:
         else:
             overwrite = flight.kind is Reduction.OVERWRITE
             g.reduction.finish(result.local_buffer, g.mesh)  # divide, hook (FSDP2's knobs)
-            if g.offload is not None:  # to the host, off the compute stream (which need not wait)
+            if g.offload.on_host:  # to the host, off the compute stream (which need not wait)
                 with g.streams.launch(g.streams.reduce_scatter):
                     g.offload.download(result.local_buffer, self.main_grad.local_buffer, add=not overwrite)
             elif result is not self.main_grad:

@@ -43,7 +43,7 @@ class MetaInit:
         if not self.is_meta:
             return
         device = torch.device(device)
-        allowed = {self.mesh.device_type} | ({"cpu"} if self.offload is not None else set())
+        allowed = {self.mesh.device_type} | ({"cpu"} if self.offload.on_host else set())
         if device.type not in allowed:
             raise ValueError(
                 f"to_empty(device={device}): the mesh of parameters {self._names()} is for "

@@ -45,6 +45,7 @@ from fsdp.group.members import GroupPlacements, ParamInfo, check_no_late_extensi
 from fsdp.group.layouts import PLAIN, ChunkedLayout, FlatLayout, ParamKind, flat_layout
 from fsdp.group.meta_init import MetaInit, meta_error
 from fsdp.group.registration import note_registration
+from fsdp.group.residence import NO_OFFLOAD
 from fsdp.group.profiling import label
 from fsdp.group.policy import Dtypes, MixedPrecisionPolicy, Strategy
 from fsdp.group.reduction import ReduceSettings
@@ -112,7 +113,7 @@ class ParameterGroup(MetaInit, DtypeConversion):
         main_pl = pl.sharded if strategy.shard_optim else pl.replicated
         self.layout = layout if layout is not None else flat_layout(shapes, mesh, strategy.shard_optim, shard)
         buffer_shapes, buffer_layout = self.layout.buffer_shapes()
-        self.offload = offload
+        self.offload = offload if offload is not None else NO_OFFLOAD
         self._place_main(main_pl, buffer_shapes, dtypes.main, buffer_layout, device)  # meta: until to_empty
         if not meta:
             self._fill_main(tensors)
@@ -136,7 +137,7 @@ class ParameterGroup(MetaInit, DtypeConversion):
         """Allocate ``main`` on ``device`` (meta for a meta-built group, else this rank's device),
         or on the host under offload; the compute device and the streams follow. fully_shard
         checked that every rank builds the same unit, so no rank check here."""
-        if self.offload is None or device.type == "meta":
+        if not self.offload.on_host or device.type == "meta":
             self.main = DBuffer(self.mesh, placements, shapes, dtype, device, layout=layout, check_ranks=False)
             self.compute_device = self.main.device
         else:
@@ -155,7 +156,7 @@ class ParameterGroup(MetaInit, DtypeConversion):
         if self.layout.copies:
             self.gathered = self._new(self.placements.replicated, d.model, zero_fill=False)
             self.gathered.release_storage()
-        if not strategy.shard_optim and self.offload is None and not self.layout.copies:
+        if not strategy.shard_optim and not self.offload.on_host and not self.layout.copies:
             self.unsharded = self.model  # no_shard: the replicated model weights are the full ones
         else:
             self.unsharded = self.layout.unsharded_buffer(
@@ -220,7 +221,7 @@ class ParameterGroup(MetaInit, DtypeConversion):
         gather come first after all (``reshard()``, micro-batches), it casts the shard again from
         the main weights: the same values, as ``persistent_param_shard=False`` does every time."""
         model = self.model
-        if model is None or model is self.main or self.offload is not None or not self.strategy.shard_optim:
+        if model is None or model is self.main or self.offload.on_host or not self.strategy.shard_optim:
             return
         if not model.is_storage_released():
             model.release_storage()
@@ -246,19 +247,18 @@ class ParameterGroup(MetaInit, DtypeConversion):
 
     def _host(self, placements, dtype: torch.dtype, zero_fill: bool = True) -> DBuffer:
         """A sibling of ``main`` where ``main`` lives: on the host (pinned) under offload."""
-        if self.offload is None or self.is_meta:
+        if not self.offload.on_host or self.is_meta:
             return self._new(placements, dtype, zero_fill)
         return self.offload.buffer(self.mesh, placements, self.main.shapes, dtype, self.main.layout, zero_fill)
 
     def _gather_source(self) -> DBuffer:
         """The sharded compute weights a gather reads: ``model``, or under offload its copy on
         the compute device (uploaded now, on the current stream: the gather's)."""
-        return self.model if self.offload is None else self.offload.upload(self.model)
+        return self.offload.upload(self.model)
 
     def _settle(self) -> None:
         """Wait for the host copies in flight (offload) before the host touches their buffers."""
-        if self.offload is not None:
-            self.offload.settle()
+        self.offload.settle()
 
     @torch.no_grad()
     def _fill_main(self, tensors: list[torch.Tensor]) -> None:
@@ -315,9 +315,8 @@ class ParameterGroup(MetaInit, DtypeConversion):
             self.all_gather(self._gather_source(), self._gather_target()).wait()
             self._end_gather()
             self.release_model_shard()  # gathered until the next step: read again only after it
-            if self.offload is not None:
-                self.offload.release_upload()
-        elif self.offload is not None and not self.strategy.shard_optim:
+            self.offload.release_upload()
+        elif self.offload.on_host and not self.strategy.shard_optim:
             self.offload.upload(self.model, out=self.unsharded)  # no_shard: nothing to gather
 
     def unshard(self, async_op: bool = False) -> None:
@@ -393,8 +392,7 @@ class ParameterGroup(MetaInit, DtypeConversion):
             self.streams.wait(self.streams.all_gather)
             self._gather_pending = None
             self._release_lean_model()
-            if self.offload is not None:
-                self.offload.release_upload()
+            self.offload.release_upload()
             self._end_gather()
             if self.post_forward is not None:
                 self.post_forward.drop()
@@ -410,7 +408,7 @@ class ParameterGroup(MetaInit, DtypeConversion):
         parameters (any layout) on a 1-D mesh without offload (:mod:`fsdp.compose.post_forward`)."""
         return (
             self.keeps_post_forward_slice and self.kind.plain and self.strategy.shard_params
-            and self.mesh.ndim == 1 and self.offload is None
+            and self.mesh.ndim == 1 and not self.offload.on_host
         )
 
     def _keep_post_forward(self, post) -> None:
