@@ -54,7 +54,7 @@ next real step is then its second. Build the state dict only to save or to load 
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 from fsdp.checkpoint.atomic import load, save
-from fsdp.checkpoint.files import OLD, PARTIAL, CheckpointError
+from fsdp.checkpoint.files import OLD, PARTIAL, CheckpointError  # noqa: F401  (the suffixes a save reserves)
 from fsdp.checkpoint.full import get_state_dict, set_state_dict
 
 __all__ = ["CheckpointError", "StateDictOptions", "get_state_dict", "load", "save", "set_state_dict"]

@@ -7,7 +7,7 @@ and some things exist once per tree, not once per unit (FSDP2 keeps them in the 
 callback (queued once per backward), whether that end waits for the reductions
 (``set_is_last_backward``), the post-optimizer event, and the comm streams (one set per device,
 shared by every unit on it: :mod:`fsdp.group.streams`). A unit below a root holds none of it:
-its ``ctx`` is None and its hooks report to ``state.root.ctx``.
+its ``root_ctx`` is None and its hooks report to ``state.root.root_ctx``.
 
 Knobs that only a root reads (``set_is_last_backward``, ``set_post_optim_event``,
 ``set_reduce_scatter_max_input_buffers``) may be set before the first forward, when no unit
