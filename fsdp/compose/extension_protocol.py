@@ -56,8 +56,14 @@ def check_extension_params(fqns: Sequence[str], params: Sequence[torch.Tensor], 
 
 
 def split_extension_members(spec, params: Sequence[torch.Tensor]) -> tuple[list[int], list[int]]:
-    """(extension members, other members) of a bucket spec, each in registration order."""
+    """(members of a subclass group, other members) of a bucket spec, each in registration
+    order. A spec with extension members in FSDP2's pieces (``spec.dims``, default dim 0) puts
+    its plain tensors cut along dim 0 in the same group, so the unit gathers them together (one
+    all-gather, as FSDP2's); the rest (DTensors, other dims, flat layouts) get their own group."""
     ext = [k for k in spec.members if is_extension_param(params[k])]
+    if ext and spec.dims is not None:
+        dim = dict(zip(spec.members, spec.dims))
+        ext = [k for k in spec.members if k in set(ext) or (type(params[k].detach()) is torch.Tensor and dim[k] == 0)]
     return ext, [k for k in spec.members if k not in set(ext)]
 
 

@@ -94,7 +94,7 @@ class GradReducer:
         s, pl = g.strategy, g.placements
         # ``optim``: the grads are whole on every rank but the parameters are shards of them.
         view = self.main_grad.redistribute(pl.sharded) if s.shard_optim and not s.shard_grads else self.main_grad
-        return g._sharded_views(view)
+        return g.sharded_views(view)
 
     # ------------------------------------------------------------------ from autograd
 
@@ -187,7 +187,7 @@ class GradReducer:
         self._zero_unwritten()
         target_pl = self.main_grad.placements
         if self._defers_all_reduce():
-            partial_pl = g._deferred_placements(target_pl)
+            partial_pl = g.placements.deferred
             with streams.launch(streams.reduce_scatter):
                 pending = g.reduce_into(self.grad_in, partial_pl, g._new(partial_pl, reduce_dtype))
             self._partial_members |= self._local
@@ -325,7 +325,7 @@ class GradReducer:
                     f"cannot change how gradients of {g._names()} are reduced while some wait to be "
                     f"reduced; change it before the backward (or after finish_grad_sync())"
                 )
-            g.placements = g._group_placements(g.placements.sharded[-1], new.op)
+            g.placements = g.placements.with_reduce_op(new.op)
             self.grad_in = g._new(g.placements.partial, g.dtypes.reduce, zero_fill=False)
             self.grad_in.release_storage()
             self._gaps = None

@@ -46,8 +46,8 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from dbuffer.collectives import release_workspaces
-from fsdp.group.meta_init import meta_error
-from fsdp.group.param_group import ParameterGroup
+from fsdp.group.meta_init import adopt_assigned
+from fsdp.group.param_group import ParameterGroup, meta_error
 from fsdp.group.policy import MixedPrecisionPolicy
 from fsdp.group.profiling import label
 from fsdp.unit.root import MAX_REDUCTIONS_IN_FLIGHT, RootContext
@@ -146,10 +146,10 @@ class FSDPState:
 
     def _adopt_hook(self, module: nn.Module, incompatible_keys) -> None:
         """``load_state_dict(sharded_sd, assign=True)`` put the caller's DTensors on the modules:
-        they become this unit's sharded parameters now (see ``ParameterGroup.adopt_assigned``),
+        they become this unit's sharded parameters now (see :func:`fsdp.group.meta_init.adopt_assigned`),
         so the model right after the load already holds fsdp's layout."""
         for group in self.groups:
-            group.adopt_assigned()
+            adopt_assigned(group)
 
     # ------------------------------------------------------------------ identity, state, root
 
@@ -219,7 +219,7 @@ class FSDPState:
             raise ValueError(shared[0])
         for state in units:
             for group in state.groups:
-                group.adopt_assigned()
+                adopt_assigned(group)
         names = {id(p): n for top in self.modules for n, p in top.named_parameters(remove_duplicate=False)}
         for state in units:
             on_meta = [p for g in state.groups if g.is_meta for p in g.sharded_params]
