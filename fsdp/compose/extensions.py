@@ -184,7 +184,7 @@ class SubclassWeights:
                 self._shard_mesh_cache = mesh[mesh.mesh_dim_names[-1]]
             else:
                 raise ValueError(
-                    f"parameters {self.group._names()} use an all-gather extension on an HSDP mesh without "
+                    f"parameters {self.group.names()} use an all-gather extension on an HSDP mesh without "
                     f"names; build it with mesh_dim_names=('replicate', 'shard') so the shard mesh can be passed"
                 )
         return self._shard_mesh_cache

@@ -49,7 +49,7 @@ def check_convert(group: Any, dtype: torch.dtype, device: torch.device) -> None:
     offload they stay on the host, and ``device`` may be the host or the compute device
     (``module.to(device)`` then moves only the module's buffers)."""
     device = torch.device(device)
-    names = group._names()
+    names = group.names()
     if not accepts_device(group, device):
         have = group.main.device
         if group.offload.on_host:

@@ -42,7 +42,7 @@ def materialize(group: Any, device: torch.device) -> None:
     allowed = {group.mesh.device_type} | ({"cpu"} if group.offload.on_host else set())
     if device.type not in allowed:
         raise ValueError(
-            f"to_empty(device={device}): the mesh of parameters {group._names()} is for "
+            f"to_empty(device={device}): the mesh of parameters {group.names()} is for "
             f"{group.mesh.device_type!r}; pass a {group.mesh.device_type} device (or build the mesh for {device.type!r})"
         )
     check_swappable(group)
@@ -117,7 +117,7 @@ def check_swappable(group: Any) -> None:
     for p in group.sharded_params:
         if weakref.getweakrefs(p):
             raise RuntimeError(
-                f"cannot rebuild parameter {group._names()}: something holds a weak reference to it, "
+                f"cannot rebuild parameter {group.names()}: something holds a weak reference to it, "
                 f"which swapping its contents (keeping its identity) would break"
             )
 

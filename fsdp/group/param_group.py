@@ -141,7 +141,7 @@ class ParameterGroup:
         """Built under ``torch.device("meta")`` and not yet given storage (``to_empty``)."""
         return self.main.device.type == "meta"
 
-    def _new(self, placements, dtype: torch.dtype, zero_fill: bool = True, device=None) -> DBuffer:
+    def sibling(self, placements, dtype: torch.dtype, zero_fill: bool = True, device=None) -> DBuffer:
         """A sibling of ``main`` (same shapes and layout) on the compute device (or ``device``)."""
         return DBuffer(
             self.mesh,
@@ -154,10 +154,10 @@ class ParameterGroup:
             check_ranks=False,  # a sibling of main
         )
 
-    def _host(self, placements, dtype: torch.dtype, zero_fill: bool = True) -> DBuffer:
+    def host_sibling(self, placements, dtype: torch.dtype, zero_fill: bool = True) -> DBuffer:
         """A sibling of ``main`` where ``main`` lives: on the host (pinned) under offload."""
         if not self.offload.on_host or self.is_meta:
-            return self._new(placements, dtype, zero_fill)
+            return self.sibling(placements, dtype, zero_fill)
         return self.offload.buffer(self.mesh, placements, self.main.shapes, dtype, self.main.layout, zero_fill)
 
     def sharded_views(self, buf: DBuffer) -> list[torch.Tensor]:
@@ -168,10 +168,6 @@ class ParameterGroup:
     def unsharded_params(self) -> Optional[list[nn.Parameter]]:
         """What the modules compute with between :meth:`unshard` and :meth:`reshard`."""
         return self.weights.unsharded_params
-
-    def _settle(self) -> None:
-        """Wait for the host copies in flight (offload) before the host touches their buffers."""
-        self.offload.settle()
 
     # ------------------------------------------------------------------ refresh after the optimizer
 
@@ -297,7 +293,8 @@ class ParameterGroup:
             self.post_forward = self.post_forward.rebuilt(self.weights.gathered_buffer())
         self.mark_stale()
 
-    def _names(self) -> str:
+    def names(self) -> str:
+        """The group's first parameter names, for error messages."""
         return ", ".join(repr(i.fqn) for i in self.infos[:3]) + (", ..." if len(self.infos) > 3 else "")
 
     # ------------------------------------------------------------------ registration
@@ -306,7 +303,7 @@ class ParameterGroup:
         """Register the unsharded (plain) or sharded (DTensor) parameters on their modules; see
         :meth:`check_registered` for when that raises instead (registering nothing)."""
         if unsharded and self.unsharded_params is None:
-            raise RuntimeError(f"parameters {self._names()} were never gathered; unshard the module first")
+            raise RuntimeError(f"parameters {self.names()} were never gathered; unshard the module first")
         self.register(self.unsharded_params if unsharded else self.sharded_params)
 
     def register(self, params: list[nn.Parameter]) -> None:

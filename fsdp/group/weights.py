@@ -68,15 +68,15 @@ class BufferWeights:
         d, strategy, pl = g.dtypes, g.strategy, g.placements
         self.cast_main = None
         if pl.model is None:
-            self.model = g.main if d.model == d.main else g._host(g.main.placements, d.model)
+            self.model = g.main if d.model == d.main else g.host_sibling(g.main.placements, d.model)
         else:  # HFSDP: larger than main's piece, rebuilt by a collective: always persistent
-            self.model = g._new(pl.model, d.model)
+            self.model = g.sibling(pl.model, d.model)
             if d.model != d.main:
-                self.cast_main = g._new(g.main.placements, d.model, zero_fill=False)
+                self.cast_main = g.sibling(g.main.placements, d.model, zero_fill=False)
         self._release_lean_model()
         self.gathered = None
         if g.layout.copies:
-            self.gathered = g._new(pl.replicated, d.model, zero_fill=False)
+            self.gathered = g.sibling(pl.replicated, d.model, zero_fill=False)
             self.gathered.release_storage()
         if not strategy.shard_optim and not g.offload.on_host and not g.layout.copies:
             self.unsharded = self.model  # no_shard: the replicated model weights are the full ones

@@ -164,7 +164,7 @@ class FlatOptimizer(torch.optim.Optimizer):
         group = self._groups[id(flat)]
         if group.main.local_buffer is not flat:
             raise RuntimeError(
-                f"FlatOptimizer: the buffers of parameters {group._names()} were rebuilt since the optimizer "
+                f"FlatOptimizer: the buffers of parameters {group.names()} were rebuilt since the optimizer "
                 f"was made (module.to(dtype)?); build the optimizer again after converting the module"
             )
         with_grads = group.grads.params_with_grads()
@@ -387,7 +387,7 @@ def _param_specs(params) -> list[tuple[dict, list[ParameterGroup]]]:
                 continue
             if id(group) in seen and seen[id(group)] != i:
                 raise ValueError(
-                    f"FlatOptimizer: parameters {group._names()} form one fsdp group but are split across param "
+                    f"FlatOptimizer: parameters {group.names()} form one fsdp group but are split across param "
                     f"groups {seen[id(group)]} and {i}; give each param group whole fsdp groups (put them in their "
                     f"own fsdp.Bucket)"
                 )
@@ -433,7 +433,7 @@ def _spans(group: ParameterGroup) -> list[_Span]:
     DTensor views fsdp registered (so every layout, chunked or owned, is handled alike)."""
     if not isinstance(group.weights, BufferWeights):
         raise ValueError(
-            f"FlatOptimizer: parameters {group._names()} are tensor subclasses (all-gather extensions), "
+            f"FlatOptimizer: parameters {group.names()} are tensor subclasses (all-gather extensions), "
             f"whose shards are not views of a flat buffer; step them with a torch.optim optimizer"
         )
     main_base = group.main.local_buffer

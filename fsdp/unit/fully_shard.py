@@ -286,7 +286,7 @@ def _build_groups(
         for group in groups:
             log.debug(
                 "fully_shard: group of %d parameters (%s): %s layout, %s, %s, strategy %s, dtypes %s, mesh %s",
-                len(group.infos), group._names(), describe_layout(group.layout), type(group.kind).__name__,
+                len(group.infos), group.names(), describe_layout(group.layout), type(group.kind).__name__,
                 type(group.weights).__name__, group.strategy.name, group.dtypes, group.mesh,
             )
     return groups

@@ -200,7 +200,7 @@ def _conversion_target(fn: Callable[[torch.Tensor], torch.Tensor], group: Parame
     try:
         out = fn(probe)
     except Exception as e:
-        e.add_note(f"(fully_shard: converting sharded parameters {group._names()}, on {group.main.device})")
+        e.add_note(f"(fully_shard: converting sharded parameters {group.names()}, on {group.main.device})")
         raise
     if not isinstance(out, torch.Tensor):
         raise TypeError(f"an nn.Module._apply function returned {type(out).__name__} for a tensor")
