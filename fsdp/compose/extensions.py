@@ -315,7 +315,11 @@ class SubclassWeights:
     def has_unsharded(self) -> bool:
         return self._alive
 
-    def begin_gather(self, from_shard: bool = True) -> DBuffer:
+    shares_gather = True  # its gather lands in rank-major rows it copies out of anyway
+
+    def begin_gather(self, from_shard: bool = True, own_target: bool = True) -> Optional[DBuffer]:
+        if not own_target:
+            return None
         self.gathered.reallocate_storage()
         return self.gathered
 
@@ -326,22 +330,26 @@ class SubclassWeights:
         return self.gathered
 
     @torch.no_grad()
-    def end_gather(self, refill: bool) -> None:
-        """Copy each parameter's gathered outputs out of the rank-major buffer (FSDP2's
-        copy-out), then build the unsharded parameters with ``fsdp_post_all_gather`` (the first
-        time) or refill them in place (``out=``). ``refill``: the version counters of what
-        autograd may have saved (outputs, parameters, inner tensors) are put back."""
+    def end_gather(self, refill: bool, rows: Optional[torch.Tensor] = None) -> None:
+        """Copy each parameter's gathered outputs out of the rank-major ``rows`` (where a gather
+        shared with other groups landed, else ``gathered``: FSDP2's copy-out), then build the
+        unsharded parameters with ``fsdp_post_all_gather`` (the first time) or refill them in
+        place (``out=``). ``refill``: the version counters of what autograd may have saved
+        (outputs, parameters, inner tensors) are put back."""
         rebuild = self.unsharded_params is None
         saved = [] if rebuild or not refill else self._saved_tensors()
         versions = [t._version for t in saved]
         world = self.group.mesh.shape[-1]
-        rows = self.gathered.local_buffer.view(world, self._shard_len)
+        own = rows is None
+        if own:
+            rows = self.gathered.local_buffer.view(world, self._shard_len)
         self._alloc_storage()
         for slot in self._slots:  # each output is rank-major, contiguous
             out = self._outputs[slot.k][slot.i]
             dst = out.view(torch.uint8) if rows.dtype == torch.uint8 and out.dtype != torch.uint8 else out
             dst.view(world, slot.length).copy_(rows[:, slot.offset : slot.offset + slot.length])
-        self.gathered.release_storage()
+        if own:
+            self.gathered.release_storage()
         if rebuild:
             self._build_unsharded_params()
         else:

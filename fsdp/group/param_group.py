@@ -74,6 +74,7 @@ class ParameterGroup:
         kind: ParamKind = PLAIN,
         placements: Optional[GroupPlacements] = None,
         weights: Callable[["ParameterGroup"], Any] = BufferWeights,
+        own_gather: bool = False,
     ) -> None:
         """``shard``: ``Shard(0)`` (row-atomic packing) or ``dbuffer.Owned()`` (whole tensors on
         balanced owners) for the flat layouts. ``gradient_divide_factor``: divide the summed
@@ -85,7 +86,8 @@ class ParameterGroup:
         live on the mesh's device. ``layout``: default :func:`~fsdp.group.layouts.flat_layout`.
         ``kind``: how parameters are wrapped (:class:`~fsdp.group.layouts.ParamKind`).
         ``placements``: default :meth:`GroupPlacements.for_mesh` (HFSDP passes its own).
-        ``weights``: builds the group's weights part (:mod:`fsdp.group.weights`)."""
+        ``weights``: builds the group's weights part (:mod:`fsdp.group.weights`). ``own_gather``:
+        never share an all-gather with the unit's other groups (an explicit bucket)."""
         self.infos = infos
         self.mesh = mesh
         self.strategy = strategy
@@ -93,6 +95,7 @@ class ParameterGroup:
         self.policy = policy
         self.requires_grad = requires_grad
         self.kind = kind
+        self.own_gather = own_gather
         self.comms = DBUFFER_COMMS  # FSDP2's custom comm objects replace it (fsdp.compose.custom_comm)
         self.reduction = ReduceSettings(divide_factor=gradient_divide_factor)  # FSDP2's reduction knobs
         op = self.reduction.op
@@ -119,6 +122,7 @@ class ParameterGroup:
         self._refreshes = 0
         self._gathered: Optional[int] = None  # refresh the unsharded weights hold, if any
         self._gather_pending: Optional[Pending] = None
+        self._shared: Optional[tuple[Any, int]] = None  # (SharedGather, part) of the gather in flight
         self.grads: Optional[GradReducer] = GradReducer(self) if requires_grad else None
         self.refresh()
 
@@ -201,18 +205,39 @@ class ParameterGroup:
 
     # ------------------------------------------------------------------ unshard / reshard
 
-    def unshard(self, async_op: bool = False) -> None:
-        """Make the unsharded weights current: all-gather (ZeRO-3) into the reused buffers."""
+    def needs_gather(self) -> bool:
+        """Refresh the model weights, then whether :meth:`unshard` would launch a gather now:
+        ZeRO-3 weights not current and no gather in flight (a prefetch's source was refreshed at
+        its launch)."""
         if self.is_meta:
             raise RuntimeError(meta_error([i.fqn for i in self.infos]))
-        if self._gather_pending is not None:  # prefetched: its source was refreshed at launch
-            if not async_op:
-                self.wait_unshard()
-            return
+        if self._gather_pending is not None:
+            return False
         self.refresh()
-        if not self.strategy.shard_params:
-            return
-        if self._gathered == self._refreshes and self.weights.has_unsharded():
+        return self.strategy.shard_params and not (self._gathered == self._refreshes and self.weights.has_unsharded())
+
+    def can_share_gather(self) -> bool:
+        """Whether this group's next gather may be one collective with its unit's other groups
+        (:mod:`fsdp.group.shared_gather`): its weights part lands gathers in rows it copies out
+        of, its comms are dbuffer's, it is no explicit bucket, and no post-forward slice is to be
+        gathered instead."""
+        post = self.post_forward
+        return (
+            not self.own_gather and self.weights.shares_gather and self.comms is DBUFFER_COMMS
+            and (post is None or post.holds is None)
+        )
+
+    def join_gather(self, pending: Pending, shared: Any, index: int) -> None:
+        """Take part ``index`` of a gather shared with other groups (launched by
+        :func:`fsdp.group.shared_gather.gather_together`) as this group's gather in flight."""
+        self._gather_pending = pending
+        self._shared = (shared, index)
+
+    def unshard(self, async_op: bool = False) -> None:
+        """Make the unsharded weights current: all-gather (ZeRO-3) into the reused buffers."""
+        if not self.needs_gather():
+            if self._gather_pending is not None and not async_op:
+                self.wait_unshard()
             return
         post = self.post_forward
         if post is not None and post.holds is not None and post.holds != self._refreshes:
@@ -245,7 +270,13 @@ class ParameterGroup:
         self._gather_pending.wait()
         self.streams.wait(self.streams.all_gather)
         self._gather_pending = None
-        self.weights.end_gather(refill=True)
+        shared, self._shared = self._shared, None
+        if shared is None:
+            self.weights.end_gather(refill=True)
+        else:
+            gather, index = shared
+            self.weights.end_gather(refill=True, rows=gather.rows(index))
+            gather.copied_out()
         if self.post_forward is not None:
             self.post_forward.drop()
         self._gathered = self._refreshes

@@ -172,16 +172,26 @@ class BufferWeights:
     def has_unsharded(self) -> bool:
         return not self.unsharded.is_storage_released()
 
-    def begin_gather(self, from_shard: bool = True) -> DBuffer:
-        """Before a gather, on the compute stream: the target gets storage and, if the gather
-        reads the model shard (``from_shard``; not a post-forward slice's), a released model
-        shard is cast again. Returns the target: the gathered buffer if the layout copies out
-        of it, else the unsharded weights themselves."""
+    @property
+    def shares_gather(self) -> bool:
+        """Whether a unit may gather this part together with its other groups in one collective
+        (:class:`~fsdp.group.shared_gather.SharedGather`): when its gather lands in rows that
+        the layout copies out of anyway (FSDP2's chunked layout), not straight in the parameters."""
+        return self.gathered is not None
+
+    def begin_gather(self, from_shard: bool = True, own_target: bool = True) -> Optional[DBuffer]:
+        """Before a gather, on the compute stream: if the gather reads the model shard
+        (``from_shard``; not a post-forward slice's), a released model shard is cast again; with
+        ``own_target`` (not a gather shared with other groups), the target gets storage and is
+        returned: the gathered buffer if the layout copies out of it, else the unsharded
+        weights themselves."""
         self._version_before_gather = self.unsharded.local_buffer._version
-        target = self.gathered_buffer()
-        target.reallocate_storage()
         if from_shard and self.model is not self.group.main and self.model.is_storage_released():
             self._cast_model()
+        if not own_target:
+            return None
+        target = self.gathered_buffer()
+        target.reallocate_storage()
         return target
 
     def gather_source(self) -> DBuffer:
@@ -194,9 +204,10 @@ class BufferWeights:
         return self.unsharded if self.gathered is None else self.gathered
 
     @torch.no_grad()
-    def end_gather(self, refill: bool) -> None:
+    def end_gather(self, refill: bool, rows: Optional[torch.Tensor] = None) -> None:
         """After the gather has landed: free the temporaries it read, and let a layout that
-        copies move the gathered pieces into the unsharded parameters, which get their storage
+        copies move the gathered pieces (from ``rows``, where a gather shared with other groups
+        landed, else from ``gathered``) into the unsharded parameters, which get their storage
         only now (as FSDP2's copy-out allocates them: a gather in flight, a prefetch, holds the
         gathered buffer alone, not both). ``refill``: the gather restored weights freed at
         reshard (ZeRO-3), values autograd may have saved in forward: not a modification, so the
@@ -208,8 +219,10 @@ class BufferWeights:
         if self.gathered is not None:
             with label("fsdp::copy_out"):
                 self.unsharded.reallocate_storage()
-                g.layout.copy_out(self.gathered, self.unsharded)
-                self.gathered.release_storage()
+                own = rows is None
+                g.layout.copy_out(g.layout.rows(self.gathered.local_buffer) if own else rows, self.unsharded)
+                if own:
+                    self.gathered.release_storage()
         if refill:
             torch._C._autograd._unsafe_set_version_counter((self.unsharded.local_buffer,), (self._version_before_gather,))
 

@@ -266,7 +266,7 @@ def _build_groups(
             spec = replace(whole, members=members_k, dims=_dims_of(whole, members_k))
             members = [infos[k] for k in spec.members]
             first, mesh = members[0].param, spec.mesh
-            kw = dict(gradient_divide_factor=spec.gradient_divide_factor, policy=spec.policy)
+            kw = dict(gradient_divide_factor=spec.gradient_divide_factor, policy=spec.policy, own_gather=spec.own_collectives)
             if offload is not None:
                 kw["offload"] = HostOffload(offload, mesh_device(mesh))
             if is_subclass:  # validated by check_extension_params: dim 0, a sharded strategy

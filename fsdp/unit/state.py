@@ -50,6 +50,7 @@ from fsdp.group.meta_init import adopt_assigned
 from fsdp.group.param_group import ParameterGroup, meta_error
 from fsdp.group.policy import MixedPrecisionPolicy
 from fsdp.group.profiling import label
+from fsdp.group.shared_gather import gather_together
 from fsdp.unit.root import MAX_REDUCTIONS_IN_FLIGHT, RootContext
 from fsdp.unit.training_state import TrainingState, check_transition
 
@@ -117,6 +118,7 @@ class FSDPState:
         self.training_state = TrainingState.IDLE
         self.registered_unsharded = False  # the unsharded parameters are the modules' ones
         self.shared_with_other_units: list[str] = []  # tied parameters another unit owns: lazy init raises
+        self.shared_gathers: dict = {}  # the unit's groups gathered together (fsdp.group.shared_gather)
 
     def install_hooks(self) -> None:
         """Called once the unit is fully built, so a failed setup leaves no hook behind."""
@@ -246,6 +248,8 @@ class FSDPState:
     def unshard(self, async_op: bool = False) -> None:
         for group in self.groups:  # a parameter reassigned since fully_shard raises before any gather
             group.check_registered()
+        if len(self.groups) > 1:  # one collective for the groups that can share it, as FSDP2's
+            gather_together(self.groups, self.shared_gathers)
         for group in self.groups:
             group.unshard(async_op=True)
         if not async_op:
