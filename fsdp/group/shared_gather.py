@@ -110,6 +110,8 @@ def gather_together(groups: Sequence[Any], cache: dict) -> list[Any]:
     """Launch one gather for those of a unit's ``groups`` that need one now and can share it;
     return the groups it serves ([] when fewer than two could share: each gathers alone).
     ``cache``: the unit's :class:`SharedGather` objects, kept between steps."""
+    if len(groups) < 2:
+        return []
     batch = [g for g in groups if g.needs_gather() and g.can_share_gather()]
     if not can_share(batch):
         return []

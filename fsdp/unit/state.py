@@ -248,8 +248,7 @@ class FSDPState:
     def unshard(self, async_op: bool = False) -> None:
         for group in self.groups:  # a parameter reassigned since fully_shard raises before any gather
             group.check_registered()
-        if len(self.groups) > 1:  # one collective for the groups that can share it, as FSDP2's
-            gather_together(self.groups, self.shared_gathers)
+        gather_together(self.groups, self.shared_gathers)  # one collective where groups can share it
         for group in self.groups:
             group.unshard(async_op=True)
         if not async_op:
@@ -395,11 +394,10 @@ class FSDPState:
                 prev.unshard(async_op=True)
 
     def _finish_reductions_in_flight(self, group: ParameterGroup) -> None:
-        """A group got its first gradient of this backward (it holds autograd's gradients until
-        it has them all, see ``ParameterGroup._on_grad``), or is about to allocate its gradient
-        buffer: finish the reductions still in flight now (by then they have had a whole unit's
-        backward to run), as their buffers would otherwise live through this unit's backward,
-        beside the new one."""
+        """A group got its first gradient of this backward, or is about to allocate its gradient
+        buffer (:class:`~fsdp.group.grads.GradReducer`): finish the reductions still in flight
+        (they have had a whole unit's backward to run), whose buffers would otherwise live
+        through this unit's backward beside the new one."""
         ctx = self._owner().root_ctx
         if ctx.reductions_in_flight:
             with label("fsdp::wait_reductions", self.fqn):
