@@ -41,6 +41,7 @@ import fsdp
 from dbuffer import Owned, full_load
 from fsdp.group.layout_choice import layout_policy
 from tests.fsdp.models import TinyLM, full_state, loss_fn, make_batches, make_model, max_diff, train
+from tests.fsdp.test_checkpoint import _diff
 from tests.harness import run_ranks
 
 LAYOUTS = ("chunk", "row", "ragged", "owned")
@@ -85,24 +86,6 @@ def _checkpoint(other, batches):
     opt = torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1)
     train(m, batches, make_opt=lambda params: opt)
     return m.state_dict(), get_optimizer_state_dict(m, opt, options=StateDictOptions(full_state_dict=True))
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().contiguous().reshape(-1).view(torch.uint8)
-
-
-def _diff(a, b, path: str = "") -> list[str]:
-    """Where ``a`` and ``b`` differ (tensors: type, dtype, shape and raw bytes)."""
-    if isinstance(a, dict) and isinstance(b, dict):
-        if a.keys() != b.keys():
-            return [f"{path}: keys {sorted(map(str, a.keys() ^ b.keys()))}"]
-        return [d for k in a for d in _diff(a[k], b[k], f"{path}.{k}")]
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and len(a) == len(b):
-        return [d for k, (x, y) in enumerate(zip(a, b)) for d in _diff(x, y, f"{path}[{k}]")]
-    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-        same = type(a) is type(b) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(_bits(a), _bits(b))
-        return [] if same else [path]
-    return [] if a == b else [f"{path}: {a!r} != {b!r}"]
 
 
 def _shape_differs_from_chunk(m) -> bool:
