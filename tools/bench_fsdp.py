@@ -162,8 +162,8 @@ def save_results(path: Optional[Path], runs: dict, command: str) -> str:
     """Save ``runs`` ({mode: measured fields}) as the latest runs of their modes at ``path`` and
     rewrite the markdown table next to it; returns what to tell the user."""
     if path is None:
-        return ("results not saved (not the default model; --results PATH saves them, "
-                "tools/results/bench_fsdp.json is the default model's)")
+        return ("results not saved (--no-results, or not the default model: --results PATH saves them; "
+                "tools/results/bench_fsdp.json holds the default model's)")
     data = {}
     for mode, measured in runs.items():
         data = results.save(path, mode, results.record(command, **measured), "bench_fsdp")
