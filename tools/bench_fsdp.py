@@ -1,4 +1,4 @@
-"""Benchmark one Llama training step three ways: our ``fsdp.fully_shard``, torch FSDP2, and the
+"""Benchmark one Llama training step: our ``fsdp.fully_shard`` (both layouts), torch FSDP2 and the
 compute-only floor, interleaved in one run with a raw-c10d reference (ours' communication alone).
 
     python3 tools/bench_fsdp.py                       # both modes, default model (~6 min on 2 cores)
@@ -133,6 +133,7 @@ from tools.step_bench.methods import (  # noqa: E402
     STRATEGIES,
     BenchConfig,
     check_config,
+    default_methods,
     model_config,
 )
 from tools.step_bench.report import format_table, write_plot  # noqa: E402
@@ -213,8 +214,9 @@ def parse_args(argv: Optional[list[str]] = None) -> tuple[BenchConfig, argparse.
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps per method first (default 1)")
     parser.add_argument("--strategy", choices=STRATEGIES, default="optim_grads_params",
                         help="our sharding_strategy (default optim_grads_params = ZeRO-3)")
-    parser.add_argument("--methods", default=",".join(METHODS),
-                        help=f"comma-separated subset of {','.join(ALL_METHODS)} (c10d: ours' communication replayed "
+    parser.add_argument("--methods", default=None,
+                        help=f"comma-separated subset of {','.join(ALL_METHODS)} (default {','.join(METHODS)}, "
+                             f"without flat for --model float8; c10d: ours' communication replayed "
                              f"alone, after ours; flat: fsdp.FlatAdamW + BF16 main "
                              f"grads in bf16; lean: flat + persistent_param_shard=False; row: ours on Megatron's flat row-atomic layout)")
     parser.add_argument("--model", choices=tuple(MODELS), default="llama",
@@ -252,7 +254,8 @@ def parse_args(argv: Optional[list[str]] = None) -> tuple[BenchConfig, argparse.
         seq=args.seq, batch=args.batch, steps=args.steps, warmup=args.warmup, strategy=args.strategy,
         data=args.data, foreach={"default": None, "on": True, "off": False}[args.foreach],
         seed=args.seed, measure=not args.no_measure,
-        methods=tuple(m.strip() for m in args.methods.split(",") if m.strip()), model=args.model,
+        methods=(tuple(m.strip() for m in args.methods.split(",") if m.strip()) if args.methods is not None
+                 else default_methods(args.model)), model=args.model,
     )
     if args.counts and args.profile:
         parser.error("--counts counts collectives only; run --profile without it")

@@ -191,3 +191,20 @@ def test_breakdown_sums_units_per_phase_and_keeps_inner_ranges_apart() -> None:
     assert lines.index(next(l for l in lines if l.startswith("fsdp::all_gather"))) > lines.index(
         next(l for l in lines if l.startswith("-- inside")))
     assert "aten::mm" not in text and fsdp_breakdown(rows[3:], steps=1).startswith("no fsdp:: ranges")
+
+
+def test_float8_model_leaves_out_the_flat_optimizer_variants() -> None:
+    """fsdp.FlatAdamW does not take tensor-subclass weights: a float8 run names the methods to
+    use instead of failing inside the optimizer, and its default leaves them out."""
+    from tools.step_bench.methods import default_methods
+
+    assert "flat" in default_methods("llama") and "flat" not in default_methods("float8")
+    check_config(BenchConfig(model="float8", methods=default_methods("float8")))
+    try:
+        check_config(BenchConfig(model="float8", methods=("ours", "lean")))
+    except ValueError as exc:
+        assert "['lean']" in str(exc) and "--methods ours,row" in str(exc)
+    else:
+        raise AssertionError("lean on the float8 model was accepted")
+    cfg, _ = bench_fsdp.parse_args(["--model", "float8"])
+    assert cfg.methods == default_methods("float8")

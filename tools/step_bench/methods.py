@@ -25,6 +25,7 @@ METHODS = ("ours", "row", "fsdp2", "floor", "c10d", "flat")
 # by default).
 VARIANTS = ("row", "flat", "lean")
 ALL_METHODS = METHODS + ("lean",)
+FLAT_OPTIMIZER = ("flat", "lean")  # the variants that step with fsdp.FlatAdamW
 # Which modules get fully_shard and what their weights are; the root is sharded last.
 MODELS = {
     "llama": "Llama, fully_shard per block, then the root (embedding, final norm, lm_head)",
@@ -68,6 +69,11 @@ class BenchConfig:
         return self.steps if self.steps is not None else DEFAULT_STEPS[mode]
 
 
+def default_methods(model: str) -> tuple:
+    """The methods a run of ``model`` compares unless told otherwise."""
+    return tuple(m for m in METHODS if not (model == "float8" and m in FLAT_OPTIMIZER))
+
+
 def check_config(cfg: BenchConfig) -> None:
     bad = [d for d in cfg.dtypes if d not in DTYPES]
     if bad or not cfg.dtypes:
@@ -78,6 +84,10 @@ def check_config(cfg: BenchConfig) -> None:
         raise ValueError(f"methods must be a non-empty subset of {ALL_METHODS}, got {cfg.methods!r}")
     if cfg.model not in MODELS:
         raise ValueError(f"model must be one of {tuple(MODELS)}, got {cfg.model!r}")
+    flat = [m for m in cfg.methods if m in FLAT_OPTIMIZER]
+    if cfg.model == "float8" and flat:
+        raise ValueError(f"methods {flat} step with fsdp.FlatAdamW, which does not take the float8 model's "
+                         f"tensor-subclass weights; leave them out (--methods {','.join(default_methods('float8'))})")
     if cfg.warmup < 0 or (cfg.steps is not None and cfg.steps < 0):
         raise ValueError("warmup and steps must be >= 0")
     if "c10d" in cfg.methods:
