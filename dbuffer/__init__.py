@@ -2,11 +2,16 @@
 
 The layout math (:mod:`dbuffer.layout`, :mod:`dbuffer.placements`) is pure; the buffer
 (:class:`DBuffer`) owns all communication, through :mod:`dbuffer.collectives`.
+
+Importing it wraps two private functions of torch's full-state-dict loaders so that they load
+dbuffer's DTensors (whose pieces are not ``torch.chunk``'s) exactly; every other tensor goes to
+torch's code unchanged (:mod:`dbuffer.full_load` says why and how).
 """
 
 from dbuffer.buffer import DBuffer, distribute_tensors
 from dbuffer.collectives import Pending, mesh_device
 from dbuffer.element_sharded import ElementShardedDTensor
+from dbuffer.full_load import install as _install_full_load
 from dbuffer.row_sharded import RowShardedDTensor
 from dbuffer.layout import (
     Layout,
@@ -19,6 +24,8 @@ from dbuffer.layout import (
     compute_ragged_layout,
 )
 from dbuffer.placements import Owned
+
+_install_full_load()
 
 __all__ = [
     "DBuffer",

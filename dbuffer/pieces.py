@@ -141,6 +141,8 @@ def run_on_full(func, args: tuple, kwargs: dict, flat: list, tree) -> Any:
     at the price of a gather; the path of everything without a local rule."""
     if any(isinstance(t, torch.Tensor) and not isinstance(t, DTensor) and t.dim() > 0 for t in flat):
         raise mixed_error(func)
+    if func is torch.ops.aten.copy_.default and isinstance(args[0], DTensor):
+        return _copy_into(args[0], args[1])
     originals: dict[int, DTensor] = {}
     fulls = []
     for t in flat:
@@ -168,3 +170,15 @@ def run_on_full(func, args: tuple, kwargs: dict, flat: list, tree) -> Any:
         return DTensor.from_local(o, mesh, [Replicate()] * mesh.ndim, run_check=False)
 
     return map_tensors(out, result)
+
+
+def _copy_into(dst: DTensor, src: Any) -> DTensor:
+    """``dst.copy_(src)`` where the pieces differ (e.g. a plain DTensor's ``torch.chunk`` rows into
+    a DBuffer's rows, what torch's full-state-dict loaders do): only the source is gathered (the
+    destination's old values are not needed), and ``dst`` keeps its piece of it, cast to its dtype
+    (broadcast to its shape first, as ``copy_`` does)."""
+    whole = exact_full(src) if isinstance(src, DTensor) else src
+    whole = whole.expand(dst.shape)
+    with torch.no_grad():
+        dst._local_tensor.copy_(exact_piece(whole, dst).reshape(dst._local_tensor.shape))
+    return dst

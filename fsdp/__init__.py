@@ -35,9 +35,11 @@ Checkpoints and meta-device init:
   ``dcp.save`` / ``dcp.load`` work: parameters and optimizer state (given their parameter's rows
   after each optimizer step) are DTensors describing their exact rows, so checkpoints reshard
   across world sizes and strategies. :mod:`fsdp.checkpoint` adds ``save`` / ``load`` (atomic
-  publish, CRC32 per file, errors naming the key or file) and a ``set_state_dict`` that also loads
-  full state dicts (``full_state_dict=True``, ``broadcast_from_rank0=True``) into every layout
-  (torch's cuts where ``torch.chunk`` would, which is not where the flat layouts do).
+  publish, CRC32 per file, errors naming the key or file) and a ``set_state_dict`` for full state
+  dicts (``full_state_dict=True``, ``broadcast_from_rank0=True``) that checks every key and shape
+  on every rank before any tensor moves. torch's own full-state-dict loaders (accelerate's and
+  Lightning's way) also load the flat layouts exactly: :mod:`dbuffer.full_load` gives each rank
+  its own rows or elements where torch would cut where ``torch.chunk`` does.
 * Build under ``torch.device("meta")`` and ``fully_shard``: as in FSDP2 the sharded parameters
   stay on meta until ``module.to_empty(device=...)`` allocates each rank's shards; then
   :func:`init_weights` runs each module's ``reset_parameters()`` (or your function) one unit at a

@@ -1,14 +1,27 @@
-"""Benchmark one Llama training step three ways: our ``fsdp.fully_shard``, torch FSDP2, and the
+"""Benchmark one Llama training step: our ``fsdp.fully_shard`` (both layouts), torch FSDP2 and the
 compute-only floor, interleaved in one run with a raw-c10d reference (ours' communication alone).
 
-    python3 tools/bench_fsdp.py                       # both modes, default model (~5.5 min on 2 cores)
+    python3 tools/bench_fsdp.py                       # both modes, default model (~6 min on 2 cores)
+    python3 tools/bench_fsdp.py --counts              # collectives per step, 3 models, ours vs FSDP2 (no timing)
     python3 tools/bench_fsdp.py --dtype fp32 --layers 2 --dim 128 --steps 4   # a quick look
     torchrun --nproc-per-node 2 tools/bench_fsdp.py --dtype fp32
     python3 tools/bench_fsdp.py --json out.json --plot out.png --profile ours
+    python3 tools/render_results.py                   # README.md's table from the saved results
+
+Results as data: a run of the default model (any ``--steps``, ``--dtype``, ``--methods``) saves
+each mode it ran as the latest run of that mode in ``tools/results/bench_fsdp.json`` (with the
+date, the command, the host's CPU, speed flags and cores, torch; :mod:`tools.kit.results`) and
+rewrites ``tools/results/bench_fsdp.md``, the markdown table ``tools/render_results.py`` puts into
+README.md. Another model saves only where ``--results PATH`` says; ``--no-results`` saves nothing.
 
 Model: ``tests.models.llama.Llama`` (defaults: vocab 8192, dim 512, 6 layers, 8 heads, SwiGLU hidden
 1536), sequence 128, ``--batch`` 4 sequences per rank, on ``--world`` 2 gloo ranks over loopback,
-one CPU thread per rank. Every rank builds the same model from the same seed; each method trains
+one CPU thread per rank. ``--model`` (``tools/step_bench/methods.py`` ``MODELS``): ``llama``
+(``fully_shard`` per block, then the root: embedding, final norm, lm_head), ``head_root`` (the
+embedding its own unit: the root holds only the final norm and lm_head, torchtitan's and
+torchao's shape), ``float8`` (every ``nn.Linear`` weight a
+:class:`tests.models.float8_weight.Float8RowwiseWeight`, a tensor subclass with a float8
+all-gather; the floor trains the straight-through single-process reference). Every rank builds the same model from the same seed; each method trains
 its own copy of it on the same batches (real text: ``tools.text_data.ByteText``, or ``--data
 random`` tokens), each rank on its own rows of the global batch.
 
@@ -16,7 +29,12 @@ Methods, each (but ``c10d``) running forward, loss, backward, ``AdamW.step()`` a
 every step:
 
 * ``ours``: ``fsdp.fully_shard`` on every block, then on the root (``--strategy``, default
-  ``optim_grads_params`` = ZeRO-3);
+  ``optim_grads_params`` = ZeRO-3), in fully_shard's default layout: FSDP2's ``torch.chunk``
+  pieces (copied out of each gather, into each reduction);
+* ``row``: ``ours`` built under ``fsdp.layout_policy("auto")``, Megatron's flat row-atomic
+  layout: no copy out of each gather or into each reduction. Run by default next to ``ours``
+  so that every run measures the choice of the default layout: the table prints both layouts'
+  ratios to FSDP2 and the floor, their peak memory, and row/chunk (also paired per round);
 * ``fsdp2``: ``torch.distributed.fsdp.fully_shard`` on every block, then on the root (always its
   default, ZeRO-3 with ``reshard_after_forward=True``; ``--strategy`` changes ours only);
 * ``floor``: the plain model on every rank: the same local batch, no sharding, no communication;
@@ -28,10 +46,7 @@ every step:
 * ``flat``: ``ours`` with ``fsdp.FlatAdamW`` (the step over the flat shards, :mod:`fsdp.optim`)
   and, in bf16, ``main_grads_dtype=bf16`` (no FP32 gradient copy at the step);
 * ``lean`` (only with ``--methods``): ``flat`` with ``persistent_param_shard=False`` (no BF16
-  shard kept between steps; the shard is cast before each gather);
-* ``row`` (only with ``--methods``): ``ours`` built under ``fsdp.layout_policy("auto")``,
-  Megatron's flat row-atomic layout: no copy out of each gather or into each reduction, which
-  the default (FSDP2's ``torch.chunk`` pieces, as ``ours`` runs) makes.
+  shard kept between steps; the shard is cast before each gather).
 
 The table prints peak memory and step time of each variant against FSDP2 and ``ours``.
 
@@ -81,13 +96,22 @@ Measurements:
   together) counted as one op. ``sent`` is the bytes this rank must send for them with a
   bandwidth-optimal algorithm: all-gather ``(W-1) * input``, reduce-scatter and all-to-all
   ``(W-1)/W * input``, all-reduce ``2 (W-1)/W * tensor``, send the tensor; gloo's own algorithms
-  may move more (its ``reduce_scatter_single`` runs as an all-reduce).
+  may move more (its ``reduce_scatter_single`` runs as an all-reduce). ``collectives`` counts
+  what the step asks for by kind (all-gather, reduce-scatter, all-reduce, other), whatever c10d
+  calls carry it: one call of ``dbuffer.collectives`` is one collective (on gloo ours' big
+  gathers are isend/irecv pairs), FSDP2's c10d calls one each; the table prints them side by
+  side and the targets hold ours to at most FSDP2's all-gathers and reduce-scatters.
+* ``--counts``: only that count, quickly (``--warmup`` steps and one counted step per method, no
+  timing, no memory tracking), for ``ours``, ``row`` and ``fsdp2`` on each of the three models,
+  with a verdict per model: ours may not make more all-gathers, reduce-scatters or collectives
+  in all than FSDP2 (``tools/step_bench/counts.py``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Optional
@@ -98,20 +122,55 @@ if str(ROOT) not in sys.path:
 
 import torch.distributed as dist  # noqa: E402
 
-from tools.kit import launch  # noqa: E402
+from tools.kit import launch, results  # noqa: E402
+from tools.step_bench import markdown  # noqa: E402
+from tools.step_bench.counts import format_counts, run_counts  # noqa: E402
 from tools.step_bench.methods import (  # noqa: E402
     ALL_METHODS,
     DEFAULT_STEPS,
     METHODS,
+    MODELS,
     STRATEGIES,
     BenchConfig,
     check_config,
+    default_methods,
     model_config,
 )
 from tools.step_bench.report import format_table, write_plot  # noqa: E402
 from tools.step_bench.run import profile_method, run_benchmark  # noqa: E402
 
+# The fields that make a run "the default model", whose results README.md's table shows.
+_MODEL_FIELDS = ("vocab", "dim", "layers", "heads", "hidden", "seq", "batch", "strategy", "data", "model", "foreach")
+DEFAULT_WORLD = 2
+
 # ----------------------------------------------------------------------------- launcher
+
+
+def results_path(cfg: BenchConfig, args: argparse.Namespace, world: int) -> Optional[Path]:
+    """Where this run saves its results: ``--results``, else the default file for a run of the
+    default model, else nowhere (a quick look must not replace the table's figures)."""
+    if args.no_results:
+        return None
+    if args.results:
+        return Path(args.results)
+    default = BenchConfig()
+    if world == DEFAULT_WORLD and all(getattr(cfg, f) == getattr(default, f) for f in _MODEL_FIELDS):
+        return results.RESULTS_DIR / "bench_fsdp.json"
+    return None
+
+
+def save_results(path: Optional[Path], runs: dict, command: str) -> str:
+    """Save ``runs`` ({mode: measured fields}) as the latest runs of their modes at ``path`` and
+    rewrite the markdown table next to it; returns what to tell the user."""
+    if path is None:
+        return ("results not saved (--no-results, or not the default model: --results PATH saves them; "
+                "tools/results/bench_fsdp.json holds the default model's)")
+    data = {}
+    for mode, measured in runs.items():
+        data = results.save(path, mode, results.record(command, **measured), "bench_fsdp")
+    table = path.with_suffix(".md")
+    table.write_text(markdown.render(data))
+    return f"results saved to {path} and {table} (python3 tools/render_results.py puts them into README.md)"
 
 
 def _bench_and_report(cfg: BenchConfig, args: argparse.Namespace) -> None:
@@ -124,11 +183,25 @@ def _bench_and_report(cfg: BenchConfig, args: argparse.Namespace) -> None:
             print(f"results written to {args.json}")
         if args.plot:
             print(write_plot(report, args.plot))
+        common = {k: report[k] for k in ("config", "world", "backend", "threads_per_rank", "model", "data")}
+        runs = {mode: dict(common, result=res) for mode, res in report["modes"].items()}
+        print(save_results(results_path(cfg, args, report["world"]), runs, args.command))
     if args.profile:
         for mode in cfg.dtypes:
             text = profile_method(args.profile, mode, cfg, steps=args.profile_steps)
             if dist.get_rank() == 0:
                 print(text, flush=True)
+
+
+def _counts_and_report(cfg: BenchConfig, args: argparse.Namespace) -> None:
+    """Every rank counts; rank 0 prints (and saves) the counts."""
+    report = run_counts(cfg)
+    if dist.get_rank() == 0:
+        print(format_counts(report), flush=True)
+        if args.json:
+            Path(args.json).write_text(json.dumps(report, indent=1))
+            print(f"results written to {args.json}")
+        print(save_results(results_path(cfg, args, report["world"]), {"counts": {"counts": report}}, args.command))
 
 
 def parse_args(argv: Optional[list[str]] = None) -> tuple[BenchConfig, argparse.Namespace]:
@@ -141,10 +214,17 @@ def parse_args(argv: Optional[list[str]] = None) -> tuple[BenchConfig, argparse.
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps per method first (default 1)")
     parser.add_argument("--strategy", choices=STRATEGIES, default="optim_grads_params",
                         help="our sharding_strategy (default optim_grads_params = ZeRO-3)")
-    parser.add_argument("--methods", default=",".join(METHODS),
-                        help=f"comma-separated subset of {','.join(ALL_METHODS)} (c10d: ours' communication replayed "
+    parser.add_argument("--methods", default=None,
+                        help=f"comma-separated subset of {','.join(ALL_METHODS)} (default {','.join(METHODS)}, "
+                             f"without flat for --model float8; c10d: ours' communication replayed "
                              f"alone, after ours; flat: fsdp.FlatAdamW + BF16 main "
                              f"grads in bf16; lean: flat + persistent_param_shard=False; row: ours on Megatron's flat row-atomic layout)")
+    parser.add_argument("--model", choices=tuple(MODELS), default="llama",
+                        help="which modules are units and what the weights are: " + "; ".join(
+                            f"{k}: {v}" for k, v in MODELS.items()).replace("%", "%%"))
+    parser.add_argument("--counts", action="store_true",
+                        help="only count the collectives of one step (after --warmup) for ours, row and fsdp2 on "
+                             "every model (--model is ignored); no timing")
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--dim", type=int, default=512)
     parser.add_argument("--heads", type=int, default=8)
@@ -158,6 +238,9 @@ def parse_args(argv: Optional[list[str]] = None) -> tuple[BenchConfig, argparse.
     parser.add_argument("--no-measure", action="store_true", help="skip the memory/communication step")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, help="write all results to this JSON file")
+    parser.add_argument("--results", default=None,
+                        help="results file to update (default: tools/results/bench_fsdp.json for the default model)")
+    parser.add_argument("--no-results", action="store_true", help="save no results file")
     parser.add_argument("--plot", default=None, help="write a PNG bar chart here (needs matplotlib)")
     parser.add_argument("--profile", choices=[m for m in ALL_METHODS if m != "c10d"], default=None,
                         help="afterwards, profile this method on rank 0: torch.profiler, the step by fsdp:: "
@@ -171,8 +254,11 @@ def parse_args(argv: Optional[list[str]] = None) -> tuple[BenchConfig, argparse.
         seq=args.seq, batch=args.batch, steps=args.steps, warmup=args.warmup, strategy=args.strategy,
         data=args.data, foreach={"default": None, "on": True, "off": False}[args.foreach],
         seed=args.seed, measure=not args.no_measure,
-        methods=tuple(m.strip() for m in args.methods.split(",") if m.strip()),
+        methods=(tuple(m.strip() for m in args.methods.split(",") if m.strip()) if args.methods is not None
+                 else default_methods(args.model)), model=args.model,
     )
+    if args.counts and args.profile:
+        parser.error("--counts counts collectives only; run --profile without it")
     try:
         check_config(cfg)
         model_config(cfg)
@@ -185,9 +271,13 @@ def parse_args(argv: Optional[list[str]] = None) -> tuple[BenchConfig, argparse.
 
 def main(argv: Optional[list[str]] = None) -> None:
     cfg, args = parse_args(argv)
+    launcher = (f"torchrun --nproc-per-node {os.environ.get('LOCAL_WORLD_SIZE', '?')}" if launch.under_torchrun()
+                else "python3")
+    args.command = results.command_line([sys.argv[0], *(sys.argv[1:] if argv is None else argv)], launcher)
+    body = _counts_and_report if args.counts else _bench_and_report
     if launch.under_torchrun():
-        launch.run_rank(_bench_and_report, cfg, args)
-    launch.spawn(args.world, _bench_and_report, cfg, args)
+        launch.run_rank(body, cfg, args)
+    launch.spawn(args.world, body, cfg, args)
 
 
 if __name__ == "__main__":

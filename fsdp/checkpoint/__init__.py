@@ -9,11 +9,15 @@
   the safety described below.
 * **Full.** ``get_state_dict(..., options=StateDictOptions(full_state_dict=True,
   cpu_offload=True))`` gathers plain CPU tensors on rank 0 (export). To load a full state dict use
-  :func:`set_state_dict` of this module: torch's full-state-dict loaders cut each tensor where
-  ``torch.chunk`` would, which is not where fsdp's row-atomic layout cuts it. It takes the same
-  options, ``broadcast_from_rank0=True`` included (only rank 0 of the model's mesh needs the
-  dict), and copies each rank's rows straight into the live parameters and optimizer state, one
-  full tensor at a time.
+  :func:`set_state_dict` of this module: it takes the same options, ``broadcast_from_rank0=True``
+  included (only rank 0 of the model's mesh needs the dict), checks every key and shape on every
+  rank before any tensor is sent, and copies each rank's rows straight into the live parameters
+  and optimizer state, one full tensor at a time. torch's own loaders
+  (``set_model_state_dict`` / ``set_optimizer_state_dict`` / ``set_state_dict`` with
+  ``full_state_dict=True``, what accelerate and Lightning call) load every layout exactly too:
+  they cut each tensor where ``torch.chunk`` would, and :mod:`dbuffer.full_load` (installed when
+  dbuffer is imported) has them give the flat layouts' tensors their own rows or elements instead,
+  keeping the optimizer state in its parameter's pieces.
 
 Safety of :func:`save` and :func:`load`:
 

@@ -52,14 +52,15 @@ def set_state_dict(
     optim_state_dict: Optional[dict[str, Any]] = None,
     options: Optional[StateDictOptions] = None,
 ):
-    """torch's ``set_state_dict``, plus full state dicts for fsdp's row-sharded tensors.
+    """torch's ``set_state_dict``, with full state dicts checked before anything moves.
 
     With ``full_state_dict=True`` every rank passes the full dicts; with
     ``broadcast_from_rank0=True`` only rank 0 of the model's mesh does (others may pass ``{}``)
     and each full tensor is sent from it in turn. Each rank copies its own rows into the live
     parameters and optimizer state (the optimizer's state is created first if it has none).
     A key missing (with ``strict``) or a shape that differs raises :class:`CheckpointError` on
-    every rank before any tensor is sent or copied.
+    every rank before any tensor is sent or copied (torch's own loaders, which also load fsdp's
+    layouts exactly through :mod:`dbuffer.full_load`, find such a mistake only part-way).
     """
     options = options or StateDictOptions()
     optimizers = _optimizers(optimizers)

@@ -57,14 +57,18 @@ def check_extension_params(fqns: Sequence[str], params: Sequence[torch.Tensor], 
 
 def split_extension_members(spec, params: Sequence[torch.Tensor]) -> tuple[list[int], list[int]]:
     """(members of a subclass group, other members) of a bucket spec, each in registration
-    order. A spec with extension members in FSDP2's pieces (``spec.dims``, default dim 0) puts
-    its plain tensors cut along dim 0 in the same group, so the unit gathers them together (one
-    all-gather, as FSDP2's); the rest (DTensors, other dims, flat layouts) get their own group."""
-    ext = [k for k in spec.members if is_extension_param(params[k])]
-    if ext and spec.dims is not None:
-        dim = dict(zip(spec.members, spec.dims))
-        ext = [k for k in spec.members if k in set(ext) or (type(params[k].detach()) is torch.Tensor and dim[k] == 0)]
-    return ext, [k for k in spec.members if k not in set(ext)]
+    order. The plain tensors of a spec with extension members join them, cut like them
+    (``torch.chunk`` along dim 0), so the unit gathers them in one all-gather, as FSDP2 does;
+    the rest get their own group: DTensors, 0-d tensors, and those ``shard_placement_fn`` cuts
+    along another dim."""
+    ext = {k for k in spec.members if is_extension_param(params[k])}
+    if ext:
+        dims = dict(zip(spec.members, spec.dims)) if spec.dims is not None else {}
+        ext |= {
+            k for k in spec.members
+            if type(params[k].detach()) is torch.Tensor and params[k].dim() > 0 and dims.get(k, 0) == 0
+        }
+    return [k for k in spec.members if k in ext], [k for k in spec.members if k not in ext]
 
 
 def numel(shape: Sequence[int]) -> int:

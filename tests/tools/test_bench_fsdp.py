@@ -15,7 +15,7 @@ from tools.step_bench.run import c10d_bound, run_benchmark
 # (embedding + lm_head, 4 MiB of fp32 per rank) takes dbuffer's point-to-point path on gloo,
 # while the blocks' shards take the one-call collectives.
 TINY = dict(dtypes=("fp32",), vocab=8192, dim=128, layers=2, heads=4, hidden=256, seq=32, batch=2,
-            steps=2, warmup=1, methods=("ours", "fsdp2", "floor", "c10d"))
+            steps=2, warmup=1, methods=("ours", "row", "fsdp2", "floor", "c10d"))
 METHOD_FIELDS = {"times_ms", "median_ms", "mean_ms", "min_ms", "max_ms", "loss", "loss_by_rank",
                  "start_bytes_by_rank", "peak_bytes_by_rank", "peak_bytes", "comm", "comm_by_rank"}
 
@@ -27,7 +27,7 @@ def test_bench_core_on_a_tiny_model() -> None:
     assert report["world"] == 2 and list(report["modes"]) == ["fp32"]
     res = report["modes"]["fp32"]
     assert {"policy", "optimizer", "methods", "ratios", "targets", "steps", "warmup"} <= set(res)
-    assert set(res["methods"]) == {"ours", "fsdp2", "floor", "c10d"}
+    assert set(res["methods"]) == {"ours", "row", "fsdp2", "floor", "c10d"}
     # Every rank reports the same, gathered results.
     assert reports[1]["modes"]["fp32"]["methods"]["ours"]["loss"] == res["methods"]["ours"]["loss"]
     total_steps = TINY["warmup"] + 1 + TINY["steps"]
@@ -38,7 +38,7 @@ def test_bench_core_on_a_tiny_model() -> None:
         assert len(m["loss"]) == total_steps and len(m["peak_bytes_by_rank"]) == 2
         assert all(p >= s > 0 for p, s in zip(m["peak_bytes_by_rank"], m["start_bytes_by_rank"]))
 
-    ours, fsdp2, floor = (res["methods"][k] for k in ("ours", "fsdp2", "floor"))
+    ours, row, fsdp2, floor = (res["methods"][k] for k in ("ours", "row", "fsdp2", "floor"))
     # Step 0: the same weights on the same batch give the same loss, whatever the method.
     for rank in range(2):
         l0 = floor["loss_by_rank"][rank][0]
@@ -46,6 +46,7 @@ def test_bench_core_on_a_tiny_model() -> None:
         assert abs(fsdp2["loss_by_rank"][rank][0] - l0) <= 1e-6 * abs(l0)
     # Both sharded methods train on the global batch: the same trajectory in fp32.
     assert all(abs(a - b) <= 1e-4 for a, b in zip(ours["loss"], fsdp2["loss"])), (ours["loss"], fsdp2["loss"])
+    assert all(abs(a - b) <= 1e-4 for a, b in zip(row["loss"], fsdp2["loss"])), (row["loss"], fsdp2["loss"])
     # The floor trains each rank on its own half of the batch only: it leaves that trajectory.
     assert abs(floor["loss"][-1] - ours["loss"][-1]) > 1e-4
 
@@ -54,7 +55,7 @@ def test_bench_core_on_a_tiny_model() -> None:
     numel = LlamaConfig(vocab_size=TINY["vocab"], dim=TINY["dim"], n_layers=TINY["layers"], n_heads=TINY["heads"],
                         hidden_dim=TINY["hidden"], max_seq_len=TINY["seq"]).num_parameters()
     assert min(floor["start_bytes_by_rank"]) >= 3 * 4 * numel
-    for m in (ours, fsdp2):
+    for m in (ours, row, fsdp2):
         assert sum(m["start_bytes_by_rank"]) >= 3 * 4 * numel
         assert max(m["start_bytes_by_rank"]) < 3 * 4 * numel  # sharded: no rank holds it all
 
@@ -65,6 +66,14 @@ def test_bench_core_on_a_tiny_model() -> None:
         assert m["comm"]["ops"] > 0 and m["comm"]["calls"] >= m["comm"]["ops"] and m["comm"]["bytes_sent"] > 0
     assert ours["comm"]["ops"] == fsdp2["comm"]["ops"] == 8
     assert ours["comm"]["calls"] > ours["comm"]["ops"]  # the root's isend/irecv pairs count as one op each
+    # What the step asks for, however c10d carries it: ours' point-to-point gathers of the root
+    # and its all-to-all reduce-scatters count as the all-gathers and reduce-scatters they are,
+    # every one a call of dbuffer.collectives; FSDP2's c10d calls are their own kinds.
+    for m in (ours, row, fsdp2):
+        assert m["comm"]["collectives"] == {"all_gather": 5, "reduce_scatter": 3}, m["comm"]
+    assert all(c["library_ops"] == 8 for c in ours["comm_by_rank"] + row["comm_by_rank"])
+    assert all(c["library_ops"] == 0 for c in fsdp2["comm_by_rank"])
+    assert "p2p_send" in ours["comm"]["by_kind"] and "all_to_all" in ours["comm"]["by_kind"]
     assert abs(ours["comm"]["bytes_sent"] / fsdp2["comm"]["bytes_sent"] - 1) < 0.05
     # Bandwidth-optimal bytes sent per rank: half of every gathered and every reduced unit.
     sent = 4 * (numel + (numel - 2 * TINY["vocab"] * TINY["dim"] - TINY["dim"]) + numel) / 2
@@ -72,7 +81,8 @@ def test_bench_core_on_a_tiny_model() -> None:
 
     # The raw-c10d replay makes exactly ours' calls: the same kinds, counts and bytes, per rank.
     c10d = res["methods"]["c10d"]
-    assert c10d["comm_by_rank"] == ours["comm_by_rank"]
+    calls = lambda comm: [{k: c[k] for k in ("calls", "ops", "bytes_sent", "by_kind")} for c in comm]  # noqa: E731
+    assert calls(c10d["comm_by_rank"]) == calls(ours["comm_by_rank"])
     assert all(loss == 0 for loss in c10d["loss"])
 
     ratios = res["ratios"]
@@ -84,10 +94,25 @@ def test_bench_core_on_a_tiny_model() -> None:
         bound = max(floor["median_ms"], c10d["median_ms"]) / floor["median_ms"]
     assert abs(ratios["bound_step_ours_over_floor"] - bound) < 1e-9 and bound >= 1
 
-    assert {t["name"] for t in res["targets"]} >= {"step_ours_over_fsdp2", "peak_ours_over_fsdp2"}
+    # Both layouts, against FSDP2, the floor and each other, from the same run's medians.
+    for name, m in (("ours", ours), ("row", row)):
+        assert abs(ratios[f"step_{name}_over_floor"] - m["median_ms"] / floor["median_ms"]) < 1e-9
+        assert abs(ratios[f"peak_{name}_over_fsdp2"] - m["peak_bytes"] / fsdp2["peak_bytes"]) < 1e-9
+    assert abs(ratios["step_row_over_ours"] - row["median_ms"] / ours["median_ms"]) < 1e-9
+    assert "paired_step_row_over_ours" in ratios and ratios["all_gathers_ours_over_fsdp2"] == 1.0
+
+    assert {t["name"] for t in res["targets"]} >= {"step_ours_over_fsdp2", "peak_ours_over_fsdp2",
+                                                   "all_gathers_ours_over_fsdp2", "reduce_scatters_ours_over_fsdp2"}
     table = format_table(report)
     assert "ours" in table and "fsdp2" in table and "floor" in table and "target" in table
     assert "raw c10d: the communication alone takes" in table
+    layouts = table.split("layouts, in the same run", 1)[1].splitlines()
+    chunk_row = next(line for line in layouts if line.split()[:1] == ["chunk"])
+    assert chunk_row.split()[1] == f"{ratios['step_ours_over_fsdp2']:.2f}"
+    assert chunk_row.split()[3] == f"{ratios['step_ours_over_floor']:.2f}"
+    assert any(line.split()[:1] == ["row"] for line in layouts)
+    gathers = next(line for line in table.splitlines() if line.strip().startswith("all-gather "))
+    assert gathers.split()[1:4] == ["5", "5", "5"]  # ours, row, fsdp2 side by side
 
 
 def test_c10d_bound_counts_communication_cpu_only_when_no_core_is_idle() -> None:
@@ -166,3 +191,20 @@ def test_breakdown_sums_units_per_phase_and_keeps_inner_ranges_apart() -> None:
     assert lines.index(next(l for l in lines if l.startswith("fsdp::all_gather"))) > lines.index(
         next(l for l in lines if l.startswith("-- inside")))
     assert "aten::mm" not in text and fsdp_breakdown(rows[3:], steps=1).startswith("no fsdp:: ranges")
+
+
+def test_float8_model_leaves_out_the_flat_optimizer_variants() -> None:
+    """fsdp.FlatAdamW does not take tensor-subclass weights: a float8 run names the methods to
+    use instead of failing inside the optimizer, and its default leaves them out."""
+    from tools.step_bench.methods import default_methods
+
+    assert "flat" in default_methods("llama") and "flat" not in default_methods("float8")
+    check_config(BenchConfig(model="float8", methods=default_methods("float8")))
+    try:
+        check_config(BenchConfig(model="float8", methods=("ours", "lean")))
+    except ValueError as exc:
+        assert "['lean']" in str(exc) and "--methods ours,row" in str(exc)
+    else:
+        raise AssertionError("lean on the float8 model was accepted")
+    cfg, _ = bench_fsdp.parse_args(["--model", "float8"])
+    assert cfg.methods == default_methods("float8")

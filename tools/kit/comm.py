@@ -10,6 +10,16 @@ all-reduce ``2 (W-1)/W * tensor``, send the tensor (gloo's own algorithms may mo
 ``reduce_scatter_single`` runs as an all-reduce). Inside ``recording()`` it records the calls as
 :class:`tools.kit.comm_replay.Call` values, which :class:`tools.kit.comm_replay.Replay` replays
 alone. Calls made by a wrapped call (a collective built on others) are not counted again.
+
+``collectives`` counts, by kind, the collectives the step asked for, whatever c10d calls carry
+them: a call of one of ``dbuffer.collectives``' functions (the one module of the library that
+calls c10d, CONTRIBUTING.md) is one collective of the operation it implements (``LIBRARY_OPS``:
+on gloo, fsdp's all-gather of a big shard is ``world - 1`` isend/irecv pairs and its
+reduce-scatter an ``all_to_all_single`` or isend/irecv, each one ``all_gather`` or
+``reduce_scatter`` here); a c10d call made outside them (torch FSDP2's, a user's) is one of its
+own kind (``p2p`` for a point-to-point exchange). ``library_ops`` counts those made through
+``dbuffer.collectives``: equal to the sum of ``collectives`` when every collective of the step
+went through the library.
 """
 
 from __future__ import annotations
@@ -39,6 +49,10 @@ _COLLECTIVES = {  # function -> (kind, how the sent bytes follow from (input byt
     "barrier": ("barrier", None, lambda b, w: 0),
 }
 _P2P = {"isend": "send", "send": "send", "irecv": "recv", "recv": "recv"}
+# dbuffer.collectives' functions -> the operation each implements (owned layouts gather by
+# broadcasts of each owner's range and reduce by one all-to-all to the owners).
+LIBRARY_OPS = {"all_gather": "all_gather", "broadcast_segments": "all_gather", "reduce_scatter": "reduce_scatter",
+               "reduce_to_owners": "reduce_scatter", "all_reduce": "all_reduce"}
 
 
 def _nbytes(x: Any) -> int:
@@ -52,13 +66,23 @@ class CommCounter:
     def __init__(self) -> None:
         self.label: Optional[str] = None
         self.stats: dict[str, dict] = {}
-        self._originals: dict[str, Callable] = {}
+        self._originals: dict[tuple[Any, str], Callable] = {}  # (module, name) -> original
         self._depth = 0
+        self._library_depth = 0  # > 0 inside a call of dbuffer.collectives' functions
         self._exchange: Optional[dict] = None  # the point-to-point op being posted
         self.trace: Optional[list] = None  # the calls being recorded (``recording``), for a replay
 
     def _stats(self) -> dict:
-        return self.stats.setdefault(self.label, {"calls": 0, "ops": 0, "bytes_sent": 0.0, "by_kind": {}})
+        return self.stats.setdefault(self.label, {"calls": 0, "ops": 0, "bytes_sent": 0.0, "by_kind": {},
+                                                  "collectives": {}, "library_ops": 0})
+
+    def _collective(self, kind: str, library: bool = False) -> None:
+        """One collective the step asked for (see the module docstring)."""
+        if self.label is None:
+            return
+        s = self._stats()
+        s["collectives"][kind] = s["collectives"].get(kind, 0) + 1
+        s["library_ops"] += library
 
     def _count(self, kind: str, sent: float, new_op: bool) -> None:
         if self.label is None:  # only recording
@@ -71,6 +95,8 @@ class CommCounter:
         k["bytes_sent"] += sent
         if new_op:
             s["ops"] += 1
+            if self._library_depth == 0:
+                self._collective("p2p" if kind.startswith("p2p_") else kind)
 
     def _on_collective(self, name: str, bound: inspect.BoundArguments) -> bool:
         kind, arg, sent_of = _COLLECTIVES[name]
@@ -124,18 +150,41 @@ class CommCounter:
         wrapper.__wrapped__ = fn
         return wrapper
 
+    def _wrap_library(self, name: str, fn: Callable) -> Callable:
+        counter = self
+
+        def wrapper(*args, **kwargs):
+            if counter._library_depth == 0:
+                counter._collective(LIBRARY_OPS[name], library=True)
+            counter._library_depth += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                counter._library_depth -= 1
+
+        wrapper.__wrapped__ = fn
+        return wrapper
+
     def install(self) -> None:
+        from dbuffer import collectives
+
         for name in list(_COLLECTIVES) + list(_P2P):
             fn = getattr(dist, name, None)
-            if fn is None or name in self._originals:
+            if fn is None or (dist, name) in self._originals:
                 continue
-            self._originals[name] = fn
+            self._originals[(dist, name)] = fn
             handler = self._on_p2p if name in _P2P else self._on_collective
             setattr(dist, name, self._wrap(name, fn, handler))
+        for name in LIBRARY_OPS:
+            fn = getattr(collectives, name, None)
+            if fn is None or (collectives, name) in self._originals:
+                continue
+            self._originals[(collectives, name)] = fn
+            setattr(collectives, name, self._wrap_library(name, fn))
 
     def uninstall(self) -> None:
-        for name, fn in self._originals.items():
-            setattr(dist, name, fn)
+        for (module, name), fn in self._originals.items():
+            setattr(module, name, fn)
         self._originals.clear()
 
     @contextlib.contextmanager

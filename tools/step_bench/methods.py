@@ -1,6 +1,6 @@
 """The training step benchmarked several ways: bench_fsdp's methods (``ours``, ``fsdp2``, ``floor``,
-the raw-c10d replay ``c10d``, and ours' variants ``flat``, ``lean``, ``row``), its configuration
-and its batches. ``tools/bench_fsdp.py``'s docstring says what each method runs and how it is
+the raw-c10d replay ``c10d``, and ours' variants ``row``, ``flat``, ``lean``), its models (the
+Llama, with a head-only root, with float8 all-gather weights), its configuration and its batches. ``tools/bench_fsdp.py``'s docstring says what each method runs and how it is
 measured; ``tools/mem_timeline.py`` builds the same methods to say where their memory peaks.
 """
 
@@ -14,14 +14,26 @@ import torch
 
 from tools.kit import comm_replay
 
-METHODS = ("ours", "fsdp2", "floor", "c10d", "flat")
-# Variants of ours: "flat" = fsdp.FlatAdamW (the step over the flat shards) with BF16 main grads in
-# bf16 mode; "lean" = flat + MixedPrecisionPolicy(persistent_param_shard=False) (no BF16 shard
-# kept between steps); "row" = ours under layout_policy("auto"), Megatron's flat row-atomic layout
-# (no copy out of each gather and into each reduction, which ours, on FSDP2's pieces, makes).
-# Not run by default: "lean", "row".
-VARIANTS = ("flat", "lean", "row")
-ALL_METHODS = METHODS + ("lean", "row")
+# "ours" and "row" are the two layouts a user chooses between (FSDP2's torch.chunk pieces, the
+# default, and Megatron's flat row-atomic layout): both run by default, so that choice is measured
+# in every run.
+METHODS = ("ours", "row", "fsdp2", "floor", "c10d", "flat")
+# Variants of ours: "row" = ours under layout_policy("auto"), the flat row-atomic layout (no copy
+# out of each gather and into each reduction, which ours, on FSDP2's pieces, makes); "flat" =
+# fsdp.FlatAdamW (the step over the flat shards) with BF16 main grads in bf16 mode; "lean" = flat +
+# MixedPrecisionPolicy(persistent_param_shard=False) (no BF16 shard kept between steps; not run
+# by default).
+VARIANTS = ("row", "flat", "lean")
+ALL_METHODS = METHODS + ("lean",)
+FLAT_OPTIMIZER = ("flat", "lean")  # the variants that step with fsdp.FlatAdamW
+# Which modules get fully_shard and what their weights are; the root is sharded last.
+MODELS = {
+    "llama": "Llama, fully_shard per block, then the root (embedding, final norm, lm_head)",
+    "head_root": "Llama, the embedding its own unit, then every block, then the root, which holds only the "
+                 "final norm and lm_head (torchtitan's and torchao's shape)",
+    "float8": "Llama whose nn.Linear weights are Float8RowwiseWeight (tests/models/float8_weight.py: float8 "
+              "all-gather, a tensor subclass), fully_shard as 'llama'",
+}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 # bf16 matmuls are very slow on a CPU without bf16 units (a bf16 step of the default model takes
@@ -51,9 +63,15 @@ class BenchConfig:
     seed: int = 0
     measure: bool = True  # the untimed measured step (memory + communication)
     methods: tuple = METHODS
+    model: str = "llama"  # a key of MODELS
 
     def steps_for(self, mode: str) -> int:
         return self.steps if self.steps is not None else DEFAULT_STEPS[mode]
+
+
+def default_methods(model: str) -> tuple:
+    """The methods a run of ``model`` compares unless told otherwise."""
+    return tuple(m for m in METHODS if not (model == "float8" and m in FLAT_OPTIMIZER))
 
 
 def check_config(cfg: BenchConfig) -> None:
@@ -64,6 +82,12 @@ def check_config(cfg: BenchConfig) -> None:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {cfg.strategy!r}")
     if any(m not in ALL_METHODS for m in cfg.methods) or not cfg.methods:
         raise ValueError(f"methods must be a non-empty subset of {ALL_METHODS}, got {cfg.methods!r}")
+    if cfg.model not in MODELS:
+        raise ValueError(f"model must be one of {tuple(MODELS)}, got {cfg.model!r}")
+    flat = [m for m in cfg.methods if m in FLAT_OPTIMIZER]
+    if cfg.model == "float8" and flat:
+        raise ValueError(f"methods {flat} step with fsdp.FlatAdamW, which does not take the float8 model's "
+                         f"tensor-subclass weights; leave them out (--methods {','.join(default_methods('float8'))})")
     if cfg.warmup < 0 or (cfg.steps is not None and cfg.steps < 0):
         raise ValueError("warmup and steps must be >= 0")
     if "c10d" in cfg.methods:
@@ -129,8 +153,25 @@ class Method:
         return loss.detach()
 
 
+def sharded_units(model: torch.nn.Module, which: str) -> list[torch.nn.Module]:
+    """The modules of ``model`` that get their own ``fully_shard`` before the root, in order."""
+    blocks = list(model.layers)
+    return [model.tok_embeddings] + blocks if which == "head_root" else blocks
+
+
+def _weights(model: torch.nn.Module, name: str, which: str) -> torch.nn.Module:
+    """``model`` with the weights of ``which``: float8 all-gather weights for the sharded methods,
+    the single-process reference of the same arithmetic (straight-through) for the floor."""
+    if which != "float8":
+        return copy.deepcopy(model)
+    from tests.models.float8_weight import float8_weights, reference_float8_model
+
+    return reference_float8_model(model) if name == "floor" else float8_weights(model)
+
+
 def build_method(name: str, base: torch.nn.Module, mode: str, cfg: BenchConfig, mesh) -> Method:
-    model = copy.deepcopy(base)
+    model = _weights(base, name, cfg.model)
+    units = sharded_units(model, cfg.model)
     if name == "floor":
         if mode == "bf16":
             model = model.to(torch.bfloat16)
@@ -147,8 +188,8 @@ def build_method(name: str, base: torch.nn.Module, mode: str, cfg: BenchConfig, 
             )
         kw = dict(mesh=mesh, mp_policy=policy, sharding_strategy=cfg.strategy)
         with fsdp.layout_policy("auto" if name == "row" else "chunk"):
-            for block in model.layers:
-                fsdp.fully_shard(block, **kw)
+            for unit in units:
+                fsdp.fully_shard(unit, **kw)
             fsdp.fully_shard(model, **kw)
         return Method(name, model, cfg, torch.optim.AdamW if name in ("ours", "row") else fsdp.FlatAdamW)
     if name == "fsdp2":
@@ -157,8 +198,8 @@ def build_method(name: str, base: torch.nn.Module, mode: str, cfg: BenchConfig, 
         policy = MixedPrecisionPolicy()
         if mode == "bf16":
             policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        for block in model.layers:
-            fully_shard(block, mesh=mesh, mp_policy=policy)
+        for unit in units:
+            fully_shard(unit, mesh=mesh, mp_policy=policy)
         fully_shard(model, mesh=mesh, mp_policy=policy)
         return Method(name, model, cfg)
     raise ValueError(f"unknown method {name!r}; use one of {ALL_METHODS}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from tools.step_bench.counts import split_kinds
 from tools.step_bench.methods import METHODS, VARIANTS
 
 MIB = 1 << 20
@@ -19,8 +20,9 @@ def format_table(report: dict) -> str:
         f"Llama vocab {cfg['vocab']}, dim {cfg['dim']}, {cfg['layers']} layers, {cfg['heads']} heads, "
         f"hidden {cfg['hidden']}, seq {cfg['seq']}, batch {cfg['batch']}/rank; world {report['world']} "
         f"({report['backend']}, {report['threads_per_rank']} thread/rank), torch {report['torch']}",
-        f"ours: fsdp.fully_shard per block + root, sharding_strategy={cfg['strategy']}; "
-        f"fsdp2: torch fully_shard per block + root (its default ZeRO-3); floor: plain model, no communication",
+        f"model: {report.get('model', 'Llama, fully_shard per block, then the root')}",
+        f"ours: fsdp.fully_shard, sharding_strategy={cfg['strategy']}; "
+        f"fsdp2: torch fully_shard on the same modules (its default ZeRO-3); floor: plain model, no communication",
         f"data: {report['data']}",
         f"time: {report['timing']}",
         f"memory: {report['memory_method']}",
@@ -60,6 +62,7 @@ def format_table(report: dict) -> str:
                 kinds = ", ".join(f"{k} {v['calls']} x ({v['bytes_sent'] / MIB:.1f} MiB sent)"
                                   for k, v in sorted(comm["by_kind"].items()))
                 lines.append(f"  {name} c10d calls per step: {kinds}")
+        lines.extend(_collectives_lines(res["methods"]))
         r = res["ratios"]
         lines.append(
             f"  ratios: step ours/fsdp2 {_fmt(r['step_ours_over_fsdp2'])}, ours/floor "
@@ -68,8 +71,9 @@ def format_table(report: dict) -> str:
             f"collective ops ours/fsdp2 {_fmt(r['ops_ours_over_fsdp2'])} (c10d calls "
             f"{_fmt(r['calls_ours_over_fsdp2'])}, bytes sent {_fmt(r['sent_ours_over_fsdp2'])})"
         )
+        lines.extend(_layout_lines(res))
         for v in VARIANTS:
-            if f"peak_{v}_over_fsdp2" in r:
+            if v != "row" and f"peak_{v}_over_fsdp2" in r:
                 lines.append(
                     f"  variant {v} ({res['policy'][v]}; {res['optimizer'][v]}): peak memory {v}/fsdp2 "
                     f"{_fmt(r[f'peak_{v}_over_fsdp2'])}, {v}/ours {_fmt(r[f'peak_{v}_over_ours'])}; step {v}/fsdp2 "
@@ -101,6 +105,38 @@ def format_table(report: dict) -> str:
         lines.append(f"  ({res['wall_s']:.0f} s)")
     lines.append(f"\nwall time {report['wall_s']:.0f} s")
     return "\n".join(lines)
+
+
+def _collectives_lines(methods: dict) -> list[str]:
+    """The collectives each sharded method's step asks for, side by side (tools/kit/comm.py)."""
+    counted = {n: split_kinds(m["comm"]["collectives"]) for n, m in methods.items()
+               if m.get("comm") and m["comm"].get("collectives")}
+    if not counted:
+        return []
+    head = f"  {'collectives per step':<22}" + "".join(f"{n:>8}" for n in counted)
+    rows = [head]
+    for kind, label in (("all_gather", "all-gather"), ("reduce_scatter", "reduce-scatter"),
+                        ("all_reduce", "all-reduce"), ("other", "other"), ("all", "all")):
+        rows.append(f"  {label:<22}" + "".join(f"{k[kind]:>8}" for k in counted.values()))
+    return rows
+
+
+def _layout_lines(res: dict) -> list[str]:
+    """The default layout (ours: FSDP2's torch.chunk pieces) against the flat row-atomic one (row),
+    measured in the same run: the choice of the default, with its evidence."""
+    r, methods = res["ratios"], res["methods"]
+    if "ours" not in methods or "row" not in methods:
+        return []
+    rows = ["  layouts, in the same run: chunk = ours (FSDP2's torch.chunk pieces, fully_shard's default), "
+            "row = layout_policy('auto') (flat row-atomic, no copy-out / copy-in)",
+            f"    {'layout':<8}{'step/FSDP2':>12}{'paired':>8}{'step/floor':>12}{'cpu/FSDP2':>11}{'peak/FSDP2':>12}"]
+    for label, name in (("chunk", "ours"), ("row", "row")):
+        rows.append(f"    {label:<8}{_fmt(r.get(f'step_{name}_over_fsdp2')):>12}"
+                    f"{_fmt(r.get(f'paired_step_{name}_over_fsdp2')):>8}{_fmt(r.get(f'step_{name}_over_floor')):>12}"
+                    f"{_fmt(r.get(f'cpu_{name}_over_fsdp2')):>11}{_fmt(r.get(f'peak_{name}_over_fsdp2')):>12}")
+    rows.append(f"    row/chunk: step {_fmt(r.get('step_row_over_ours'))} (paired per round "
+                f"{_fmt(r.get('paired_step_row_over_ours'))}), peak memory {_fmt(r.get('peak_row_over_ours'))}")
+    return rows
 
 
 # fsdp's own profiler ranges (fsdp/unit/state.py LABELS, fsdp/group/*): the unit's phases contain

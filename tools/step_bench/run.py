@@ -22,6 +22,7 @@ from tools.kit.memory import StorageTracker, live_storages, release_library_cach
 from tools.kit.timing import gemm_probe
 from tools.step_bench.methods import (
     DTYPES,
+    MODELS,
     VARIANTS,
     BenchConfig,
     Method,
@@ -39,12 +40,16 @@ from tools.step_bench.report import fsdp_breakdown
 TARGETS = {
     "fp32": [("step_ours_over_fsdp2", "step time ours/FSDP2", 0.80),
              ("peak_ours_over_fsdp2", "peak memory ours/FSDP2", 0.85),
-             ("ops_ours_over_fsdp2", "collectives per step ours/FSDP2", 1.0)],
+             ("ops_ours_over_fsdp2", "collectives per step ours/FSDP2", 1.0),
+             ("all_gathers_ours_over_fsdp2", "all-gathers per step ours/FSDP2", 1.0),
+             ("reduce_scatters_ours_over_fsdp2", "reduce-scatters per step ours/FSDP2", 1.0)],
     "bf16": [("step_ours_over_fsdp2", "step time ours/FSDP2", 0.75),
              ("step_ours_over_floor", "step time ours/floor", 1.10),
              ("peak_ours_over_fsdp2", "peak memory ours/FSDP2", 0.85),
              ("peak_flat_over_fsdp2", "peak memory flat (FlatAdamW + BF16 main grads)/FSDP2", 0.77),
-             ("ops_ours_over_fsdp2", "collectives per step ours/FSDP2", 1.0)],
+             ("ops_ours_over_fsdp2", "collectives per step ours/FSDP2", 1.0),
+             ("all_gathers_ours_over_fsdp2", "all-gathers per step ours/FSDP2", 1.0),
+             ("reduce_scatters_ours_over_fsdp2", "reduce-scatters per step ours/FSDP2", 1.0)],
 }
 
 
@@ -163,10 +168,13 @@ def run_mode(mode: str, cfg: BenchConfig, mesh, counter: CommCounter, progress: 
             entry["start_bytes_by_rank"] = [int(r[j, 0].item()) for r in all_peaks]
             entry["peak_bytes_by_rank"] = [int(r[j, 1].item()) for r in all_peaks]
             entry["peak_bytes"] = max(entry["peak_bytes_by_rank"])
-            comm = [c[name] or {"calls": 0, "ops": 0, "bytes_sent": 0.0, "by_kind": {}} for c in comm_by_rank]
+            comm = [c[name] or {"calls": 0, "ops": 0, "bytes_sent": 0.0, "by_kind": {}, "collectives": {},
+                                "library_ops": 0} for c in comm_by_rank]
             entry["comm_by_rank"] = comm
+            kinds = sorted({k for c in comm for k in c["collectives"]})
             entry["comm"] = {"ops": max(c["ops"] for c in comm), "calls": max(c["calls"] for c in comm),
-                             "bytes_sent": max(c["bytes_sent"] for c in comm), "by_kind": comm[0]["by_kind"]}
+                             "bytes_sent": max(c["bytes_sent"] for c in comm), "by_kind": comm[0]["by_kind"],
+                             "collectives": {k: max(c["collectives"].get(k, 0) for c in comm) for k in kinds}}
         result["methods"][name] = entry
     result["ratios"] = _ratios(result["methods"])
     result["ratios"].update(c10d_bound(result))
@@ -187,7 +195,7 @@ def _paired_ratios(names: list[str], stamps: torch.Tensor) -> dict:
     """Median over rounds of the ratio of the steps run in that round (robust to slow drift)."""
     out = {}
     times = stamps[..., 1] - stamps[..., 0]
-    for a, b in (("ours", "fsdp2"), ("ours", "floor")):
+    for a, b in (("ours", "fsdp2"), ("ours", "floor"), ("row", "fsdp2"), ("row", "floor"), ("row", "ours")):
         if a in names and b in names and times.shape[1]:
             per_round = (times[names.index(a)] / times[names.index(b)]).tolist()
             out[f"paired_step_{a}_over_{b}"] = statistics.median(per_round)
@@ -226,10 +234,19 @@ def _ratios(m: dict) -> dict:
         x, y = m.get("ours", {}).get("comm"), m.get("fsdp2", {}).get("comm")
         return x[key] / y[key] if x and y and y[key] else None
 
+    def collective_ratio(kind):  # the collectives the step asks for, however c10d carries them
+        x, y = m.get("ours", {}).get("comm"), m.get("fsdp2", {}).get("comm")
+        if not (x and y and y["collectives"].get(kind)):
+            return None
+        return x["collectives"].get(kind, 0) / y["collectives"][kind]
+
     variants = {}
     for v in VARIANTS:
         if v in m:
             variants[f"step_{v}_over_fsdp2"] = ratio(v, "fsdp2", "median_ms")
+            variants[f"step_{v}_over_floor"] = ratio(v, "floor", "median_ms")
+            variants[f"step_{v}_over_ours"] = ratio(v, "ours", "median_ms")
+            variants[f"cpu_{v}_over_fsdp2"] = ratio(v, "fsdp2", "cpu_ms")
             variants[f"peak_{v}_over_fsdp2"] = ratio(v, "fsdp2", "peak_bytes")
             variants[f"peak_{v}_over_ours"] = ratio(v, "ours", "peak_bytes")
     return variants | {
@@ -243,6 +260,8 @@ def _ratios(m: dict) -> dict:
         "peak_ours_over_fsdp2": ratio("ours", "fsdp2", "peak_bytes"),
         "peak_ours_over_floor": ratio("ours", "floor", "peak_bytes"),
         "ops_ours_over_fsdp2": comm_ratio("ops"),
+        "all_gathers_ours_over_fsdp2": collective_ratio("all_gather"),
+        "reduce_scatters_ours_over_fsdp2": collective_ratio("reduce_scatter"),
         "calls_ours_over_fsdp2": comm_ratio("calls"),
         "sent_ours_over_fsdp2": comm_ratio("bytes_sent"),
     }
@@ -270,6 +289,7 @@ def run_benchmark(cfg: BenchConfig | dict, progress: bool = False) -> dict:
         "backend": str(dist.get_backend()),
         "threads_per_rank": torch.get_num_threads(),
         "torch": torch.__version__,
+        "model": MODELS[cfg.model],
         "data": ("ByteText (standard-library sources, byte tokens)" if cfg.data == "text"
                  else f"uniform random tokens in [0, {cfg.vocab})"),
         "timing": "median over timed steps; last rank in (after a barrier) to last rank out; "
