@@ -271,6 +271,7 @@ def _build_groups(
                 kw["offload"] = HostOffload(offload, mesh_device(mesh))
             if is_subclass:  # validated by check_extension_params: dim 0, a sharded strategy
                 kw.update(kind=SUBCLASS, weights=SubclassWeights)
+                spec.dims = [0] * len(members)  # FSDP2's pieces, whatever the layout policy
             elif isinstance(first, DTensor):
                 kw["kind"] = TensorParallelKind([i.param for i in members], mesh, spec.dims)
             if spec.dims is not None:
