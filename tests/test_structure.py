@@ -1,5 +1,6 @@
 """The architecture as a test: the import graph of dbuffer/ and fsdp/ has no cycles (imports under
-``TYPE_CHECKING`` and inside functions included), the layers point one way, and modules stay short.
+``TYPE_CHECKING`` and inside functions included), the layers point one way, and modules and
+classes (with their in-project bases) stay short.
 
 Layers, each importing only those after it: ``fsdp`` (the entry point) -> ``fsdp.unit`` (the
 unit and its hooks) -> ``fsdp.checkpoint`` / ``fsdp.optim`` / ``fsdp.compose`` (optional parts)
@@ -14,6 +15,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("dbuffer", "fsdp")
 MAX_LINES = 500
+MAX_CLASS_LINES = 700  # a class together with its in-project bases: composition, not towers
 # Modules still over MAX_LINES. The test fails when one is no longer over, so the list stays true.
 KNOWN_LONG: set[str] = set()
 # What each layer may import (besides itself and dbuffer). The core imports no optional feature.
@@ -117,6 +119,31 @@ def test_modules_stay_short() -> None:
     long = {path for path, n in lengths.items() if n > MAX_LINES}
     assert long - KNOWN_LONG == set(), {p: lengths[p] for p in long - KNOWN_LONG}
     assert KNOWN_LONG - long == set(), f"no longer over {MAX_LINES} lines: drop from KNOWN_LONG: {KNOWN_LONG - long}"
+
+
+def _class_lines() -> dict[str, int]:
+    """Lines of every project class together with its in-project bases (transitively), by
+    ``module.Class``; a base is found by its name among the project's classes."""
+    own: dict[str, tuple[int, list[str]]] = {}
+    by_name: dict[str, list[str]] = {}
+    for name, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                bases = [b.id if isinstance(b, ast.Name) else b.attr for b in node.bases if isinstance(b, (ast.Name, ast.Attribute))]
+                qual = f"{name}.{node.name}"
+                own[qual] = (node.end_lineno - node.lineno + 1, bases)
+                by_name.setdefault(node.name, []).append(qual)
+
+    def total(qual: str, seen: frozenset) -> int:
+        lines, bases = own[qual]
+        return lines + sum(total(b, seen | {qual}) for base in bases for b in by_name.get(base, []) if b not in seen)
+
+    return {qual: total(qual, frozenset()) for qual in own}
+
+
+def test_classes_with_their_bases_stay_small() -> None:
+    big = {qual: n for qual, n in _class_lines().items() if n > MAX_CLASS_LINES}
+    assert not big, f"classes over {MAX_CLASS_LINES} lines with their in-project bases: {big}"
 
 
 def test_the_graph_sees_type_only_and_function_level_imports(tmp_path) -> None:

@@ -56,9 +56,19 @@ def check_extension_params(fqns: Sequence[str], params: Sequence[torch.Tensor], 
 
 
 def split_extension_members(spec, params: Sequence[torch.Tensor]) -> tuple[list[int], list[int]]:
-    """(extension members, other members) of a bucket spec, each in registration order."""
-    ext = [k for k in spec.members if is_extension_param(params[k])]
-    return ext, [k for k in spec.members if k not in set(ext)]
+    """(members of a subclass group, other members) of a bucket spec, each in registration
+    order. The plain tensors of a spec with extension members join them, cut like them
+    (``torch.chunk`` along dim 0), so the unit gathers them in one all-gather, as FSDP2 does;
+    the rest get their own group: DTensors, 0-d tensors, and those ``shard_placement_fn`` cuts
+    along another dim."""
+    ext = {k for k in spec.members if is_extension_param(params[k])}
+    if ext:
+        dims = dict(zip(spec.members, spec.dims)) if spec.dims is not None else {}
+        ext |= {
+            k for k in spec.members
+            if type(params[k].detach()) is torch.Tensor and params[k].dim() > 0 and dims.get(k, 0) == 0
+        }
+    return [k for k in spec.members if k in ext], [k for k in spec.members if k not in ext]
 
 
 def numel(shape: Sequence[int]) -> int:

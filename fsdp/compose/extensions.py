@@ -8,7 +8,9 @@ torch FSDP2's protocol, honoured by ``fsdp.fully_shard``. A parameter whose tens
 * ``fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None)`` returning
   ``(unsharded_tensor, tensors_to_free)`` (``out=None``) or writing into ``out`` (``None``)
 
-is sharded as FSDP2 shards it: its sharded parameter is a plain ``DTensor`` with placement
+is sharded as FSDP2 shards it, by a group whose weights part is :class:`SubclassWeights`
+(plain parameters of the same unit, dtype and ``requires_grad`` join that group, so the unit still
+makes one all-gather, as FSDP2's does): its sharded parameter is a plain ``DTensor`` with placement
 ``Shard(0)`` (``(Replicate(), Shard(0))`` under HSDP) whose local tensor is a ``torch.chunk``
 piece *of the parameter's own type* (padded like FSDP2's: the pieces of every rank have the
 shape of rank 0's), so the optimizer updates the subclass itself. Before an all-gather fsdp calls
@@ -26,11 +28,10 @@ unsharded parameter is a plain tensor, as in FSDP2.
 What differs from FSDP2, and why: ``fsdp_pre_all_gather`` runs once per change of the weights
 (an optimizer step, an in-place update, a load), not before every all-gather. Its outputs are
 copied into a persistent sharded buffer, the group's low-precision model shard, which every
-gather of that step reuses: a float8 weight is cast (amax, scale, quantise) once per optimizer
+gather of that step reuses (keyed on everything the method may read, so never stale): a float8 weight is cast (amax, scale, quantise) once per optimizer
 step however often ZeRO-3 gathers it (forward, backward, every micro-batch), where FSDP2 casts it
-on every gather. This is the same rule as fsdp's BF16 compute weights. A pre-all-gather whose
-result depends on anything but the weights would see the difference; the methods are looked up
-again at every refresh, so monkey-patching the local tensor after ``fully_shard`` works.
+on every gather. This is the same rule as fsdp's BF16 compute weights. The methods are looked up again at every
+refresh, so monkey-patching the local tensor after ``fully_shard`` works.
 
 Limits (each raises a clear error before any collective): such parameters need a strategy that
 shards the main weights (not ``no_shard``), ``Shard(0)`` (no ``shard_placement_fn`` dim other
@@ -52,15 +53,13 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from dbuffer import DBuffer, mesh_device
+from dbuffer import DBuffer
 from dbuffer.agreement import check_agreement
 from dbuffer.layout import compute_layout
 from fsdp.compose.extension_protocol import POST, PRE, numel as _numel, plain as _plain, plain_leaves as _plain_leaves
-from fsdp.group.layouts import ChunkedLayout, ParamKind, contiguous_stride
-from fsdp.group.meta_init import meta_error
-from fsdp.group.param_group import ParameterGroup
+from fsdp.group.layouts import ParamKind, contiguous_stride
 
-__all__ = ["ExtensionParameterGroup"]
+__all__ = ["SUBCLASS", "SubclassKind", "SubclassWeights"]
 
 _ALIGN_BYTES = 16  # byte offsets of mixed-dtype inputs, so every output view is aligned
 
@@ -77,7 +76,7 @@ class _Slot:
     dtype: torch.dtype
 
 
-class _ExtensionKind(ParamKind):
+class SubclassKind(ParamKind):
     """Gradients of a tensor-subclass parameter are reduced as plain tensors, as in FSDP2."""
 
     plain = False
@@ -86,107 +85,111 @@ class _ExtensionKind(ParamKind):
         return None if grad is None else _plain(grad)
 
 
-_EXTENSION = _ExtensionKind()
+SUBCLASS = SubclassKind()
 
 
-class ExtensionParameterGroup(ParameterGroup):
-    """A :class:`~fsdp.group.param_group.ParameterGroup` in torch.chunk pieces along dim 0
-    (:class:`~fsdp.group.layouts.ChunkedLayout`) whose parameters keep their
-    tensor type: the sharded weights are the subclass pieces themselves (not a DBuffer), the
-    gather source is the persistent buffer of the pre-all-gather outputs, and the unsharded
-    parameters are what ``fsdp_post_all_gather`` builds. Gradients use the chunked group's
-    buffers unchanged (plain ``Shard(0)`` pieces)."""
+class SubclassWeights:
+    """A group's weights part (:mod:`fsdp.group.weights`) for tensor-subclass parameters, in
+    ``torch.chunk`` pieces along dim 0 (the group's :class:`~fsdp.group.layouts.ChunkedLayout`):
+    the sharded weights are padded pieces of the subclass itself (``main`` only lends its layout
+    to the gradient buffers), the gather source is the persistent buffer of the pre-all-gather
+    outputs (``send``), and the unsharded parameters are what ``fsdp_post_all_gather`` builds.
+    Gradients use the group's chunked gradient buffers unchanged (plain ``Shard(0)`` pieces)."""
 
-    _ready = False  # refresh() waits until the group is built (the methods may come later)
-    _pieces: Optional[list[torch.Tensor]] = None
     keeps_post_forward_slice = False  # it gathers the pre-all-gather outputs, not the model shard
+    dtype_fixed = (
+        "tensor-subclass parameters (all-gather extensions) keep the dtype they had at fully_shard; "
+        "convert the module before sharding it"
+    )
 
-    def __init__(self, infos, mesh, strategy, dtypes, requires_grad, **kw) -> None:
-        shapes = [tuple(i.param.shape) for i in infos]
-        self._orig = [(torch.Size(shape), contiguous_stride(torch.Size(shape))) for shape in shapes]
-        self._modules = [i.registrations[0][0] for i in infos]
-        layout = ChunkedLayout(shapes, [0] * len(infos), mesh.shape[-1], mesh.get_coordinate()[-1])
-        super().__init__(infos, mesh, strategy, dtypes, requires_grad, layout=layout, kind=_EXTENSION, **kw)
+    def __init__(self, group: Any) -> None:
+        self.group = group
+        self._orig = [(torch.Size(i.param.shape), contiguous_stride(torch.Size(i.param.shape))) for i in group.infos]
+        self._modules = [i.registrations[0][0] for i in group.infos]
+        self._pieces: Optional[list[torch.Tensor]] = None  # each rank's padded piece, of the parameter's type
         self._shard_mesh_cache: Optional[DeviceMesh] = None
         self._spec: Optional[tuple] = None  # (shape, dtype) of every pre-all-gather output
-        self._key: Optional[tuple] = None  # _inputs_key() when the send buffer was made
+        self._inputs: list[torch.Tensor] = []  # what the last version_key() named, kept referenced
         self._metadata: list[Any] = []
         self._extended: list[bool] = []
-        self.unsharded_params = None  # built by the first gather
+        self.send: Optional[DBuffer] = None  # this rank's pre-all-gather outputs, the gather source
+        self.gathered: Optional[DBuffer] = None
+        self.unsharded_params: Optional[list[nn.Parameter]] = None  # built by the first gather
         self._inner: list[list[torch.Tensor]] = []  # tensors_to_free of each parameter
         self._outputs: list[list[torch.Tensor]] = []  # all-gather outputs of each parameter
         self._capacity: dict[int, int] = {}  # bytes of each freed storage (by tensor id)
         self._alive = False  # the unsharded parameters have storage and current values
-        self._ready = True
-        self.mark_stale()
+        self._init_full: Optional[list[nn.Parameter]] = None
 
     # ------------------------------------------------------------------ sharded weights
 
+    def fill(self, tensors: list[torch.Tensor]) -> None:
+        self._make_pieces(tensors, fill=True)
+
+    def build(self) -> None:
+        """Pieces on ``main``'s device (zeros when built on meta or just materialised); ``main``
+        keeps no storage: it only lends its layout to the gradient buffers."""
+        g = self.group
+        if self._pieces is None:
+            self._make_pieces([i.param for i in g.infos], fill=False)
+        elif self._pieces and self._pieces[0].device != g.main.device:  # to_empty
+            self._pieces = [p.new_zeros(p.shape, device=g.main.device) for p in self._pieces]
+        if not g.main.is_storage_released():
+            g.main.release_storage()
+
+    @torch.no_grad()
     def _make_pieces(self, params: list[torch.Tensor], fill: bool) -> None:
         """Each rank's padded ``torch.chunk`` piece, of the parameter's own type (``new_zeros``
         goes through its dispatch), filled with this rank's rows unless built on meta."""
-        rank, device = self.layout.rank, self.main.device
+        chunks, device = self.group.layout.chunks, self.group.main.device
         pieces = []
         for k, p in enumerate(params):
             data = p.detach()
-            padded = data.new_zeros(tuple(self.layout.chunks.piece_shape(k, 0)), device=device)
-            _, length = self.layout.chunks.piece(k, rank)
+            padded = data.new_zeros(tuple(chunks.piece_shape(k, 0)), device=device)
+            _, length = chunks.piece(k, self.group.layout.rank)
             if fill and length:  # cut by torch.chunk (aten.split), as FSDP2 does: NF4 has no partial slice
-                padded.narrow(0, 0, length).copy_(_chunk_of(data, self.layout.chunks.num_shards, rank))
+                padded.narrow(0, 0, length).copy_(self._chunk_of(data))
             pieces.append(padded)
         self._pieces = pieces
 
-    @torch.no_grad()
-    def _fill_main(self, params: list[torch.Tensor]) -> None:
-        self._make_pieces(params, fill=True)
+    def _chunk_of(self, data: torch.Tensor) -> torch.Tensor:
+        """``torch.chunk(data, world)[rank]`` (this rank has a non-empty piece)."""
+        layout = self.group.layout
+        return torch.chunk(data, layout.chunks.num_shards, 0)[layout.rank]
 
-    def materialize(self, device: torch.device) -> None:
-        """``to_empty``: the pieces (of the parameters' own type) get zeroed storage on ``device``."""
-        if self.is_meta and self._pieces is not None:
-            self._pieces = [p.new_zeros(p.shape, device=device) for p in self._pieces]
-        super().materialize(device)
-
-    def _build_compute_buffers(self) -> None:
-        if self._pieces is None:  # built on meta: zeros until initialised
-            self._make_pieces([i.param for i in self.infos], fill=False)
-        # ``main`` only lends its layout to the gradient buffers: the weights are the pieces.
-        if not self.main.is_storage_released():
-            self.main.release_storage()
-        self.model = self.unsharded = None
-
-    def _new_sharded_params(self) -> list[nn.Parameter]:
-        rank, params = self.layout.rank, []
+    def new_sharded_params(self) -> list[nn.Parameter]:
+        g, params = self.group, []
         for k, padded in enumerate(self._pieces):
-            _, length = self.layout.chunks.piece(k, rank)
+            _, length = g.layout.chunks.piece(k, g.layout.rank)
             shape, stride = self._orig[k]
             local = padded.narrow(0, 0, length)
-            dt = DTensor.from_local(local, self.mesh, self.placements.sharded, run_check=False, shape=shape, stride=stride)
-            p = nn.Parameter(dt, requires_grad=self.requires_grad)
-            p._fsdp_group = weakref.ref(self)  # found by the optimizer-step hook
+            dt = DTensor.from_local(local, g.mesh, g.placements.sharded, run_check=False, shape=shape, stride=stride)
+            p = nn.Parameter(dt, requires_grad=g.requires_grad)
+            p._fsdp_group = weakref.ref(g)  # found by the optimizer-step hook
             params.append(p)
         return params
 
-    def weights_version(self) -> int:
-        return sum(p._version + p._local_tensor._version for p in self.sharded_params)
+    def release_model_shard(self) -> None:
+        """Kept: the pre-all-gather outputs are what every gather of the step reuses."""
 
     # ------------------------------------------------------------------ pre-all-gather
 
     def _shard_mesh(self) -> DeviceMesh:
         """The 1-D mesh of the shard axis (FSDP2 passes it, not the HSDP mesh)."""
         if self._shard_mesh_cache is None:
-            mesh = self.mesh
+            mesh = self.group.mesh
             if mesh.ndim == 1:
                 self._shard_mesh_cache = mesh
             elif mesh.mesh_dim_names:
                 self._shard_mesh_cache = mesh[mesh.mesh_dim_names[-1]]
             else:
                 raise ValueError(
-                    f"parameters {self._names()} use an all-gather extension on an HSDP mesh without "
+                    f"parameters {self.group.names()} use an all-gather extension on an HSDP mesh without "
                     f"names; build it with mesh_dim_names=('replicate', 'shard') so the shard mesh can be passed"
                 )
         return self._shard_mesh_cache
 
-    def _inputs_key(self) -> tuple:
+    def version_key(self) -> tuple:
         """Everything ``fsdp_pre_all_gather`` may read, per parameter: the method itself, the
         parameter's and its local tensor's versions, every plain tensor inside the subclass and
         every tensor attribute set on it (identity and version: torchao's precomputed float8
@@ -194,13 +197,12 @@ class ExtensionParameterGroup(ParameterGroup):
         attributes and its flatten metadata. The tensors are also kept referenced (in
         ``_inputs``), so an identity in the key cannot be reused by a new tensor."""
         key, refs = [], []
-        for p in self.sharded_params:
+        for p in self.group.sharded_params:
             local = p._local_tensor
             fn = getattr(local, PRE, None)
-            tensors = _plain_leaves(local) + [v for _, v in sorted(vars(local).items()) if isinstance(v, torch.Tensor)]
-            plain = tuple(
-                (name, v) for name, v in sorted(vars(local).items()) if isinstance(v, (bool, int, float, str, type(None)))
-            )
+            attrs = sorted(vars(local).items())
+            tensors = _plain_leaves(local) + [v for _, v in attrs if isinstance(v, torch.Tensor)]
+            plain = tuple((name, v) for name, v in attrs if isinstance(v, (bool, int, float, str, type(None))))
             meta = repr(local.__tensor_flatten__()[1]) if hasattr(local, "__tensor_flatten__") else None
             key.append((getattr(fn, "__func__", fn), p._version, tuple((id(t), t._version) for t in tensors), plain, meta))
             refs += tensors
@@ -209,12 +211,13 @@ class ExtensionParameterGroup(ParameterGroup):
 
     def _pre_all_gather(self, k: int) -> tuple[tuple[torch.Tensor, ...], Any, bool]:
         """(tensors to gather, metadata, whether the extension made them) for parameter ``k``."""
-        local = self.sharded_params[k]._local_tensor
+        g = self.group
+        local = g.sharded_params[k]._local_tensor
         pre = getattr(local, PRE, None)
-        name = self.infos[k].fqn
+        name = g.infos[k].fqn
         if pre is None:
             padded = self._pieces[k]
-            return (padded if padded.dtype == self.dtypes.model else padded.to(self.dtypes.model),), None, False
+            return (padded if padded.dtype == g.dtypes.model else padded.to(g.dtypes.model),), None, False
         if not hasattr(local, POST):
             raise ValueError(f"parameter {name!r}: its local tensor has {PRE} but no {POST}; define both")
         count = len(inspect.signature(pre).parameters)
@@ -222,7 +225,7 @@ class ExtensionParameterGroup(ParameterGroup):
             result = pre(self._shard_mesh())
         elif count == 5:
             shape, stride = self._orig[k]
-            result = pre(self._shard_mesh(), shape, stride, self._modules[k], self.policy)
+            result = pre(self._shard_mesh(), shape, stride, self._modules[k], g.policy)
         else:
             raise TypeError(
                 f"parameter {name!r}: invalid {PRE}{inspect.signature(pre)}; expected {PRE}(self, mesh) or "
@@ -236,16 +239,11 @@ class ExtensionParameterGroup(ParameterGroup):
         return inputs, result[1], True
 
     @torch.no_grad()
-    def refresh(self) -> None:
-        """Run the pre-all-gather of every parameter if the weights (or the methods) changed since
-        the last time, and copy its outputs into the persistent sharded gather buffer. The
-        strategies that keep the unsharded weights gather them right away."""
-        if not self._ready:
-            return
-        key = self._inputs_key()
-        if not self._stale and key == self._key:
-            return
-        made = [self._pre_all_gather(k) for k in range(len(self.infos))]
+    def refresh(self, model_current: bool) -> None:
+        """Run the pre-all-gather of every parameter (the group calls this only when
+        :meth:`version_key` changed or the optimizer stepped) and copy its outputs into the
+        persistent sharded gather buffer ``send``."""
+        made = [self._pre_all_gather(k) for k in range(len(self.group.infos))]
         spec = tuple(tuple((tuple(t.shape), t.dtype) for t in inputs) for inputs, _, _ in made)
         if spec != self._spec:
             self._build_gather_buffers(spec)
@@ -257,23 +255,19 @@ class ExtensionParameterGroup(ParameterGroup):
         if extended != self._extended:  # the unsharded parameters come from another path now
             self.unsharded_params = None
         self._extended = extended
-        self._key, self._stale = key, False
-        self._refreshes += 1
-        if not self.strategy.shard_params:
-            self._launch_gather()
-            self.wait_unshard()
 
     def _build_gather_buffers(self, spec: tuple) -> None:
         """Lay out the pre-all-gather outputs in each rank's shard (after checking that every
         rank's outputs have the same shapes and dtypes: one small collective, as the all-gather
         needs it), one dtype for all, else bytes."""
+        g = self.group
         entries = [
-            (f"{self.infos[k].fqn} all-gather input {i}", f"shape {shape} {dtype}")
+            (f"{g.infos[k].fqn} all-gather input {i}", f"shape {shape} {dtype}")
             for k, inputs in enumerate(spec)
             for i, (shape, dtype) in enumerate(inputs)
         ]
         check_agreement(
-            self.mesh,
+            g.mesh,
             entries,
             f"fsdp all-gather extension ({PRE})",
             f"{PRE} must return tensors of the same shapes and dtypes on every rank; for a parameter "
@@ -284,19 +278,19 @@ class ExtensionParameterGroup(ParameterGroup):
         slots, pos = [], 0
         for k, inputs in enumerate(spec):
             for i, (shape, dtype) in enumerate(inputs):
-                numel = _numel(shape)
+                count = _numel(shape)
                 if unit == torch.uint8 and dtype != torch.uint8:
                     pos = -(-pos // _ALIGN_BYTES) * _ALIGN_BYTES
-                    numel *= dtype.itemsize
-                slots.append(_Slot(k, i, pos, numel, shape, dtype))
-                pos += numel
-        world = self.mesh.shape[-1]
+                    count *= dtype.itemsize
+                slots.append(_Slot(k, i, pos, count, shape, dtype))
+                pos += count
+        world = g.mesh.shape[-1]
         flat = [(world * max(pos, 1),)]
         layout = compute_layout(flat, world)
-        device = self.main.device
-        self.send = DBuffer(self.mesh, self.placements.sharded, flat, unit, device, layout=layout, check_ranks=False)
+        device = g.main.device
+        self.send = DBuffer(g.mesh, g.placements.sharded, flat, unit, device, layout=layout, check_ranks=False)
         self.gathered = DBuffer(
-            self.mesh, self.placements.replicated, flat, unit, device, layout=layout, zero_fill=False, check_ranks=False
+            g.mesh, g.placements.replicated, flat, unit, device, layout=layout, zero_fill=False, check_ranks=False
         )
         self.gathered.release_storage()
         self._slots, self._spec, self._shard_len = slots, spec, max(pos, 1)
@@ -308,9 +302,9 @@ class ExtensionParameterGroup(ParameterGroup):
         self._free_storage()
         self.unsharded_params = None
         self._alive = False
-        self._gathered = None
 
-    def _slot_view(self, flat: torch.Tensor, slot: _Slot) -> torch.Tensor:
+    @staticmethod
+    def _slot_view(flat: torch.Tensor, slot: _Slot) -> torch.Tensor:
         part = flat[slot.offset : slot.offset + slot.length]
         if part.dtype != slot.dtype:
             part = part.view(slot.dtype)
@@ -318,70 +312,70 @@ class ExtensionParameterGroup(ParameterGroup):
 
     # ------------------------------------------------------------------ gather, post-all-gather
 
-    def unshard(self, async_op: bool = False) -> None:
-        if self.is_meta:
-            raise RuntimeError(meta_error([i.fqn for i in self.infos]))
-        if self._gather_pending is not None:
-            if not async_op:
-                self.wait_unshard()
-            return
-        self.refresh()
-        if self._gathered == self._refreshes and self._alive:
-            return
-        self._launch_gather()
-        if not async_op:
-            self.wait_unshard()
+    def has_unsharded(self) -> bool:
+        return self._alive
 
-    def _launch_gather(self) -> None:
+    shares_gather = True  # its gather lands in rank-major rows it copies out of anyway
+
+    def begin_gather(self, from_shard: bool = True, own_target: bool = True) -> Optional[DBuffer]:
+        if not own_target:
+            return None
         self.gathered.reallocate_storage()
-        with self.streams.launch(self.streams.all_gather):
-            self._gather_pending = self.all_gather(self.send, self.gathered)
+        return self.gathered
+
+    def gather_source(self) -> DBuffer:
+        return self.send
+
+    def gathered_buffer(self) -> DBuffer:
+        return self.gathered
 
     @torch.no_grad()
-    def wait_unshard(self) -> None:
-        if self._gather_pending is None:
-            return
-        self._gather_pending.wait()
-        self.streams.wait(self.streams.all_gather)
-        self._gather_pending = None
+    def end_gather(self, refill: bool, rows: Optional[torch.Tensor] = None) -> None:
+        """Copy each parameter's gathered outputs out of the rank-major ``rows`` (where a gather
+        shared with other groups landed, else ``gathered``: FSDP2's copy-out), then build the
+        unsharded parameters with ``fsdp_post_all_gather`` (the first time) or refill them in
+        place (``out=``). ``refill``: the version counters of what autograd may have saved
+        (outputs, parameters, inner tensors) are put back."""
         rebuild = self.unsharded_params is None
-        saved = [] if rebuild else self._saved_tensors()
+        saved = [] if rebuild or not refill else self._saved_tensors()
         versions = [t._version for t in saved]
-        world = self.mesh.shape[-1]
-        rows = self.gathered.local_buffer.view(world, self._shard_len)
+        world = self.group.mesh.shape[-1]
+        own = rows is None
+        if own:
+            rows = self.gathered.local_buffer.view(world, self._shard_len)
         self._alloc_storage()
-        for slot in self._slots:  # copy out: each output is rank-major, contiguous (FSDP2's copy-out)
+        for slot in self._slots:  # each output is rank-major, contiguous
             out = self._outputs[slot.k][slot.i]
             dst = out.view(torch.uint8) if rows.dtype == torch.uint8 and out.dtype != torch.uint8 else out
             dst.view(world, slot.length).copy_(rows[:, slot.offset : slot.offset + slot.length])
-        self.gathered.release_storage()
+        if own:
+            self.gathered.release_storage()
         if rebuild:
             self._build_unsharded_params()
         else:
             for k, param in enumerate(self.unsharded_params):
                 if self._extended[k]:
                     self._post_all_gather(k, out=param)
-        # Refilling restores values autograd saved in forward; it is not a modification.
         torch._C._autograd._unsafe_set_version_counter(tuple(saved), tuple(versions))
         self._alive = True
-        self._gathered = self._refreshes
 
     def _post_all_gather(self, k: int, out: Optional[torch.Tensor] = None):
-        local = self.sharded_params[k]._local_tensor
+        local = self.group.sharded_params[k]._local_tensor
         outputs = tuple(t.view(-1, *shape[1:]) for t, (shape, _) in zip(self._outputs[k], self._spec[k]))
         if out is None:
-            return getattr(local, POST)(outputs, self._metadata[k], self.dtypes.model)
-        return getattr(local, POST)(outputs, self._metadata[k], self.dtypes.model, out=out)
+            return getattr(local, POST)(outputs, self._metadata[k], self.group.dtypes.model)
+        return getattr(local, POST)(outputs, self._metadata[k], self.group.dtypes.model, out=out)
 
     def _build_unsharded_params(self) -> None:
+        g = self.group
         params, self._inner = [], []
-        for k in range(len(self.infos)):
+        for k in range(len(g.infos)):
             shape, stride = self._orig[k]
             if self._extended[k]:
                 result = self._post_all_gather(k)
                 if not (isinstance(result, tuple) and len(result) == 2):
                     raise TypeError(
-                        f"parameter {self.infos[k].fqn!r}: {POST} without out= must return "
+                        f"parameter {g.infos[k].fqn!r}: {POST} without out= must return "
                         f"(unsharded tensor, tensors to free), got {type(result)}"
                     )
                 tensor, to_free = result
@@ -390,15 +384,14 @@ class ExtensionParameterGroup(ParameterGroup):
                 tensor = self._outputs[k][0]
                 self._inner.append([])
             full = torch.as_strided(tensor, shape, stride, 0)
-            params.append(nn.Parameter(full, requires_grad=self.requires_grad))
+            params.append(nn.Parameter(full, requires_grad=g.requires_grad))
         self.unsharded_params = params
-        if self.grads is not None:
-            self.grads.hook_params()
+        if g.grads is not None:
+            g.grads.hook_params()
 
     def _saved_tensors(self) -> list[torch.Tensor]:
         """Everything whose version counter a refill may bump: outputs, parameters, inner tensors."""
-        out = [t for outs in self._outputs for t in outs] + list(self.unsharded_params)
-        return out + [t for inner in self._inner for t in inner]
+        return self._storages() + list(self.unsharded_params)
 
     def _storages(self) -> list[torch.Tensor]:
         return [t for outs in self._outputs for t in outs] + [t for inner in self._inner for t in inner]
@@ -418,61 +411,28 @@ class ExtensionParameterGroup(ParameterGroup):
             if t.untyped_storage().nbytes() < want:
                 t.untyped_storage().resize_(want)
 
-    def reshard(self) -> None:
-        """Free the gathered outputs and the tensors ``fsdp_post_all_gather`` named (ZeRO-3)."""
-        if not self.strategy.shard_params:
-            return
-        self.wait_unshard()
+    def free_unsharded(self) -> None:
+        """Free the gathered outputs and the tensors ``fsdp_post_all_gather`` named."""
         if self._alive:
             self._free_storage()
         self._alive = False
-        self._gathered = None
 
-    def use_params(self, unsharded: bool) -> None:
-        if unsharded and self.unsharded_params is None:
-            raise RuntimeError(f"parameters {self._names()} were never gathered; unshard the module first")
-        super().use_params(unsharded)
+    # ------------------------------------------------------------------ init_weights
 
-    # ------------------------------------------------------------------ gradients
-
-    # ------------------------------------------------------------------ dtype, init
-
-    def check_convert(self, dtype: torch.dtype, device) -> None:
-        super().check_convert(dtype, device)
-        if dtype != self.dtypes.main:
-            raise ValueError(
-                f"cannot convert parameters {self._names()} to {dtype}: tensor-subclass parameters (all-gather "
-                f"extensions) keep the dtype they had at fully_shard; convert the module before sharding it"
-            )
-
-    def convert(self, dtype: Optional[torch.dtype] = None, device=None) -> bool:
-        self.check_convert(self.dtypes.main if dtype is None else dtype, self.main.device if device is None else device)
-        return False
-
-    def begin_init(self) -> None:
-        """Register full tensors of each parameter's own type for an init function to fill."""
-        if self.is_meta:  # init_weights without to_empty: the mesh's device
-            self.materialize(mesh_device(self.mesh))
+    def init_params(self) -> list[nn.Parameter]:
+        """Full tensors of each parameter's own type for an init function to fill."""
+        g = self.group
         self._init_full = [
-            nn.Parameter(piece.new_zeros(self._orig[k][0]), requires_grad=self.requires_grad)
+            nn.Parameter(piece.new_zeros(self._orig[k][0]), requires_grad=g.requires_grad)
             for k, piece in enumerate(self._pieces)
         ]
-        self._register(self._init_full)
+        return self._init_full
 
     @torch.no_grad()
-    def end_init(self, commit: bool = True) -> None:
-        full, self._init_full = getattr(self, "_init_full", None), None
+    def commit_init(self, commit: bool) -> None:
+        full, self._init_full = self._init_full, None
         if commit and full is not None:
-            rank = self.layout.rank
+            g = self.group
             for k, t in enumerate(full):
-                if self.layout.chunks.piece(k, rank)[1]:
-                    self.sharded_params[k]._local_tensor.copy_(_chunk_of(t.detach(), self.layout.chunks.num_shards, rank))
-        self.use_params(unsharded=False)
-        if commit:
-            self.mark_stale()
-            self.refresh()
-
-
-def _chunk_of(data: torch.Tensor, world: int, rank: int) -> torch.Tensor:
-    """``torch.chunk(data, world)[rank]`` (this rank has a non-empty piece)."""
-    return torch.chunk(data, world, 0)[rank]
+                if g.layout.chunks.piece(k, g.layout.rank)[1]:
+                    g.sharded_params[k]._local_tensor.copy_(self._chunk_of(t.detach()))

@@ -47,17 +47,16 @@ buckets on another mesh, and ``offload_policy``.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Sequence
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor import Shard
+from torch.distributed.tensor.placement_types import Placement
 
-from dbuffer import DBuffer
-from fsdp.group.members import GroupPlacements, check_no_late_extension
-from fsdp.group.param_group import ParameterGroup
+from fsdp.group.members import GroupPlacements
 
-__all__ = ["OUTER_STRATEGIES", "OuterShardedParameterGroup", "check_outer_sharding", "transposed_mesh"]
+__all__ = ["OUTER_STRATEGIES", "check_outer_sharding", "outer_sharded", "transposed_mesh"]
 
 # Megatron-FSDP's names for the sharding of the outer (replicate) data-parallel axis.
 OUTER_STRATEGIES = ("no_shard", "optim")
@@ -121,69 +120,10 @@ def transposed_mesh(mesh: DeviceMesh) -> DeviceMesh:
     return swapped
 
 
-class OuterShardedParameterGroup(ParameterGroup):
-    """A :class:`ParameterGroup` on the transposed mesh whose main weights, main grads and
-    parameters are sharded over both axes; see the module docstring for every buffer's place."""
-
-    # The model shard is the all-gather over the replicate axis: always persistent.
-    lean_model = False
-    keeps_post_forward_slice = False  # a slice of the shard axis's gather would need both axes
-
-    def __init__(self, infos, mesh: DeviceMesh, *args, **kwargs) -> None:
-        self.hsdp_mesh = mesh  # the (replicate, shard) mesh the user passed
-        super().__init__(infos, transposed_mesh(mesh), *args, **kwargs)
-
-    def _group_placements(self, shard, reduce_op: str) -> GroupPlacements:
-        return GroupPlacements((shard, shard), (Replicate(), Replicate()), (Partial(reduce_op),) * 2)
-
-    @property
-    def model_placements(self) -> tuple:
-        """The gather source: sharded on the shard axis (axis 0 here), replicated across replicas."""
-        return (self.placements.sharded[0], Replicate())
-
-    @property
-    def step_writes_model(self) -> bool:
-        return False  # model is 1/S, main 1/(R*S): not the same local ranges
-
-    def release_model_shard(self) -> None:
-        """Kept: the model shard is 1/S, rebuilt only by the replica all-gather of ``refresh``
-        (a local cast of the 1/(R*S) main piece cannot restore it)."""
-
-    def _build_compute_buffers(self) -> None:
-        d = self.dtypes
-        self.model = self._new(self.model_placements, d.model)
-        if self.strategy.shard_params:
-            self.unsharded = self._new(self.placements.replicated, d.model, zero_fill=False)
-        else:
-            self.unsharded = self._new(self.placements.replicated, d.model)
-        self.unsharded_params = [
-            self._module_param(k, self.unsharded.get_local_tensor(k)) for k in range(len(self.infos))
-        ]
-        if self.strategy.shard_params:
-            self.unsharded.release_storage()
-        # main cast to the compute dtype, the all-gather's source: 1/(R*S), kept between steps
-        cast = d.model != d.main
-        self.cast_piece: Optional[DBuffer] = self._new(self.main.placements, d.model, zero_fill=False) if cast else None
-
-    def _deferred_placements(self, target_pl: tuple) -> tuple:
-        return (target_pl[0], self.placements.partial[1])  # reduce-scattered on the shard axis only
-
-    @torch.no_grad()
-    def refresh(self) -> None:
-        """Cast this rank's ``1/(R*S)`` main piece to the compute dtype and all-gather it over the
-        replicate axis into the model shard; ``optim``/``optim_grads`` then gather that over the
-        shard axis into their persistent unsharded weights (ZeRO-3 does at the next unshard)."""
-        check_no_late_extension(self)
-        version = self.weights_version()
-        if not self._stale and version == self._weights_version:
-            return
-        if self.is_meta:
-            return
-        source = self.main if self.cast_piece is None else self.main.cast(self.dtypes.model, out=self.cast_piece)
-        source.redistribute(self.model_placements, out=self.model)
-        if not self.strategy.shard_params:
-            self.model.redistribute(self.placements.replicated, out=self.unsharded)
-        self._written_version = None
-        self._weights_version = version
-        self._stale = False
-        self._refreshes += 1
+def outer_sharded(mesh: DeviceMesh, shard: Placement) -> tuple[DeviceMesh, GroupPlacements]:
+    """The mesh and placements an HFSDP group is built with on the user's ``(replicate, shard)``
+    ``mesh``: the transposed mesh and :meth:`GroupPlacements.outer
+    <fsdp.group.members.GroupPlacements.outer>`, whose model shard (the gather source) differs
+    from the main weights' placements, so the group's refresh casts and all-gathers over the
+    replicate axis (:meth:`fsdp.group.weights.BufferWeights.refresh`)."""
+    return transposed_mesh(mesh), GroupPlacements.outer(shard, "avg")

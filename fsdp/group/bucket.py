@@ -1,10 +1,11 @@
 """Buckets: which parameters of a unit communicate together, where, and how.
 
 By default a unit's parameters are grouped by (dtype, requires_grad), in registration order, and
-each group is one all-gather and one reduce-scatter. :class:`Bucket` overrides that for the
+each group is one reduce-scatter; the groups of a unit share one all-gather where they can
+(:mod:`fsdp.group.shared_gather`), as a unit is one all-gather in FSDP2. :class:`Bucket` overrides that for the
 parameters whose names match its patterns, independently of module boundaries: its own mesh,
 shard placement, sharding strategy and precision policy. ``bucket_size`` splits the default
-groups so that communication of one part overlaps computation of the next.
+groups, each then with its own collectives.
 
 Guarantees, all checked in :func:`plan_buckets` before any buffer or collective exists:
 
@@ -75,6 +76,9 @@ class GroupSpec:
     policy: MixedPrecisionPolicy
     gradient_divide_factor: Optional[float] = None
     dims: Optional[list[int]] = None  # shard_placement_fn's Shard(dim) per member: torch.chunk pieces
+    # An explicit Bucket or a bucket_size split: its all-gather stays its own, never one shared
+    # with the unit's other groups (fsdp.group.shared_gather), as the user asked for.
+    own_collectives: bool = False
 
 
 def plan_buckets(
@@ -167,7 +171,7 @@ def _explicit(b, bucket, members, names, params, mesh, strategy, policy) -> list
         groups = [[k] for k in members]
     else:
         groups = _by_dtype(members, params)
-    return [GroupSpec(g, mesh, bucket.placement, strategy, policy, factor) for g in groups]
+    return [GroupSpec(g, mesh, bucket.placement, strategy, policy, factor, own_collectives=True) for g in groups]
 
 
 def _default(members, params, mesh, strategy, policy, bucket_size) -> list[GroupSpec]:
@@ -178,11 +182,11 @@ def _default(members, params, mesh, strategy, policy, bucket_size) -> list[Group
         size = 0
         for k, nbytes in zip(group, main_bytes):
             if current and bucket_size is not None and size + nbytes > bucket_size:
-                specs.append(GroupSpec(current, mesh, Shard(0), strategy, policy))
+                specs.append(GroupSpec(current, mesh, Shard(0), strategy, policy, own_collectives=True))
                 current, size = [], 0
             current.append(k)
             size += nbytes
-        specs.append(GroupSpec(current, mesh, Shard(0), strategy, policy))
+        specs.append(GroupSpec(current, mesh, Shard(0), strategy, policy, own_collectives=bucket_size is not None))
     return specs
 
 

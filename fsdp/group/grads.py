@@ -56,9 +56,9 @@ class GradReducer:
     def __init__(self, group: Any) -> None:
         self.group = group
         g, s, d, pl = group, group.strategy, group.dtypes, group.placements
-        self.grad_in = g._new(pl.partial, d.reduce, zero_fill=False)
+        self.grad_in = g.sibling(pl.partial, d.reduce, zero_fill=False)
         self.grad_in.release_storage()
-        self.main_grad = g._host(pl.sharded if s.shard_grads else pl.replicated, d.main_grad, zero_fill=False)
+        self.main_grad = g.host_sibling(pl.sharded if s.shard_grads else pl.replicated, d.main_grad, zero_fill=False)
         self.main_grad_views = self.make_views()
         self.main_grad.release_storage()  # allocated again by the first reduction
         self._seen: set[int] = set()  # params whose gradient arrived in this backward
@@ -94,7 +94,7 @@ class GradReducer:
         s, pl = g.strategy, g.placements
         # ``optim``: the grads are whole on every rank but the parameters are shards of them.
         view = self.main_grad.redistribute(pl.sharded) if s.shard_optim and not s.shard_grads else self.main_grad
-        return g._sharded_views(view)
+        return g.sharded_views(view)
 
     # ------------------------------------------------------------------ from autograd
 
@@ -187,9 +187,9 @@ class GradReducer:
         self._zero_unwritten()
         target_pl = self.main_grad.placements
         if self._defers_all_reduce():
-            partial_pl = g._deferred_placements(target_pl)
+            partial_pl = g.placements.deferred
             with streams.launch(streams.reduce_scatter):
-                pending = g.reduce_into(self.grad_in, partial_pl, g._new(partial_pl, reduce_dtype))
+                pending = g.reduce_into(self.grad_in, partial_pl, g.sibling(partial_pl, reduce_dtype))
             self._partial_members |= self._local
             self._local = set()
             self._in_flight = InFlight(pending, Reduction.DEFERRED)
@@ -199,7 +199,7 @@ class GradReducer:
             members = set(range(len(g.infos)))
         if self._partial is not None:  # reduce-scatter now, add the deferred sums, all-reduce below
             partial, self._partial = self._partial, None
-            source = g.reduce_into(self.grad_in, partial.placements, g._new(partial.placements, reduce_dtype), async_op=False)
+            source = g.reduce_into(self.grad_in, partial.placements, g.sibling(partial.placements, reduce_dtype), async_op=False)
             source.local_buffer.add_(partial.local_buffer)
             members = members | self._partial_members
             self._partial_members = set()
@@ -212,7 +212,7 @@ class GradReducer:
             if direct:
                 pending = g.reduce_into(source, target_pl, self.main_grad)
             elif g.strategy.shard_grads:
-                pending = g.reduce_into(source, target_pl, g._new(target_pl, reduce_dtype))
+                pending = g.reduce_into(source, target_pl, g.sibling(target_pl, reduce_dtype))
             else:
                 pending = self._allreduce_in_place()
         self._local = set()
@@ -316,17 +316,17 @@ class GradReducer:
         if not new.all_reduce and g.mesh.ndim == 2 and not g.strategy.shard_grads:
             raise ValueError(
                 f"set_requires_all_reduce(False) defers the all-reduce across replicas of reduce-scattered "
-                f"gradients; parameters {g._names()} use sharding_strategy {g.strategy.name!r}, whose "
+                f"gradients; parameters {g.names()} use sharding_strategy {g.strategy.name!r}, whose "
                 f"gradients are not reduce-scattered. Use set_requires_gradient_sync(False) instead"
             )
         if new.op != g.reduction.op:
             if self.busy():
                 raise RuntimeError(
-                    f"cannot change how gradients of {g._names()} are reduced while some wait to be "
+                    f"cannot change how gradients of {g.names()} are reduced while some wait to be "
                     f"reduced; change it before the backward (or after finish_grad_sync())"
                 )
-            g.placements = g._group_placements(g.placements.sharded[-1], new.op)
-            self.grad_in = g._new(g.placements.partial, g.dtypes.reduce, zero_fill=False)
+            g.placements = g.placements.with_reduce_op(new.op)
+            self.grad_in = g.sibling(g.placements.partial, g.dtypes.reduce, zero_fill=False)
             self.grad_in.release_storage()
             self._gaps = None
         g.reduction = new
@@ -347,7 +347,7 @@ class GradReducer:
         self._main_grad_has_data = False
         self._grads_attached = False
         if self._in_flight is None and not self.main_grad.is_storage_released():
-            self.group._settle()
+            self.group.offload.settle()
             self.main_grad.release_storage()
 
     def params_with_grads(self) -> list[int]:
@@ -367,7 +367,7 @@ class GradReducer:
         When the main-grad dtype differs from the main-weight dtype, ``param.grad`` is a cast copy
         (torch requires ``grad.dtype == param.dtype``); zero it with ``zero_grad()`` (set_to_none)
         or :meth:`zero_grad_buffer`."""
-        self.group._settle()  # the optimizer reads the gradients and writes the weights on the host
+        self.group.offload.settle()  # the optimizer reads the gradients and writes the weights on the host
         self._detect_zeroed()
         if self._main_grad_has_data:
             self.point_grads()
@@ -392,7 +392,7 @@ class GradReducer:
         if self._in_flight is not None:
             self._in_flight.pending.wait()
             self._in_flight = None
-        self.group._settle()
+        self.group.offload.settle()
         self._local = set()
         self._held = {}
         if not self.grad_in.is_storage_released():
@@ -414,7 +414,7 @@ class GradReducer:
         the group's (rebuilt) unsharded parameters. ``adopt``: the host part's pinning of a
         rebuilt host buffer (identity without offload)."""
         self.finish_reduce()
-        self.group._settle()
+        self.group.offload.settle()
         self._detect_zeroed()
         old_in, old_main = self.grad_in, self.main_grad
         self.grad_in = converted(old_in, dtypes.reduce)

@@ -161,11 +161,16 @@ class ChunkedLayout:
             zero_fill=zero_fill, check_ranks=False,
         )
 
-    def copy_out(self, gathered: DBuffer, unsharded: DBuffer) -> None:
-        """Every parameter's pieces from the shard-major ``gathered`` buffer into ``unsharded``."""
-        flat = gathered.local_buffer
+    def rows(self, flat: torch.Tensor) -> torch.Tensor:
+        """A shard-major flat buffer (all shards, or a run of whole shards) as ``[shards, shard_numel]``."""
+        return flat.view(-1, self.chunks.shard_numel)
+
+    def copy_out(self, rows: torch.Tensor, unsharded: DBuffer) -> None:
+        """Every parameter's pieces from the gathered ``rows`` (``[world, shard_numel]``: one row
+        per rank's shard; a view of a wider buffer when a unit gathered several groups at once)
+        into ``unsharded``."""
         for k in range(len(self.shapes)):
-            self.exchange(k, flat, unsharded.get_local_tensor(k), to_full=True)
+            self.exchange(k, rows, unsharded.get_local_tensor(k), to_full=True)
 
     def fill_slice(self, unsharded: DBuffer, out: torch.Tensor, start: int, end: int) -> None:
         """Write ``[start, end)`` of the shard-major gathered buffer (whole rank shards, as a
@@ -175,37 +180,36 @@ class ChunkedLayout:
         assert first * size == start and last * size == end, "a post-forward slice is whole rank shards"
         out.zero_()
         for k in range(len(self.shapes)):
-            self.exchange(k, out, unsharded.get_local_tensor(k), to_full=False, ranks=(first, last))
+            self.exchange(k, self.rows(out), unsharded.get_local_tensor(k), to_full=False, ranks=(first, last))
 
     def write_grad(self, grad_in: DBuffer, k: int, grad: Optional[torch.Tensor], add: bool) -> None:
-        flat = grad_in.local_buffer
+        rows = self.rows(grad_in.local_buffer)
         if grad is None:
             it = self.chunks.items[k]
-            flat.view(self.chunks.num_shards, -1)[:, it.offset : it.offset + it.chunk * it.inner].zero_()
+            rows[:, it.offset : it.offset + it.chunk * it.inner].zero_()
         else:
-            self.exchange(k, flat, grad, to_full=False, add=add)
+            self.exchange(k, rows, grad, to_full=False, add=add)
 
     def padding(self, grad_in: DBuffer) -> list[tuple[int, int]]:
         size = self.chunks.shard_numel
         return [(r * size + a, r * size + b) for r in range(self.chunks.num_shards) for a, b in self.chunks.padding(r)]
 
     def exchange(
-        self, k: int, flat: torch.Tensor, full: torch.Tensor, to_full: bool, add: bool = False,
+        self, k: int, rows: torch.Tensor, full: torch.Tensor, to_full: bool, add: bool = False,
         ranks: Optional[tuple[int, int]] = None,
     ) -> None:
-        """Copy between parameter ``k``'s pieces in a shard-major ``flat`` buffer (all shards, or
-        the shards ``ranks = (lo, hi)`` only) and the ``full`` tensor: to ``full`` (gather), or
-        from it into ``flat`` (``add``: added). At most two strided copies: the shards holding a
-        whole piece at once, then the one short piece, if any."""
+        """Copy between parameter ``k``'s pieces in shard-major ``rows`` (one row per shard: all
+        shards, or the shards ``ranks = (lo, hi)`` only) and the ``full`` tensor: to ``full``
+        (gather), or from it into ``rows`` (``add``: added). At most two strided copies: the
+        shards holding a whole piece at once, then the one short piece, if any."""
         it = self.chunks.items[k]
         lo, hi = ranks if ranks is not None else (0, self.chunks.num_shards)
-        rows = flat.view(hi - lo, self.chunks.shard_numel)
         whole = self.chunks.whole_pieces(k)
         pre, post = it.shape[: it.dim], it.shape[it.dim + 1 :]
         pairs = []
         n = min(hi, whole) - lo
         if n > 0:
-            pieces = rows[:n, it.offset : it.offset + it.chunk * it.inner].view(n, *pre, it.chunk, *post)
+            pieces = rows[:n, it.offset : it.offset + it.chunk * it.inner].unflatten(1, (*pre, it.chunk, *post))
             part = full.narrow(it.dim, lo * it.chunk, n * it.chunk).unflatten(it.dim, (n, it.chunk))
             pairs.append((pieces.movedim(0, it.dim), part))
         rest = it.length - whole * it.chunk

@@ -4,7 +4,7 @@ builds it, and the parts that plug into it."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 import torch.nn as nn
@@ -16,17 +16,44 @@ __all__ = ["GroupPlacements", "ParamInfo", "check_no_late_extension"]
 
 @dataclass(frozen=True)
 class GroupPlacements:
-    """Where each buffer of a group lives on its mesh: the last mesh axis shards, any outer axis
-    replicates (HSDP); gradients arrive ``Partial`` on every axis."""
+    """Where each buffer of a group lives on its mesh, as data: the last mesh axis shards, any
+    outer axis replicates (HSDP); gradients arrive ``Partial`` on every axis.
+
+    ``model``: where the compute-dtype model shard (the all-gather's source) lives when that is
+    not where the main weights are (None: it is, so a local cast makes it). HFSDP's
+    (:func:`GroupPlacements.outer`) is the one that differs. ``deferred``: where
+    reduce-scattered sums wait while HSDP's all-reduce across replicas is deferred."""
 
     sharded: tuple[Placement, ...]
     replicated: tuple[Placement, ...]
     partial: tuple[Placement, ...]
+    deferred: tuple[Placement, ...] = ()
+    model: Optional[tuple[Placement, ...]] = None
 
     @classmethod
     def for_mesh(cls, ndim: int, shard: Placement, reduce_op: str) -> "GroupPlacements":
+        """A 1-D mesh (FSDP) or a 2-D ``(replicate, shard)`` one (HSDP)."""
         lead = (Replicate(),) * (ndim - 1)
-        return cls(lead + (shard,), lead + (Replicate(),), (Partial(reduce_op),) * ndim)
+        partial = (Partial(reduce_op),) * ndim
+        return cls(lead + (shard,), lead + (Replicate(),), partial, deferred=partial[:-1] + (shard,))
+
+    @classmethod
+    def outer(cls, shard: Placement, reduce_op: str) -> "GroupPlacements":
+        """HFSDP on the transposed ``(shard, replicate)`` mesh: main weights and main grads
+        sharded over both axes, the model shard over the shard axis only
+        (:mod:`fsdp.compose.outer_shard`)."""
+        partial = (Partial(reduce_op),) * 2
+        return cls(
+            (shard, shard), (Replicate(), Replicate()), partial, deferred=(shard, partial[1]), model=(shard, Replicate())
+        )
+
+    def with_reduce_op(self, reduce_op: str) -> "GroupPlacements":
+        """The same placements with gradients reduced by ``reduce_op``."""
+
+        def swap(pls: tuple[Placement, ...]) -> tuple[Placement, ...]:
+            return tuple(Partial(reduce_op) if p.is_partial() else p for p in pls)
+
+        return replace(self, partial=swap(self.partial), deferred=swap(self.deferred))
 
 
 @dataclass

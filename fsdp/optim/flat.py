@@ -48,6 +48,7 @@ from torch.optim.optimizer import _get_scalar_dtype
 from torch.optim.sgd import sgd as _sgd
 
 from fsdp.group.param_group import ParameterGroup
+from fsdp.group.weights import BufferWeights
 
 __all__ = ["FlatAdam", "FlatAdamW", "FlatOptimizer", "FlatSGD", "flat_optimizer"]
 
@@ -148,8 +149,9 @@ class FlatOptimizer(torch.optim.Optimizer):
             # was released after its last gather (then the next refresh casts it whole: this pass
             # may skip parameters without gradients, whose old values are gone)
             model = None
-            if group.step_writes_model and not group.model.is_storage_released():
-                model = group.model.local_buffer
+            weights = group.weights
+            if weights.step_writes_model and not weights.model.is_storage_released():
+                model = weights.model.local_buffer
             for run in runs:
                 self._step_run(flat, grads, model, state, run, opts, workspace)
             for k in group.grads.params_with_grads():
@@ -162,7 +164,7 @@ class FlatOptimizer(torch.optim.Optimizer):
         group = self._groups[id(flat)]
         if group.main.local_buffer is not flat:
             raise RuntimeError(
-                f"FlatOptimizer: the buffers of parameters {group._names()} were rebuilt since the optimizer "
+                f"FlatOptimizer: the buffers of parameters {group.names()} were rebuilt since the optimizer "
                 f"was made (module.to(dtype)?); build the optimizer again after converting the module"
             )
         with_grads = group.grads.params_with_grads()
@@ -385,7 +387,7 @@ def _param_specs(params) -> list[tuple[dict, list[ParameterGroup]]]:
                 continue
             if id(group) in seen and seen[id(group)] != i:
                 raise ValueError(
-                    f"FlatOptimizer: parameters {group._names()} form one fsdp group but are split across param "
+                    f"FlatOptimizer: parameters {group.names()} form one fsdp group but are split across param "
                     f"groups {seen[id(group)]} and {i}; give each param group whole fsdp groups (put them in their "
                     f"own fsdp.Bucket)"
                 )
@@ -429,6 +431,11 @@ def _group_of(p: torch.Tensor) -> Optional[ParameterGroup]:
 def _spans(group: ParameterGroup) -> list[_Span]:
     """Each parameter's range in the main (model) and main-grad local buffers, found from the
     DTensor views fsdp registered (so every layout, chunked or owned, is handled alike)."""
+    if not isinstance(group.weights, BufferWeights):
+        raise ValueError(
+            f"FlatOptimizer: parameters {group.names()} are tensor subclasses (all-gather extensions), "
+            f"whose shards are not views of a flat buffer; step them with a torch.optim optimizer"
+        )
     main_base = group.main.local_buffer
     grad_base = group.grads.main_grad.local_buffer
     spans = []

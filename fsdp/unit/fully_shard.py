@@ -23,9 +23,9 @@ from torch.distributed.tensor import DTensor, Shard
 
 from dbuffer import mesh_device
 from fsdp.compose.extension_protocol import check_extension_params, split_extension_members
-from fsdp.compose.extensions import ExtensionParameterGroup
+from fsdp.compose.extensions import SUBCLASS, SubclassWeights
 from fsdp.compose.offload import CPUOffloadPolicy, HostOffload, OffloadPolicy, check_offload_policy
-from fsdp.compose.outer_shard import OuterShardedParameterGroup, check_outer_sharding
+from fsdp.compose.outer_shard import check_outer_sharding, outer_sharded
 from fsdp.compose.post_forward import enable_post_forward_slices
 from fsdp.compose.tensor_parallel import TensorParallelKind, check_params as _check_tensor_parallel
 from fsdp.group.bucket import Bucket, GroupSpec, plan_buckets
@@ -251,38 +251,44 @@ def _collect_params(modules: list[nn.Module], ignored: set[int]) -> tuple[list[P
 def _build_groups(
     infos: list[ParamInfo], specs: list[GroupSpec], offload: Optional[CPUOffloadPolicy] = None, outer: bool = False
 ) -> list[ParameterGroup]:
-    """One group per spec (tensor-subclass members split off into their own): its layout
-    (torch.chunk pieces where the spec has dims, else flat), its parameter kind (plain or
-    tensor-parallel) and its parts (host offload) are chosen here and handed to it."""
+    """One group per spec (tensor-subclass members, with the plain ones that can join them, in
+    a group of their own). Every part of a group is chosen here and handed to it: its layout
+    (torch.chunk pieces where the spec has dims, else flat), its parameter kind (plain,
+    tensor-parallel or tensor subclass), its weights part (DBuffers, or the subclass pieces of
+    :mod:`fsdp.compose.extensions`), its placements and mesh (HFSDP: :mod:`fsdp.compose.outer_shard`)
+    and its host offload."""
     groups = []
     for whole in specs:
-        extension, rest = split_extension_members(whole, [i.param for i in infos])
-        for members_k, ext in ((extension, True), (rest, False)):  # tensor subclasses: fsdp.compose.extensions
+        subclass, rest = split_extension_members(whole, [i.param for i in infos])
+        for members_k, is_subclass in ((subclass, True), (rest, False)):
             if not members_k:
                 continue
             spec = replace(whole, members=members_k, dims=_dims_of(whole, members_k))
             members = [infos[k] for k in spec.members]
-            first = members[0].param
-            part = None if offload is None else HostOffload(offload, mesh_device(spec.mesh))
-            kw = dict(gradient_divide_factor=spec.gradient_divide_factor, policy=spec.policy, offload=part)
-            args = (members, spec.mesh, spec.strategy, spec.policy.dtypes_for(first.dtype), first.requires_grad)
-            if ext:
-                groups.append(ExtensionParameterGroup(*args, **kw))
-            elif spec.dims is not None:
-                kind = TensorParallelKind([i.param for i in members], spec.mesh, spec.dims) if isinstance(first, DTensor) else PLAIN
-                shapes = [tuple(kind.local(i.param).shape) for i in members]
-                mesh = spec.mesh
-                layout = ChunkedLayout(shapes, spec.dims, mesh.shape[-1], mesh.get_coordinate()[-1])
-                groups.append(ParameterGroup(*args, layout=layout, kind=kind, **kw))
-            else:  # outer: HFSDP (fsdp.compose.outer_shard), validated by check_outer_sharding
-                cls = OuterShardedParameterGroup if outer else ParameterGroup
-                groups.append(cls(*args, shard=spec.placement, **kw))
+            first, mesh = members[0].param, spec.mesh
+            kw = dict(gradient_divide_factor=spec.gradient_divide_factor, policy=spec.policy, own_gather=spec.own_collectives)
+            if offload is not None:
+                kw["offload"] = HostOffload(offload, mesh_device(mesh))
+            if is_subclass:  # validated by check_extension_params: dim 0, a sharded strategy
+                kw.update(kind=SUBCLASS, weights=SubclassWeights)
+                spec.dims = [0] * len(members)  # FSDP2's pieces, whatever the layout policy
+            elif isinstance(first, DTensor):
+                kw["kind"] = TensorParallelKind([i.param for i in members], mesh, spec.dims)
+            if spec.dims is not None:
+                shapes = [tuple(kw.get("kind", PLAIN).local(i.param).shape) for i in members]
+                kw["layout"] = ChunkedLayout(shapes, spec.dims, mesh.shape[-1], mesh.get_coordinate()[-1])
+            else:  # a flat layout, cut at the spec's placement (Shard(0) or Owned())
+                kw["shard"] = spec.placement
+                if outer:  # HFSDP, validated by check_outer_sharding
+                    mesh, kw["placements"] = outer_sharded(mesh, spec.placement)
+            dtypes = spec.policy.dtypes_for(first.dtype)
+            groups.append(ParameterGroup(members, mesh, spec.strategy, dtypes, first.requires_grad, **kw))
     if log.isEnabledFor(logging.DEBUG):
         for group in groups:
             log.debug(
-                "fully_shard: %s of %d parameters (%s): %s layout, %s, strategy %s, dtypes %s, mesh %s",
-                type(group).__name__, len(group.infos), group._names(), describe_layout(group.layout),
-                type(group.kind).__name__, group.strategy.name, group.dtypes, group.mesh,
+                "fully_shard: group of %d parameters (%s): %s layout, %s, %s, strategy %s, dtypes %s, mesh %s",
+                len(group.infos), group.names(), describe_layout(group.layout), type(group.kind).__name__,
+                type(group.weights).__name__, group.strategy.name, group.dtypes, group.mesh,
             )
     return groups
 

@@ -8,6 +8,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn as nn
 
+from fsdp.group.meta_init import begin_init, end_init
 from fsdp.unit.module import FSDPModule
 from fsdp.unit.state import FSDPState
 
@@ -43,17 +44,17 @@ def init_weights(module: nn.Module, init_fn: Optional[Callable[[nn.Module], None
             state = owner.get(id(m))
             if state is not None and id(state) not in active:
                 for group in state.groups:
-                    group.begin_init()
+                    begin_init(group)
                 active[id(state)] = state
             fn(m)
             if state is not None and last[id(state)] == i:
                 del active[id(state)]
                 for group in state.groups:
-                    group.end_init()
+                    end_init(group)
     finally:
         for state in active.values():  # init_fn raised: restore the sharded registration
             for group in state.groups:
-                group.end_init(commit=False)
+                end_init(group, commit=False)
 
 
 def _reset_parameters(m: nn.Module) -> None:

@@ -15,6 +15,8 @@ from typing import Callable, Optional
 import torch
 import torch.nn as nn
 
+from fsdp.group.convert import accepts_device, check_convert, convert
+from fsdp.group.meta_init import materialize
 from fsdp.group.param_group import ParameterGroup
 from fsdp.unit import surface
 from fsdp.unit.state import FSDPState, finish_grad_sync
@@ -103,11 +105,11 @@ class FSDPModule:
         if device.type != "meta":
             for state in self._states(recurse):
                 for group in state.groups:
-                    group.materialize(device)
+                    materialize(group, device)
         for state in self._states(recurse):
             for group in state.groups:
                 have = group.main.device
-                if not group.accepts_device(device):
+                if not accepts_device(group, device):
                     raise ValueError(
                         f"to_empty(device={device}): fully_shard allocated the shards on {have}, the mesh's "
                         f"device (or the host, under CPU offload); pass that device (or build the mesh for "
@@ -118,7 +120,7 @@ class FSDPModule:
     def _apply(self, fn, recurse: bool = True):
         """What ``nn.Module.to`` / ``double`` / ``float`` / ``half`` / ``cpu`` / ``cuda`` /
         ``to_empty`` run. The sharded parameters of every unit below follow the new dtype (see
-        :meth:`ParameterGroup.convert <fsdp.group.param_group.ParameterGroup.convert>`: their buffers
+        :func:`fsdp.group.convert.convert`: their buffers
         are rebuilt from the current values, the parameter objects keep their identity, explicit
         policy dtypes stay); everything else (buffers, ignored parameters) goes through
         ``nn.Module._apply``. The shards stay on the mesh's device: ``.to`` that device is a no-op,
@@ -129,11 +131,11 @@ class FSDPModule:
         targets = {id(g): _conversion_target(fn, g) for state in states for g in state.groups}
         for state in states:  # every unit below is checked before any changes
             for group in state.groups:
-                group.check_convert(*targets[id(group)])
+                check_convert(group, *targets[id(group)])
         state = self._fsdp_state
         state.reshard()  # the sharded parameters registered (the unsharded ones are rebuilt)
         for group in state.groups:
-            group.convert(*targets[id(group)])
+            convert(group, *targets[id(group)])
         hidden = []  # nested units hide their own when nn.Module._apply reaches them
         for group in state.groups:
             for info in group.infos:
@@ -198,7 +200,7 @@ def _conversion_target(fn: Callable[[torch.Tensor], torch.Tensor], group: Parame
     try:
         out = fn(probe)
     except Exception as e:
-        e.add_note(f"(fully_shard: converting sharded parameters {group._names()}, on {group.main.device})")
+        e.add_note(f"(fully_shard: converting sharded parameters {group.names()}, on {group.main.device})")
         raise
     if not isinstance(out, torch.Tensor):
         raise TypeError(f"an nn.Module._apply function returned {type(out).__name__} for a tensor")

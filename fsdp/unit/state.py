@@ -46,10 +46,11 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from dbuffer.collectives import release_workspaces
-from fsdp.group.meta_init import meta_error
-from fsdp.group.param_group import ParameterGroup
+from fsdp.group.meta_init import adopt_assigned
+from fsdp.group.param_group import ParameterGroup, meta_error
 from fsdp.group.policy import MixedPrecisionPolicy
 from fsdp.group.profiling import label
+from fsdp.group.shared_gather import gather_together
 from fsdp.unit.root import MAX_REDUCTIONS_IN_FLIGHT, RootContext
 from fsdp.unit.training_state import TrainingState, check_transition
 
@@ -117,6 +118,7 @@ class FSDPState:
         self.training_state = TrainingState.IDLE
         self.registered_unsharded = False  # the unsharded parameters are the modules' ones
         self.shared_with_other_units: list[str] = []  # tied parameters another unit owns: lazy init raises
+        self.shared_gathers: dict = {}  # the unit's groups gathered together (fsdp.group.shared_gather)
 
     def install_hooks(self) -> None:
         """Called once the unit is fully built, so a failed setup leaves no hook behind."""
@@ -146,10 +148,10 @@ class FSDPState:
 
     def _adopt_hook(self, module: nn.Module, incompatible_keys) -> None:
         """``load_state_dict(sharded_sd, assign=True)`` put the caller's DTensors on the modules:
-        they become this unit's sharded parameters now (see ``ParameterGroup.adopt_assigned``),
+        they become this unit's sharded parameters now (see :func:`fsdp.group.meta_init.adopt_assigned`),
         so the model right after the load already holds fsdp's layout."""
         for group in self.groups:
-            group.adopt_assigned()
+            adopt_assigned(group)
 
     # ------------------------------------------------------------------ identity, state, root
 
@@ -219,7 +221,7 @@ class FSDPState:
             raise ValueError(shared[0])
         for state in units:
             for group in state.groups:
-                group.adopt_assigned()
+                adopt_assigned(group)
         names = {id(p): n for top in self.modules for n, p in top.named_parameters(remove_duplicate=False)}
         for state in units:
             on_meta = [p for g in state.groups if g.is_meta for p in g.sharded_params]
@@ -246,6 +248,7 @@ class FSDPState:
     def unshard(self, async_op: bool = False) -> None:
         for group in self.groups:  # a parameter reassigned since fully_shard raises before any gather
             group.check_registered()
+        gather_together(self.groups, self.shared_gathers)  # one collective where groups can share it
         for group in self.groups:
             group.unshard(async_op=True)
         if not async_op:
@@ -391,11 +394,10 @@ class FSDPState:
                 prev.unshard(async_op=True)
 
     def _finish_reductions_in_flight(self, group: ParameterGroup) -> None:
-        """A group got its first gradient of this backward (it holds autograd's gradients until
-        it has them all, see ``ParameterGroup._on_grad``), or is about to allocate its gradient
-        buffer: finish the reductions still in flight now (by then they have had a whole unit's
-        backward to run), as their buffers would otherwise live through this unit's backward,
-        beside the new one."""
+        """A group got its first gradient of this backward, or is about to allocate its gradient
+        buffer (:class:`~fsdp.group.grads.GradReducer`): finish the reductions still in flight
+        (they have had a whole unit's backward to run), whose buffers would otherwise live
+        through this unit's backward beside the new one."""
         ctx = self._owner().root_ctx
         if ctx.reductions_in_flight:
             with label("fsdp::wait_reductions", self.fqn):

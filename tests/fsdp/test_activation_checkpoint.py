@@ -164,7 +164,7 @@ def _train_setups(model, batches, ref, how: str, reentrant: bool) -> dict:
         # backward had to gather them again
         tokens = batches[0][rank * (BATCH // world) : (rank + 1) * (BATCH // world)]
         loss = loss_fn(ours(tokens[:, :-1]), tokens)
-        released = [g.unsharded.is_storage_released() for u in _layer_units(ours) for g in u._fsdp_state.groups]
+        released = [g.weights.unsharded.is_storage_released() for u in _layer_units(ours) for g in u._fsdp_state.groups]
         loss.backward()  # (gradients not stepped: the weights compared below are from _train)
         registered = {type(p) for p in ours.parameters()}
         state = _full_state(ours)

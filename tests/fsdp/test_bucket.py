@@ -80,8 +80,8 @@ def _bucket_policy_and_placement() -> dict:
     block = fsdp.fully_shard(Block(), mesh=mesh, buckets=[fsdp.Bucket("up.*", mp_policy=bf16)])
     up, rest = block._fsdp_state.groups
     return {
-        "up_model": up.unsharded.dtype,
-        "rest_model": rest.unsharded.dtype,
+        "up_model": up.weights.unsharded.dtype,
+        "rest_model": rest.weights.unsharded.dtype,
         "placements": {n: list(p.placements) for n, p in block.named_parameters()},
     }
 

@@ -244,12 +244,13 @@ MICRO = 2  # micro-batches per optimizer step: ZeRO-3 gathers each weight 2 x MI
 
 
 def _train_float8(model, data, shard, rank: int, world: int) -> int:
-    """Shard with ``shard`` (fsdp's or torch's fully_shard), train; return the casts it made."""
+    """Shard with ``shard`` (fsdp's or torch's fully_shard), train; return the casts it made
+    (fsdp's first one may come at fully_shard already)."""
+    before = cast_count()
     for block in model:
         shard(block)
     shard(model)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    before = cast_count()
     for x in data:
         for micro in x.chunk(MICRO):
             model(micro.chunk(world)[rank]).square().mean().backward()
@@ -278,8 +279,8 @@ def _float8_run(plain, reference, data) -> dict:
         out[f"{name}_worst"] = worst
         if name == "fsdp":
             groups = [g for m in model.modules() if isinstance(m, fsdp.FSDPModule) for g in m._fsdp_state.groups]
-            out["send_dtype"] = {str(g.send.dtype) for g in groups}
-            out["send_bytes"] = sum(g.send.local_buffer.nbytes for g in groups)
+            out["send_dtype"] = {str(g.weights.send.dtype) for g in groups}
+            out["send_bytes"] = sum(g.weights.send.local_buffer.nbytes for g in groups)
             out["fp32_shard_bytes"] = sum(p._local_tensor.numel() * 4 for p in model.parameters())
             out["weights"] = sum(1 for _ in model.parameters())
     return out

@@ -161,15 +161,15 @@ def _placement(model) -> dict:
         main = g.main.local_buffer.untyped_storage().data_ptr()
         assert g.main.device == host and g.grads.main_grad.device == host and g.compute_device == host
         assert g.offload.pin is False and not g.main.local_buffer.is_pinned()  # pin_memory on a CPU mesh
-        assert g.model is not g.main and g.model.device == host  # bf16 copy cast on the host
+        assert g.weights.model is not g.main and g.weights.model.device == host  # bf16 copy cast on the host
         for p in g.sharded_params:
             assert _storage(p) == main  # the parameters are views of the host main buffer
             state = opt_holder["opt"].state[p]
             for name in ("exp_avg", "exp_avg_sq"):
                 t = state[name]._local_tensor
                 assert t.device == host and t.shape == p._local_tensor.shape
-        assert g.unsharded.local_buffer.untyped_storage().nbytes() == 0  # ZeRO-3: freed after use
-        assert g.offload._staging is not g.model and g.offload._staging.is_storage_released()
+        assert g.weights.unsharded.local_buffer.untyped_storage().nbytes() == 0  # ZeRO-3: freed after use
+        assert g.offload._staging is not g.weights.model and g.offload._staging.is_storage_released()
     assert seen_unsharded and all(u != mn for u, mn in seen_unsharded)
     return {
         "uploads": [c.calls for c in uploads],

@@ -58,7 +58,7 @@ def _parity(model, batches, strategy: str, policy, layout: str = "auto") -> dict
             # this rank's main piece is finest piece s*R + r of R*S = 4: inside its HSDP shard s
             r, s = mesh.get_coordinate()
             assert group.main.num_shards == 4 and group.main.shard_index == s * 2 + r
-            assert group.model.num_shards == 2 and group.model.shard_index == s
+            assert group.weights.model.num_shards == 2 and group.weights.model.shard_index == s
             p = next(m.parameters())
             assert isinstance(p, DTensor) and list(p.placements) == [Shard(0), Shard(0)]
             assert p.device_mesh.mesh_dim_names == ("shard", "replicate")

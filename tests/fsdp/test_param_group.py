@@ -23,11 +23,11 @@ def _buffers(model) -> dict:
             (g,) = m._fsdp_state.groups
             s = g.strategy
             same = policy.param_dtype is None
-            assert (g.model is g.main) == same  # the model weights alias the main ones when they can
+            assert (g.weights.model is g.main) == same  # the model weights alias the main ones when they can
             assert g.main.placements == ((Shard(0),) if s.shard_optim else (Replicate(),))
             assert g.grads.main_grad.placements == ((Shard(0),) if s.shard_grads else (Replicate(),))
-            assert (g.unsharded is g.main) == (strategy == "no_shard" and same)
-            assert g.unsharded.is_storage_released() == s.shard_params
+            assert (g.weights.unsharded is g.main) == (strategy == "no_shard" and same)
+            assert g.weights.unsharded.is_storage_released() == s.shard_params
             assert g.grads.grad_in.is_storage_released()
             assert g.grads.main_grad.is_storage_released()  # no gradients yet: no main-grad memory
             numel = sum(p.numel() for p in model.parameters())
@@ -189,11 +189,11 @@ def _lean_vs_persistent(model, batches) -> dict:
                 make = (lambda ps: fsdp.FlatAdamW(ps, lr=1e-2, weight_decay=0.1)) if flat else None
                 at_forward_end: list[bool] = []  # after fsdp's root post-forward: every shard gone
                 m.register_forward_hook(lambda mod, args, out: at_forward_end.append(
-                    all(g.model.is_storage_released() for u in mod._fsdp_state.units for g in u.groups)))
+                    all(g.weights.model.is_storage_released() for u in mod._fsdp_state.units for g in u.groups)))
                 train(m, batches, rank=rank, world=world, make_opt=make)
                 assert at_forward_end == [strategy != "no_shard"] * len(batches), (strategy, persistent, flat)
                 groups = [g for u in m._fsdp_state.units for g in u.groups]
-                lean = [g.lean_model for g in groups]
+                lean = [g.weights.lean_model for g in groups]
                 assert all(lean) == (not persistent and strategy != "no_shard"), (strategy, persistent, lean)
                 # Between steps a persistent shard is kept only where a gather still reads it: the
                 # blocks' ZeRO-3 backward. The root keeps its gathered weights from forward to the
@@ -201,8 +201,8 @@ def _lean_vs_persistent(model, batches) -> dict:
                 for u in m._fsdp_state.units:
                     gathered_until_step = strategy == "optim" or u is m._fsdp_state
                     for g in u.groups:
-                        expected = g.lean_model or (gathered_until_step and strategy != "no_shard")
-                        assert g.model.is_storage_released() == expected, (strategy, persistent, flat)
+                        expected = g.weights.lean_model or (gathered_until_step and strategy != "no_shard")
+                        assert g.weights.model.is_storage_released() == expected, (strategy, persistent, flat)
                 states.append(full_state(m))
             out[(strategy, flat)] = max_diff(*states)
     return out

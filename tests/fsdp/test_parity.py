@@ -71,7 +71,7 @@ def _mixed_precision(model, batches, ref, reduce_dtype, main_grads_dtype, micro)
     for strategy in STRATEGIES:
         m = shard(copy.deepcopy(model), True, sharding_strategy=strategy, mp_policy=policy)
         group = m._fsdp_state.groups[0]
-        assert group.main.dtype == torch.float32 and group.unsharded.dtype == torch.bfloat16
+        assert group.main.dtype == torch.float32 and group.weights.unsharded.dtype == torch.bfloat16
         assert group.grads.main_grad.dtype == (main_grads_dtype or torch.float32)
         train(m, batches, rank=rank, world=world, micro=micro, before_step=_check_grad_dtypes(main_grads_dtype))
         out[strategy] = max_diff(full_state(m), ref)

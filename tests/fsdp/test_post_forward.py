@@ -42,7 +42,7 @@ def _post_forward(model, batches, layout: str) -> dict:
 
     loss = loss_fn(m, x, y)
     out["kept"] = [
-        (g.post_forward.holds is not None, g.unsharded.is_storage_released(),
+        (g.post_forward.holds is not None, g.weights.unsharded.is_storage_released(),
          g.post_forward.buffer.local_buffer.numel() * N == g.post_forward.unsharded.layout.total_numel)
         for g in groups
     ]

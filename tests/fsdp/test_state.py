@@ -17,7 +17,7 @@ from tests.harness import run_ranks
 
 
 def _released(unit) -> list[bool]:
-    return [g.unsharded.is_storage_released() for g in unit._fsdp_state.groups]
+    return [g.weights.unsharded.is_storage_released() for g in unit._fsdp_state.groups]
 
 
 def _storage(model, batches) -> bool:
@@ -27,7 +27,7 @@ def _storage(model, batches) -> bool:
     loss = loss_fn(m, x, y)
     for block in m.blocks:  # resharded after forward: size 0
         assert all(_released(block))
-        assert all(g.unsharded.local_buffer.untyped_storage().nbytes() == 0 for g in block._fsdp_state.groups)
+        assert all(g.weights.unsharded.local_buffer.untyped_storage().nbytes() == 0 for g in block._fsdp_state.groups)
         assert all(isinstance(p, torch.distributed.tensor.DTensor) for p in block.parameters())
     assert not any(_released(m))  # the root keeps its weights for the backward that follows
     loss.backward()
@@ -237,7 +237,7 @@ def _prefetch_in_flight(model, batches) -> dict:
 
     def during_b1_backward(param):  # block 0 is being gathered while block 1's grads land
         g = b0._fsdp_state.groups[0]
-        seen["backward"].append(g._gather_pending is not None or not g.unsharded.is_storage_released())
+        seen["backward"].append(g._gather_pending is not None or not g.weights.unsharded.is_storage_released())
 
     b0.gate.register_forward_pre_hook(during_b0_forward)
     b1._fsdp_state.groups[0].unsharded_params[0].register_post_accumulate_grad_hook(during_b1_backward)

@@ -17,12 +17,6 @@ TINY = dict(dtypes=("fp32",), vocab=512, dim=64, layers=2, heads=4, hidden=128, 
 # ZeRO-3, FSDP2's schedule: every unit gathered in forward, every unit but the root gathered
 # again in backward (the root stays gathered), every unit reduce-scattered once.
 UNITS = {"llama": 3, "head_root": 4, "float8": 3}
-FLOAT8_GAP = (
-    "issue 24, defect 3: a unit's tensor-subclass parameters and its plain ones (the norms) are separate "
-    "groups, so ours gathers and reduce-scatters each unit twice (10 all-gathers and 6 reduce-scatters per "
-    "step against FSDP2's 5 and 3); strict: this fails once the library gathers one group per unit, and "
-    "the mark must go"
-)
 
 
 @functools.lru_cache(maxsize=None)
@@ -52,7 +46,7 @@ def test_counts_are_each_libraries_zero3_schedule(model: str) -> None:
 
 
 @pytest.mark.parametrize("model", [
-    "llama", "head_root", pytest.param("float8", marks=pytest.mark.xfail(strict=True, reason=FLOAT8_GAP)),
+    "llama", "head_root", "float8",
 ])
 def test_counts_ours_never_more_than_fsdp2(model: str) -> None:
     report = _counts(model)

@@ -201,7 +201,7 @@ def _working_set_peaks(model: nn.Module, strategy: str) -> dict:
         fully_shard(block, mp_policy=policy, sharding_strategy=strategy)
     fully_shard(model, mp_policy=policy, sharding_strategy=strategy)
     groups = [g for m in [*model.blocks, model] for g in m._fsdp_state.groups]
-    watched = {"unsharded_working_set": [g.unsharded for g in groups] if strategy == "optim_grads_params" else [],
+    watched = {"unsharded_working_set": [g.weights.unsharded for g in groups] if strategy == "optim_grads_params" else [],
                "reduce_working_set": [g.grads.grad_in for g in groups if g.requires_grad]}
     peaks = dict.fromkeys(watched, 0)
     reallocate = DBuffer.reallocate_storage

@@ -20,8 +20,9 @@ WORKING_SETS = {"unsharded_working_set": "unsharded", "reduce_working_set": "gra
 
 
 def _working_buffer(g, attr: str):
-    """The group's working-set buffer ``attr`` (``grad_in`` lives on its gradient reducer), or None."""
-    owner = g.grads if attr == "grad_in" else g
+    """The group's working-set buffer ``attr`` (``grad_in`` lives on its gradient reducer,
+    ``unsharded`` on its weights part), or None."""
+    owner = g.grads if attr == "grad_in" else g.weights
     return getattr(owner, attr, None) if owner is not None else None
 
 
@@ -50,14 +51,15 @@ def measure_units(units: list, states: int, schedule: dict[str, frozenset[Moment
             kind = _layout_kind(g)
             m.layouts[kind] = m.layouts.get(kind, 0) + 1
             _persistent(m, "main_weights", g, g.main)
-            if g.model is not g.main and not g.lean_model:
-                _persistent(m, "model_weights", g, g.model)
-            if getattr(g, "cast_piece", None) is not None:  # HFSDP: the cast optimizer shard
-                _persistent(m, "model_weights", g, g.cast_piece)
-            if g.unsharded is not g.model and not g.strategy.shard_params:
-                _persistent(m, "unsharded_weights", g, g.unsharded)
+            w = g.weights
+            if w.model is not g.main and not w.lean_model:
+                _persistent(m, "model_weights", g, w.model)
+            if w.cast_main is not None:  # HFSDP: the cast optimizer shard
+                _persistent(m, "model_weights", g, w.cast_main)
+            if w.unsharded is not w.model and not g.strategy.shard_params:
+                _persistent(m, "unsharded_weights", g, w.unsharded)
             if g.strategy.shard_params:
-                unit_gather = _plus(unit_gather, _transient(m, g, g.unsharded))
+                unit_gather = _plus(unit_gather, _transient(m, g, w.unsharded))
             if not g.requires_grad:
                 continue
             _persistent(m, "main_grads", g, g.grads.main_grad)
@@ -107,7 +109,7 @@ def _chunks(g, buf):
     buffers (TP parameters and ``shard_placement_fn``: fsdp/group/layouts.py), else None. Those hold one
     flat item, so their padding is the chunk layout's, not the flat item's (none)."""
     chunks = getattr(g.layout, "chunks", None)
-    return None if chunks is None or buf is g.unsharded else chunks
+    return None if chunks is None or buf is g.weights.unsharded else chunks
 
 
 def _layout_kind(g) -> str:

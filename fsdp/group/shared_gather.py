@@ -1,0 +1,127 @@
+"""One all-gather for several groups of a unit, as FSDP2 gathers a unit's parameters in one collective.
+
+A unit has one group per (dtype, ``requires_grad``, mesh) bucket: a QLoRA block holds frozen NF4
+weights and trainable LoRA ones, a fine-tuned one frozen and trainable weights. Gathered group by
+group, such a unit would make one all-gather per group where FSDP2 makes one. Groups whose
+gather lands in rank-major rows that they copy out of anyway (FSDP2's chunked layout, tensor
+subclasses: ``weights.shares_gather``) can share one instead: their shards are copied side by
+side into one byte shard (FSDP2's all-gather copy-in), gathered once through a DBuffer, and each
+group copies its part out of its ``[world, bytes]`` column range of the result, which is freed
+once the last of them has.
+
+The groups' own moves are unchanged (:meth:`~fsdp.group.param_group.ParameterGroup.join_gather`
+hands a group the shared collective and its rows); this module only packs, launches and frees.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import torch
+
+from dbuffer import DBuffer, Pending
+from dbuffer.layout import compute_layout
+from fsdp.group.profiling import label
+
+__all__ = ["SharedGather", "gather_together"]
+
+_ALIGN = 16  # byte offset of each group's part, so every dtype view of it is aligned
+
+
+def can_share(groups: Sequence[Any]) -> bool:
+    """Whether ``groups`` (each needing a gather now, each able to share one) can be gathered
+    together: the same mesh and placements, so one collective serves them all."""
+    if len(groups) < 2:
+        return False
+    first = groups[0]
+    return all(
+        g.mesh is first.mesh and g.placements.sharded == first.placements.sharded
+        and g.placements.replicated == first.placements.replicated and g.compute_device == first.compute_device
+        for g in groups
+    )
+
+
+class SharedGather:
+    """The packed send and receive buffers of one set of groups (kept between steps: storage only
+    while a gather is in flight or being copied out), and the gather in flight."""
+
+    def __init__(self, groups: Sequence[Any], sources: Sequence[DBuffer]) -> None:
+        first = groups[0]
+        self.world = first.mesh.shape[-1]
+        self.parts: list[tuple[int, int, torch.dtype]] = []  # (byte offset, bytes, dtype) per group
+        pos = 0
+        for src in sources:
+            nbytes = src.local_buffer.numel() * src.dtype.itemsize
+            self.parts.append((pos, nbytes, src.dtype))
+            pos = -(-(pos + nbytes) // _ALIGN) * _ALIGN
+        self.shard_bytes = max(pos, _ALIGN)
+        flat = [(self.world * self.shard_bytes,)]
+        layout = compute_layout(flat, self.world)
+        common = dict(layout=layout, zero_fill=False, check_ranks=False)
+        self.send = DBuffer(first.mesh, first.placements.sharded, flat, torch.uint8, first.compute_device, **common)
+        self.recv = DBuffer(first.mesh, first.placements.replicated, flat, torch.uint8, first.compute_device, **common)
+        self.replicated = first.placements.replicated
+        self.send.release_storage()
+        self.recv.release_storage()
+        self.key = self.key_of(sources)
+        self._waiting = 0  # groups that have not copied their part out yet
+
+    @staticmethod
+    def key_of(sources: Sequence[DBuffer]) -> tuple:
+        """What the packing depends on: each source's size and dtype."""
+        return tuple((src.local_buffer.numel(), src.dtype) for src in sources)
+
+    def launch(self, sources: Sequence[DBuffer]) -> Pending:
+        """Copy each source shard into its part of the send shard and start the all-gather (on
+        the current stream: the caller opens the all-gather stream's launch)."""
+        with label("fsdp::all_gather"):
+            self.send.reallocate_storage()
+            self.recv.reallocate_storage()
+            local = self.send.local_buffer
+            for (offset, nbytes, _), src in zip(self.parts, sources):
+                local[offset : offset + nbytes].copy_(src.local_buffer.view(torch.uint8))
+            self._waiting = len(self.parts)
+            return self.send.redistribute(self.replicated, out=self.recv, async_op=True)
+
+    def rows(self, i: int) -> torch.Tensor:
+        """Group ``i``'s gathered part: ``[world, shard numel]`` in its dtype, one row per rank."""
+        offset, nbytes, dtype = self.parts[i]
+        return self.recv.local_buffer.view(self.world, self.shard_bytes)[:, offset : offset + nbytes].view(dtype)
+
+    def copied_out(self) -> None:
+        """One group has copied its part out; the last one frees the buffers."""
+        self._waiting -= 1
+        if self._waiting == 0:
+            self.send.release_storage()
+            self.recv.release_storage()
+
+
+def shared_gather_for(cache: dict, groups: Sequence[Any], sources: Sequence[DBuffer]) -> SharedGather:
+    """The :class:`SharedGather` of ``groups`` from ``cache`` (one per set of groups), rebuilt
+    when a source's size or dtype changed (``module.to``, a tensor subclass's new outputs)."""
+    key = tuple(id(g) for g in groups)
+    shared: Optional[SharedGather] = cache.get(key)
+    if shared is None or shared.key != SharedGather.key_of(sources):
+        shared = cache[key] = SharedGather(groups, sources)
+    return shared
+
+
+def gather_together(groups: Sequence[Any], cache: dict) -> list[Any]:
+    """Launch one gather for those of a unit's ``groups`` that need one now and can share it;
+    return the groups it serves ([] when fewer than two could share: each gathers alone).
+    ``cache``: the unit's :class:`SharedGather` objects, kept between steps."""
+    if len(groups) < 2:
+        return []
+    batch = [g for g in groups if g.needs_gather() and g.can_share_gather()]
+    if not can_share(batch):
+        return []
+    for g in batch:  # on the compute stream: a released model shard is cast again
+        g.weights.begin_gather(own_target=False)
+    streams = batch[0].streams
+    with streams.launch(streams.all_gather):
+        sources = [g.weights.gather_source() for g in batch]
+        shared = shared_gather_for(cache, batch, sources)
+        pending = shared.launch(sources)
+    for index, g in enumerate(batch):
+        g.join_gather(pending, shared, index)
+    return batch

@@ -1,0 +1,261 @@
+"""How a group's weights move between the optimizer's shard and the modules: its ``weights`` part.
+
+A :class:`~fsdp.group.param_group.ParameterGroup` drives the same cycle for every kind of
+weights (refresh after the optimizer stepped, gather, hand the unsharded parameters to the
+modules, free them) and leaves what is moved, and how, to its weights part:
+
+* :class:`BufferWeights` (here, the default): the weights are DBuffers. ``main`` (the group's,
+  which the optimizer updates) is cast into ``model``, the compute-dtype shard; ``model`` is
+  all-gathered into ``unsharded`` (flat layouts) or into ``gathered`` and copied out into
+  ``unsharded`` (FSDP2's chunked layout); the modules compute with views of ``unsharded``.
+* :class:`fsdp.compose.extensions.SubclassWeights`: tensor-subclass parameters (float8, NF4):
+  the shards are pieces of the subclass itself and FSDP2's ``fsdp_pre_all_gather`` /
+  ``fsdp_post_all_gather`` make what is gathered and what the modules compute with.
+
+The part reads its group's settings (mesh, placements, dtypes, strategy, layout, kind, offload)
+through ``group`` and owns only the buffers it creates. The methods below are the whole contract.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Optional
+
+import torch
+import torch.nn as nn
+
+from dbuffer import DBuffer
+from fsdp.group.members import check_no_late_extension
+from fsdp.group.profiling import label
+
+__all__ = ["BufferWeights"]
+
+
+class BufferWeights:
+    """Weights held in DBuffers (see the module docstring for the buffers and their moves).
+
+    ``model`` is ``main`` itself when dtype and placements agree (no copy, no cast), a persistent
+    cast of it otherwise, or, with ``persistent_param_shard=False``, a temporary cast before each
+    gather (:attr:`lean_model`). Under HFSDP the model shard sits at other placements than
+    ``main`` (:attr:`GroupPlacements.model <fsdp.group.members.GroupPlacements>`) and a refresh
+    casts ``main`` into ``cast_main`` and all-gathers that over the replicate axis."""
+
+    keeps_post_forward_slice = True  # reshard_after_forward=n may keep a slice of the gathered weights
+    dtype_fixed: Optional[str] = None  # module.to(dtype) is allowed
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+        self.model: Optional[DBuffer] = None
+        self.unsharded: Optional[DBuffer] = None
+        # The all-gather's target when the layout copies out of it (else gathers land in ``unsharded``).
+        self.gathered: Optional[DBuffer] = None
+        self.cast_main: Optional[DBuffer] = None  # HFSDP: main cast to the compute dtype, gathered from
+        self.unsharded_params: Optional[list[nn.Parameter]] = None
+        self._init_buffer: Optional[DBuffer] = None  # full main-dtype weights during init_weights
+        self._version_before_gather = 0
+
+    # ------------------------------------------------------------------ building
+
+    def fill(self, tensors: list[torch.Tensor]) -> None:
+        """Copy this rank's part of every (identically initialised) full tensor into ``main``."""
+        self.group.layout.fill(self.group.main, tensors)
+
+    def build(self) -> None:
+        """``model``, ``unsharded`` and the unsharded parameters (views of it) for the group's
+        current ``main`` and dtypes; with a layout that copies, also ``gathered`` (storage only
+        while a gather lands). Their values come from the next refresh / gather."""
+        g = self.group
+        d, strategy, pl = g.dtypes, g.strategy, g.placements
+        self.cast_main = None
+        if pl.model is None:
+            self.model = g.main if d.model == d.main else g.host_sibling(g.main.placements, d.model)
+        else:  # HFSDP: larger than main's piece, rebuilt by a collective: always persistent
+            self.model = g.sibling(pl.model, d.model)
+            if d.model != d.main:
+                self.cast_main = g.sibling(g.main.placements, d.model, zero_fill=False)
+        self._release_lean_model()
+        self.gathered = None
+        if g.layout.copies:
+            self.gathered = g.sibling(pl.replicated, d.model, zero_fill=False)
+            self.gathered.release_storage()
+        if not strategy.shard_optim and not g.offload.on_host and not g.layout.copies:
+            self.unsharded = self.model  # no_shard: the replicated model weights are the full ones
+        else:
+            self.unsharded = g.layout.unsharded_buffer(
+                g.main, pl.replicated, d.model, g.compute_device, zero_fill=not strategy.shard_params
+            )
+        self.unsharded_params = [g.kind.unsharded(k, self.unsharded.get_local_tensor(k), g.requires_grad) for k in range(len(g.infos))]
+        if strategy.shard_params:  # gathered before each use (its views exist now)
+            self.unsharded.release_storage()
+
+    def new_sharded_params(self) -> list[nn.Parameter]:
+        """The parameters handed to users and optimizers: DTensor views of ``main``."""
+        g = self.group
+        params = [nn.Parameter(t, requires_grad=g.requires_grad) for t in g.sharded_views(g.main)]
+        for p in params:
+            p._fsdp_group = weakref.ref(g)  # found by the optimizer-step hook (fsdp.optim.step_hooks)
+        return params
+
+    # ------------------------------------------------------------------ the model shard
+
+    def version_key(self) -> int:
+        """Changes when an in-place op autograd sees updates a parameter (``load_state_dict``, a
+        for-loop optimizer). Foreach ops on DTensors do not bump it, hence also the group's
+        ``mark_stale``, called after every ``torch.optim`` optimizer step. Checked first, as at
+        every refresh: no local tensor got FSDP2's extension methods after ``fully_shard``
+        (:func:`~fsdp.group.members.check_no_late_extension`)."""
+        g = self.group
+        check_no_late_extension(g)
+        return sum(p._version for p in g.sharded_params) + g.main.local_buffer._version
+
+    @property
+    def lean_model(self) -> bool:
+        """Whether the model shard is a temporary cast before each gather (the policy's
+        ``persistent_param_shard=False``) rather than a copy kept between steps."""
+        g = self.group
+        return (
+            g.policy is not None
+            and not g.policy.persistent_param_shard
+            and self.model is not g.main
+            and g.strategy.shard_optim
+            and g.placements.model is None
+        )
+
+    @property
+    def step_writes_model(self) -> bool:
+        """Whether :mod:`fsdp.optim` may write the model shard in its step: a persistent copy
+        at ``main``'s placements (same local ranges), not ``main`` itself."""
+        return self.model is not self.group.main and not self.lean_model and self.group.placements.model is None
+
+    def _release_lean_model(self) -> None:
+        if self.lean_model:
+            self.model.release_storage()
+
+    def _cast_model(self) -> None:
+        """Cast the main shard into the model shard (allocated first if released)."""
+        if self.model.is_storage_released():
+            self.model.reallocate_storage()
+        self.group.main.cast(self.group.dtypes.model, out=self.model)
+
+    def release_model_shard(self) -> None:
+        """The unsharded weights stay gathered from now until the main weights change (a unit
+        that keeps them after forward, e.g. the root; ZeRO-1/2 after their gather): nothing reads
+        the persistent model shard before the optimizer writes it again, so its storage goes now
+        (``shard numel x param_dtype size``, alive at the backward peak otherwise). Should a
+        gather come first after all (``reshard()``, micro-batches), it casts the shard again from
+        the main weights: the same values, as ``persistent_param_shard=False`` does every time.
+        Kept under HFSDP, where only a collective rebuilds it, and under offload."""
+        g, model = self.group, self.model
+        if model is None or model is g.main or g.offload.on_host or not g.strategy.shard_optim:
+            return
+        if g.placements.model is None and not model.is_storage_released():
+            model.release_storage()
+
+    @torch.no_grad()
+    def refresh(self, model_current: bool) -> None:
+        """Bring the model shard up to date with the main weights: a local cast (unless
+        ``model_current``: the optimizer wrote it already, or it is ``main`` itself), or HFSDP's
+        cast and all-gather over the replicate axis; ``no_shard`` under offload uploads it
+        straight into the unsharded weights."""
+        g = self.group
+        g.offload.settle()  # an upload may still read model
+        if g.placements.model is not None:
+            source = g.main if self.cast_main is None else g.main.cast(g.dtypes.model, out=self.cast_main)
+            source.redistribute(g.placements.model, out=self.model)
+        elif self.model is not g.main and not model_current and not self.lean_model:
+            self._cast_model()
+        if g.offload.on_host and not g.strategy.shard_optim:
+            g.offload.upload(self.model, out=self.unsharded)  # no_shard: nothing to gather
+
+    # ------------------------------------------------------------------ gather
+
+    def has_unsharded(self) -> bool:
+        return not self.unsharded.is_storage_released()
+
+    @property
+    def shares_gather(self) -> bool:
+        """Whether a unit may gather this part together with its other groups in one collective
+        (:class:`~fsdp.group.shared_gather.SharedGather`): when its gather lands in rows that
+        the layout copies out of anyway (FSDP2's chunked layout), not straight in the parameters."""
+        return self.gathered is not None
+
+    def begin_gather(self, from_shard: bool = True, own_target: bool = True) -> Optional[DBuffer]:
+        """Before a gather, on the compute stream: if the gather reads the model shard
+        (``from_shard``; not a post-forward slice's), a released model shard is cast again; with
+        ``own_target`` (not a gather shared with other groups), the target gets storage and is
+        returned: the gathered buffer if the layout copies out of it, else the unsharded
+        weights themselves."""
+        self._version_before_gather = self.unsharded.local_buffer._version
+        if from_shard and self.model is not self.group.main and self.model.is_storage_released():
+            self._cast_model()
+        if not own_target:
+            return None
+        target = self.gathered_buffer()
+        target.reallocate_storage()
+        return target
+
+    def gather_source(self) -> DBuffer:
+        """The sharded compute weights a gather reads: ``model``, or under offload its copy on
+        the compute device (uploaded now, on the current stream: the gather's)."""
+        return self.group.offload.upload(self.model)
+
+    def gathered_buffer(self) -> DBuffer:
+        """The buffer an all-gather of the weights fills."""
+        return self.unsharded if self.gathered is None else self.gathered
+
+    @torch.no_grad()
+    def end_gather(self, refill: bool, rows: Optional[torch.Tensor] = None) -> None:
+        """After the gather has landed: free the temporaries it read, and let a layout that
+        copies move the gathered pieces (from ``rows``, where a gather shared with other groups
+        landed, else from ``gathered``) into the unsharded parameters, which get their storage
+        only now (as FSDP2's copy-out allocates them: a gather in flight, a prefetch, holds the
+        gathered buffer alone, not both). ``refill``: the gather restored weights freed at
+        reshard (ZeRO-3), values autograd may have saved in forward: not a modification, so the
+        version counter is put back (DBuffer's refill guard covers the collective, this the
+        copy-out)."""
+        g = self.group
+        self._release_lean_model()
+        g.offload.release_upload()
+        if self.gathered is not None:
+            with label("fsdp::copy_out"):
+                self.unsharded.reallocate_storage()
+                own = rows is None
+                g.layout.copy_out(g.layout.rows(self.gathered.local_buffer) if own else rows, self.unsharded)
+                if own:
+                    self.gathered.release_storage()
+        if refill:
+            torch._C._autograd._unsafe_set_version_counter((self.unsharded.local_buffer,), (self._version_before_gather,))
+
+    def free_unsharded(self) -> None:
+        if not self.unsharded.is_storage_released():
+            self.unsharded.release_storage()
+
+    def keep_slice(self, post, refresh: int) -> None:
+        """Let ``post`` (:mod:`fsdp.compose.post_forward`) keep its slice of the gathered
+        weights: copied out of the gathered buffer (flat), or rebuilt from the unsharded
+        parameters (a layout that copies has freed it)."""
+        if self.gathered is None:
+            post.keep(refresh)
+        else:
+            fill = self.group.layout.fill_slice
+            post.keep(refresh, fill=lambda out, start, end: fill(self.unsharded, out, start, end))
+
+    # ------------------------------------------------------------------ init_weights
+
+    def init_params(self) -> list[nn.Parameter]:
+        """Full plain parameters in the main dtype for an init function to fill: the main
+        weights themselves when they are replicated (``no_shard``), otherwise a temporary
+        replicated buffer of this group only, never of the whole model."""
+        g = self.group
+        if g.strategy.shard_optim:
+            self._init_buffer = g.layout.unsharded_buffer(g.main, g.placements.replicated, g.dtypes.main, g.main.device, True)
+        target = self._init_buffer if self._init_buffer is not None else g.main
+        return [g.kind.unsharded(k, target.get_local_tensor(k), g.requires_grad) for k in range(len(g.infos))]
+
+    @torch.no_grad()
+    def commit_init(self, commit: bool) -> None:
+        """Keep this rank's part of the initialised full weights (a local copy, no
+        communication) and drop the temporary buffer; ``commit=False`` only drops it."""
+        buf, self._init_buffer = self._init_buffer, None
+        if commit and buf is not None:
+            self.fill([buf.get_local_tensor(k) for k in range(len(self.group.infos))])
