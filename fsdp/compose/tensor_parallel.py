@@ -29,9 +29,26 @@ DTensor handed out a plain, exact one). So:
   parameter's (a ``Partial`` gradient of a TP-replicated weight) is redistributed to them (as
   FSDP2 does), then its local tensor is reduce-scattered on dp.
 
+torch 2.13's ``dp_mesh_dims`` contract (torchtitan's ``full_dtensor``)::
+
+    mesh = init_device_mesh("cuda", (dp, tp), mesh_dim_names=("dp_shard", "tp"))
+    # every parameter a DTensor on the whole mesh: Replicate() on dp_shard, TP's placement on tp
+    fully_shard(block, mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp_shard"))
+
+is the same sharding seen from the full mesh (:class:`DataParallelDims` names its dp dims): the
+parameter's local tensor is again its TP-local tensor, split in torch.chunk pieces over the dp
+shard ranks. As in FSDP2, the sharded parameter keeps the full mesh, in its own dim order, with
+``Shard(dim)`` (or ``_StridedShard`` within the TP pieces of a later dim that also splits ``dim``)
+on the dp shard dim and ``Replicate()`` on a dp replicate dim (HSDP); several shard dims are one
+flattened dim there. The module computes with the parameter as it was (a DTensor on the full
+mesh, ``Replicate()`` on the dp dims); a gradient keeps its dp placements (a ``Partial`` gradient
+of a data-sharded batch is reduced by the dp reduction itself) and is brought to the parameter's
+placements on the other dims before its local tensor is reduced.
+
 Everything is checked before any collective (:func:`check_params`): the dp mesh must be a
-sub-mesh of the parameter mesh's root, on axes the parameter's mesh does not use; placements
-must be ``Shard``/``Replicate`` (a ``Partial`` parameter is refused with the fix).
+sub-mesh of the parameter mesh's root, on axes the parameter's mesh does not use, unless the
+parameter is on the full mesh of ``dp_mesh_dims`` (then ``Replicate()`` on every dp dim);
+placements must be ``Shard``/``Replicate`` (a ``Partial`` parameter is refused with the fix).
 
 :func:`clip_grad_norm_` clips gradients that live on different meshes (TP blocks on
 ``(dp, tp)``, norms and embeddings on ``dp`` only), which ``torch.nn.utils.clip_grad_norm_``
@@ -42,7 +59,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterable, Optional, Union
+from typing import Iterable, Optional, Sequence, Union
 
 import torch
 import torch.nn as nn
@@ -54,7 +71,7 @@ from fsdp.group.bucket import mesh_key
 from fsdp.group.layouts import ParamKind
 from fsdp.group.members import ParamInfo
 
-__all__ = ["TensorParallelKind", "TensorParallelSpec", "check_params", "clip_grad_norm_", "local_of"]
+__all__ = ["DataParallelDims", "TensorParallelKind", "TensorParallelSpec", "check_params", "clip_grad_norm_", "local_of"]
 
 
 @dataclass(frozen=True)
@@ -97,9 +114,63 @@ def joint_placements(dp_ndim: int, dim: int, spec: TensorParallelSpec) -> tuple[
     return (Replicate(),) * (dp_ndim - 1) + (dp,) + spec.placements
 
 
-def check_params(infos: list[ParamInfo], dp_mesh: DeviceMesh, dims: Optional[list[int]], strategy) -> None:
+@dataclass(frozen=True)
+class DataParallelDims:
+    """``dp_mesh_dims`` resolved on fully_shard's full mesh: which of its dims are data-parallel
+    (indices into ``mesh``). A DTensor parameter on ``mesh`` follows FSDP2's full-mesh contract;
+    the others (plain, or tensor-parallel on a sub-mesh of the other dims) are sharded over the
+    dp sub-mesh as without ``dp_mesh_dims``."""
+
+    mesh: DeviceMesh
+    shard: tuple[int, ...]
+    replicate: tuple[int, ...]
+
+    @classmethod
+    def of(cls, mesh: DeviceMesh, shard: Sequence[str], replicate: Sequence[str]) -> "DataParallelDims":
+        names = list(mesh.mesh_dim_names)
+        return cls(mesh, tuple(names.index(n) for n in shard), tuple(names.index(n) for n in replicate))
+
+    def names(self, dims: Sequence[int]) -> list[str]:
+        return [self.mesh.mesh_dim_names[i] for i in dims]
+
+    def holds(self, param: torch.Tensor) -> bool:
+        """Whether ``param`` is a DTensor on the full mesh (the full-mesh contract applies)."""
+        return isinstance(param, DTensor) and param.device_mesh == self.mesh
+
+
+def full_mesh_sharding(
+    spmd: DataParallelDims, dp_mesh: DeviceMesh, dim: int, spec: TensorParallelSpec
+) -> tuple[DeviceMesh, tuple[Placement, ...]]:
+    """FSDP2's sharded parameter under ``dp_mesh_dims``: the full mesh in its own order, the
+    parameter's placements with ``Shard(dim)`` on the dp shard dim (``_StridedShard`` when later
+    dims of the mesh split ``dim`` too: dp then splits within their pieces), ``Replicate()`` kept
+    on dp replicate dims. Several shard dims are FSDP's one flattened dim: the dp mesh's, in place
+    of the first (with its replicate dim before it for HSDP, the replicate dims dropped)."""
+    mesh, placements = spmd.mesh, list(spec.placements)
+    for i in spmd.shard:
+        later = [j for j in range(i + 1, mesh.ndim) if isinstance(spec.placements[j], Shard) and spec.placements[j].dim == dim]
+        factor = math.prod(mesh.size(j) for j in later)
+        placements[i] = _StridedShard(dim, split_factor=factor) if factor > 1 else Shard(dim)
+    if len(spmd.shard) == 1:
+        return mesh, tuple(placements)
+    parts: list[DeviceMesh] = []
+    out: list[Placement] = []
+    for i, name in enumerate(mesh.mesh_dim_names):
+        if i == spmd.shard[0]:
+            parts.append(dp_mesh)
+            out += [Replicate()] * (dp_mesh.ndim - 1) + [placements[i]]
+        elif i not in spmd.shard and not (dp_mesh.ndim == 2 and i in spmd.replicate):
+            parts.append(mesh[name])
+            out.append(placements[i])
+    return DeviceMesh._concatenate(parts), tuple(out)
+
+
+def check_params(
+    infos: list[ParamInfo], dp_mesh: DeviceMesh, dims: Optional[list[int]], strategy, spmd: Optional[DataParallelDims] = None
+) -> None:
     """Raise a clear ``ValueError`` for a DTensor parameter fully_shard cannot shard over
-    ``dp_mesh`` (run before any collective, identically on every rank)."""
+    ``dp_mesh`` (``spmd``: the full mesh's dp dims, given ``dp_mesh_dims``); run before any
+    collective, identically on every rank."""
     for info in infos:
         p = info.param
         if not isinstance(p, DTensor):
@@ -123,32 +194,84 @@ def check_params(infos: list[ParamInfo], dp_mesh: DeviceMesh, dims: Optional[lis
         tp_mesh = p.device_mesh
         if tp_mesh.device_type != dp_mesh.device_type:
             raise ValueError(f"{where} is on device type {tp_mesh.device_type!r} but the dp mesh on {dp_mesh.device_type!r}")
-        if tp_mesh._get_root_mesh() is not dp_mesh._get_root_mesh() and not _same_root(tp_mesh, dp_mesh):
-            raise ValueError(
-                f"{where}: the dp mesh {dp_mesh} is not a sub-mesh of the parameter mesh's root mesh; slice "
-                f"both from one mesh, e.g. mesh = init_device_mesh(..., mesh_dim_names=('dp', 'tp')), "
-                f"parallelize_module(..., mesh['tp']), fully_shard(..., mesh=mesh['dp'])"
-            )
-        if dp_mesh.mesh_dim_names is None or tp_mesh.mesh_dim_names is None:
-            raise ValueError(
-                f"{where}: the dp mesh and the parameter's mesh must have axis names (the sharded parameter "
-                f"lives on their concatenation); build the mesh with init_device_mesh(..., mesh_dim_names=('dp', 'tp'))"
-            )
-        shared = set(dp_mesh.mesh_dim_names) & set(tp_mesh.mesh_dim_names)
-        if shared:
-            raise ValueError(
-                f"{where} is tensor-parallel over mesh axis {sorted(shared)}, which is also the data-parallel "
-                f"mesh's axis: TP and FSDP must use different axes; pass fully_shard the other axes, e.g. mesh=mesh['dp']"
-            )
-        try:
-            joint_mesh(dp_mesh, tp_mesh)
-        except RuntimeError as e:
-            raise ValueError(
-                f"{where}: the dp mesh {dp_mesh} and the parameter's mesh overlap or come from different "
-                f"meshes ({e}); slice them from one mesh on disjoint axes"
-            ) from None
+        if spmd is not None and spmd.holds(p):
+            _check_full_mesh(where, p, spmd)
+        else:
+            _check_sub_mesh(where, p, dp_mesh, spmd)
         if not local_of(p).is_contiguous():
             raise ValueError(f"{where}: its local tensor is not contiguous; make it so (.contiguous()) before fully_shard")
+
+
+def _check_full_mesh(where: str, p: DTensor, spmd: DataParallelDims) -> None:
+    """FSDP2's contract: ``Replicate()`` on every dp dim; several shard dims adjacent, in order
+    (they are flattened into one)."""
+    dp = spmd.shard + spmd.replicate
+    for i in dp:
+        if not isinstance(p.placements[i], Replicate):
+            role = "shard" if i in spmd.shard else "replicate"
+            fixed = [Replicate() if j in dp else q for j, q in enumerate(p.placements)]
+            raise ValueError(
+                f"{where} is {p.placements[i]!r} on the data-parallel {role} dim {spmd.names([i])[0]!r}: with "
+                f"dp_mesh_dims every parameter on the full mesh must be Replicate() on the data-parallel dims "
+                f"{spmd.names(dp)} (fsdp shards it there, as FSDP2 does); make it so before fully_shard, e.g. "
+                f"nn.Parameter(p.redistribute(placements={fixed!r}))"
+            )
+    if list(spmd.shard) != list(range(spmd.shard[0], spmd.shard[0] + len(spmd.shard))):
+        raise ValueError(
+            f"{where}: dp_mesh_dims.shard names the mesh dims {spmd.names(spmd.shard)}, which fsdp flattens into one "
+            f"shard dim of the parameters on the full mesh; they must be adjacent dims of the mesh, in its order"
+        )
+
+
+def _check_sub_mesh(where: str, p: DTensor, dp_mesh: DeviceMesh, spmd: Optional[DataParallelDims]) -> None:
+    """A tensor-parallel parameter on a mesh of its own: a sub-mesh of the dp mesh's root on
+    other axes (the sharded parameter lives on their concatenation)."""
+    tp_mesh = p.device_mesh
+    if tp_mesh._get_root_mesh() is not dp_mesh._get_root_mesh() and not _same_root(tp_mesh, dp_mesh):
+        raise ValueError(
+            f"{where}: the dp mesh {dp_mesh} is not a sub-mesh of the parameter mesh's root mesh; slice "
+            f"both from one mesh, e.g. mesh = init_device_mesh(..., mesh_dim_names=('dp', 'tp')), "
+            f"parallelize_module(..., mesh['tp']), fully_shard(..., mesh=mesh['dp'])"
+        )
+    if dp_mesh.mesh_dim_names is None or tp_mesh.mesh_dim_names is None:
+        raise ValueError(
+            f"{where}: the dp mesh and the parameter's mesh must have axis names (the sharded parameter "
+            f"lives on their concatenation); build the mesh with init_device_mesh(..., mesh_dim_names=('dp', 'tp'))"
+        )
+    dp_names = spmd.names(spmd.shard + spmd.replicate) if spmd is not None else list(dp_mesh.mesh_dim_names)
+    shared = [n for n in tp_mesh.mesh_dim_names if n in dp_names]
+    if shared and spmd is not None:
+        raise ValueError(
+            f"{where} is distributed over the data-parallel dim(s) {shared} on a mesh other than the full mesh "
+            f"passed as mesh= with dp_mesh_dims ({spmd.mesh}): make it a DTensor on that full mesh, Replicate() on "
+            f"the data-parallel dims (e.g. distribute_tensor(full, mesh, placements)), as FSDP2 requires; a "
+            f"tensor-parallel parameter may instead live on a sub-mesh of the other dims (e.g. mesh['tp'])"
+        )
+    if shared and all(isinstance(p.placements[tp_mesh.mesh_dim_names.index(n)], Replicate) for n in shared):
+        raise ValueError(
+            f"{where} is Replicate() on the data-parallel mesh's dim(s) {shared}: the full-mesh layout of torch's "
+            f"dp_mesh_dims (torchtitan's full_dtensor). Pass fully_shard the parameter's whole mesh and name its "
+            f"data-parallel dims: fully_shard(..., mesh=<that mesh>, dp_mesh_dims={_dims_hint(dp_mesh)})"
+        )
+    if shared:
+        raise ValueError(
+            f"{where} is tensor-parallel over mesh axis {sorted(shared)}, which is also the data-parallel "
+            f"mesh's axis: TP and FSDP must use different axes; pass fully_shard the other axes, e.g. mesh=mesh['dp']"
+        )
+    try:
+        joint_mesh(dp_mesh, tp_mesh)
+    except RuntimeError as e:
+        raise ValueError(
+            f"{where}: the dp mesh {dp_mesh} and the parameter's mesh overlap or come from different "
+            f"meshes ({e}); slice them from one mesh on disjoint axes"
+        ) from None
+
+
+def _dims_hint(dp_mesh: DeviceMesh) -> str:
+    names = dp_mesh.mesh_dim_names
+    if dp_mesh.ndim == 1:
+        return f"DataParallelMeshDims(shard={names[0]!r})"
+    return f"DataParallelMeshDims(shard={names[1]!r}, replicate={names[0]!r})"
 
 
 def _same_root(a: DeviceMesh, b: DeviceMesh) -> bool:
@@ -157,28 +280,34 @@ def _same_root(a: DeviceMesh, b: DeviceMesh) -> bool:
 
 
 class TensorParallelKind(ParamKind):
-    """The parameter kind of a group of DTensor parameters sharing one TP mesh (every group
-    that holds them is a torch.chunk :class:`~fsdp.group.layouts.ChunkedLayout` over the dp
-    mesh): their TP-local tensors are what the group shards, gathers and reduces; the sharded
-    parameters it hands out are DTensors on the joint ``(dp, tp)`` mesh, the unsharded ones
-    DTensors on the TP mesh, and a gradient is brought to the parameter's TP placements before
-    its local tensor is reduced."""
+    """The parameter kind of a group of DTensor parameters sharing one mesh (every group that
+    holds them is a torch.chunk :class:`~fsdp.group.layouts.ChunkedLayout` over the dp mesh):
+    their local tensors are what the group shards, gathers and reduces; the sharded parameters it
+    hands out are DTensors on the joint ``(dp, tp)`` mesh (on the full mesh under ``spmd``, the
+    ``dp_mesh_dims`` contract: :func:`full_mesh_sharding`), the unsharded ones DTensors as the
+    parameters were, and a gradient is brought to the parameter's placements (but its own on the
+    dp dims of the full mesh) before its local tensor is reduced."""
 
     plain = False
 
-    def __init__(self, params: list[DTensor], dp_mesh: DeviceMesh, dims: list[int]) -> None:
+    def __init__(
+        self, params: list[DTensor], dp_mesh: DeviceMesh, dims: list[int], spmd: Optional[DataParallelDims] = None
+    ) -> None:
         self.specs = [TensorParallelSpec.of(p) for p in params]
-        self.spmd_mesh = joint_mesh(dp_mesh, self.specs[0].mesh)
-        self.joint_placements = [joint_placements(dp_mesh.ndim, d, s) for d, s in zip(dims, self.specs)]
+        if spmd is not None and spmd.holds(params[0]):  # a group's parameters share one mesh
+            self.dp_dims = frozenset(spmd.shard + spmd.replicate)
+            self.shardings = [full_mesh_sharding(spmd, dp_mesh, d, s) for d, s in zip(dims, self.specs)]
+        else:
+            self.dp_dims = frozenset()
+            joint = joint_mesh(dp_mesh, self.specs[0].mesh)
+            self.shardings = [(joint, joint_placements(dp_mesh.ndim, d, s)) for d, s in zip(dims, self.specs)]
 
     def local(self, param: torch.Tensor) -> torch.Tensor:
         return local_of(param)
 
     def sharded(self, k: int, local: torch.Tensor, mesh: DeviceMesh, placements: tuple, shape: torch.Size) -> DTensor:
-        s = self.specs[k]
-        return DTensor.from_local(
-            local, self.spmd_mesh, self.joint_placements[k], run_check=False, shape=s.shape, stride=s.stride
-        )
+        s, (on, placed) = self.specs[k], self.shardings[k]  # not the layout's dp mesh and placements
+        return DTensor.from_local(local, on, placed, run_check=False, shape=s.shape, stride=s.stride)
 
     def unsharded(self, k: int, full: torch.Tensor, requires_grad: bool) -> nn.Parameter:
         s = self.specs[k]
@@ -188,8 +317,11 @@ class TensorParallelKind(ParamKind):
     def grad_local(self, k: int, grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         if isinstance(grad, DTensor):
             s = self.specs[k]
-            if tuple(grad.placements) != s.placements:
-                grad = grad.redistribute(s.mesh, s.placements)
+            # on a dp dim the gradient keeps its placement, as in FSDP2: a Partial one (of a batch
+            # split there) is summed by the dp reduction itself, no all-reduce first
+            target = tuple(g if i in self.dp_dims else q for i, (g, q) in enumerate(zip(grad.placements, s.placements)))
+            if tuple(grad.placements) != target:
+                grad = grad.redistribute(s.mesh, target)
             grad = grad._local_tensor
             if hasattr(grad, "wait"):  # an AsyncCollectiveTensor
                 grad = grad.wait()

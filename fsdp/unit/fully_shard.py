@@ -27,7 +27,7 @@ from fsdp.compose.extensions import SUBCLASS, SubclassWeights
 from fsdp.compose.offload import CPUOffloadPolicy, HostOffload, OffloadPolicy, check_offload_policy
 from fsdp.compose.outer_shard import check_outer_sharding, outer_sharded
 from fsdp.compose.post_forward import enable_post_forward_slices
-from fsdp.compose.tensor_parallel import TensorParallelKind, check_params as _check_tensor_parallel
+from fsdp.compose.tensor_parallel import DataParallelDims, TensorParallelKind, check_params as _check_tensor_parallel
 from fsdp.group.bucket import Bucket, GroupSpec, plan_buckets
 from fsdp.group.layout_choice import chunk_by_default
 from fsdp.group.layouts import PLAIN, ChunkedLayout, describe_layout
@@ -121,9 +121,12 @@ def fully_shard(
     :mod:`fsdp.compose.offload`). Parameters may then be on the CPU or the mesh's device; every strategy
     works. ``pin_memory`` on a CPU mesh has nothing to speed up and is ignored.
 
-    ``dp_mesh_dims`` (FSDP2's :class:`DataParallelMeshDims`): ``mesh`` is a named mesh and these
-    of its dims are the data-parallel ones (``shard``, optionally ``replicate`` for HSDP; several
-    names are flattened into one dim); see :func:`fsdp.unit.surface.data_parallel_mesh`.
+    ``dp_mesh_dims`` (FSDP2's :class:`DataParallelMeshDims`): ``mesh`` is the full named mesh and
+    these of its dims are the data-parallel ones (``shard``, optionally ``replicate`` for HSDP;
+    several names are flattened into one dim), the others another parallelism's (tensor
+    parallelism). As in FSDP2, parameters that are DTensors on that mesh, ``Replicate()`` on the
+    dp dims, become sharded DTensors on it (``Shard`` on the dp shard dim); plain parameters are
+    sharded over the dp dims only; see :func:`fsdp.unit.surface.data_parallel_mesh`.
 
     ``outer_dp_sharding_strategy`` (Megatron-FSDP's name; not in FSDP2): on a 2-D mesh,
     ``"no_shard"`` (default) is HSDP; ``"optim"`` (HFSDP) also shards the main weights, main
@@ -135,7 +138,7 @@ def fully_shard(
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
     strategy = parse_strategy(sharding_strategy)
     offload = check_offload_policy(offload_policy)
-    mesh = surface.data_parallel_mesh(mesh, dp_mesh_dims)
+    mesh, spmd = surface.data_parallel_mesh(mesh, dp_mesh_dims)
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(f"mp_policy must be an fsdp.MixedPrecisionPolicy, got {type(mp_policy).__name__}")
     if reshard_after_forward is not None and not isinstance(reshard_after_forward, int):
@@ -170,7 +173,7 @@ def fully_shard(
         if spec.mesh is not mesh:
             check_mesh(spec.mesh, infos, what="a bucket's mesh", host_ok=offload is not None)
         check_params([infos[k] for k in spec.members], spec.strategy, spec.policy)
-        _check_tensor_parallel([infos[k] for k in spec.members], spec.mesh, spec.dims, spec.strategy)
+        _check_tensor_parallel([infos[k] for k in spec.members], spec.mesh, spec.dims, spec.strategy, spmd)
     check_extension_params([i.fqn for i in infos], [i.param for i in infos], specs)
     if offload is not None:
         check_offloadable(infos)
@@ -182,7 +185,7 @@ def fully_shard(
     try:
         for m in modules:
             m.__class__ = fsdp_class(type(m))
-        groups = _build_groups(infos, specs, offload, outer)
+        groups = _build_groups(infos, specs, offload, outer, spmd)
         if slice_ranks is not None:  # every rank gets here: the view's groups are made together
             enable_post_forward_slices(groups, mesh, slice_ranks)
         state = FSDPState(modules, groups, mp_policy, reshard_after_forward)
@@ -249,7 +252,8 @@ def _collect_params(modules: list[nn.Module], ignored: set[int]) -> tuple[list[P
 
 
 def _build_groups(
-    infos: list[ParamInfo], specs: list[GroupSpec], offload: Optional[CPUOffloadPolicy] = None, outer: bool = False
+    infos: list[ParamInfo], specs: list[GroupSpec], offload: Optional[CPUOffloadPolicy] = None, outer: bool = False,
+    spmd: Optional[DataParallelDims] = None,
 ) -> list[ParameterGroup]:
     """One group per spec (tensor-subclass members, with the plain ones that can join them, in
     a group of their own). Every part of a group is chosen here and handed to it: its layout
@@ -273,7 +277,7 @@ def _build_groups(
                 kw.update(kind=SUBCLASS, weights=SubclassWeights)
                 spec.dims = [0] * len(members)  # FSDP2's pieces, whatever the layout policy
             elif isinstance(first, DTensor):
-                kw["kind"] = TensorParallelKind([i.param for i in members], mesh, spec.dims)
+                kw["kind"] = TensorParallelKind([i.param for i in members], mesh, spec.dims, spmd)
             if spec.dims is not None:
                 shapes = [tuple(kw.get("kind", PLAIN).local(i.param).shape) for i in members]
                 kw["layout"] = ChunkedLayout(shapes, spec.dims, mesh.shape[-1], mesh.get_coordinate()[-1])

@@ -32,6 +32,7 @@ from torch.distributed.fsdp import DataParallelMeshDims
 
 from dbuffer import mesh_device
 from fsdp.compose import custom_comm
+from fsdp.compose.tensor_parallel import DataParallelDims
 from fsdp.group.reduction import check_divide_factor
 from fsdp.unit.state import FSDPState
 
@@ -267,15 +268,23 @@ def share_comm_ctx(modules: list[nn.Module]) -> None:
 # ---------------------------------------------------------------- fully_shard arguments
 
 
-def data_parallel_mesh(mesh: Optional[DeviceMesh], dp_mesh_dims: Optional[DataParallelMeshDims]) -> Optional[DeviceMesh]:
-    """``mesh`` as fsdp shards over it: unchanged without ``dp_mesh_dims``; with it, the
-    data-parallel submesh of a named mesh: ``shard`` alone gives a 1-D mesh, ``shard`` and
-    ``replicate`` a 2-D ``(replicate, shard)`` HSDP mesh, several names of one role are flattened
-    into one dim (as FSDP2 does). Every dim of ``mesh`` must be named there: with tensor
-    parallelism on other dims, pass the data-parallel submesh instead (it raises, saying so). ``replicate`` alone (FSDP2's DDP) is refused: use
-    ``sharding_strategy='no_shard'`` on a 1-D mesh."""
+def data_parallel_mesh(
+    mesh: Optional[DeviceMesh], dp_mesh_dims: Optional[DataParallelMeshDims]
+) -> tuple[Optional[DeviceMesh], Optional[DataParallelDims]]:
+    """``mesh`` as fsdp shards over it, and, given ``dp_mesh_dims``, its data-parallel dims.
+
+    Without ``dp_mesh_dims``: ``(mesh, None)``. With it (torch 2.13's contract, torchtitan's
+    ``full_dtensor`` and ``spmd_types``), ``mesh`` is the full SPMD mesh and the first value its
+    data-parallel sub-mesh: ``shard`` alone gives a 1-D mesh, ``shard`` and ``replicate`` a 2-D
+    ``(replicate, shard)`` HSDP mesh, several names of one role are flattened into one dim (as
+    FSDP2 does). Dims named in neither role belong to other parallelisms (tensor parallelism).
+    Parameters that are DTensors on ``mesh`` must be ``Replicate()`` on the dp dims and are
+    sharded as FSDP2 shards them (:mod:`fsdp.compose.tensor_parallel`); plain parameters (which
+    FSDP2 refuses here) are sharded over the dp sub-mesh, each group of ranks along the other
+    dims keeping its own values (spmd_types' tensor-parallel-local tensors). ``replicate`` alone
+    (FSDP2's DDP) is refused: use ``sharding_strategy='no_shard'`` with ``shard=``."""
     if dp_mesh_dims is None:
-        return mesh
+        return mesh, None
     if not isinstance(dp_mesh_dims, DataParallelMeshDims):
         raise ArgumentTypeError(
             f"dp_mesh_dims must be a torch.distributed.fsdp.DataParallelMeshDims, got {type(dp_mesh_dims).__name__}"
@@ -296,22 +305,16 @@ def data_parallel_mesh(mesh: Optional[DeviceMesh], dp_mesh_dims: Optional[DataPa
             f"dp_mesh_dims with replicate={replicate} only (FSDP2's DDP mode) is not supported; pass "
             f"dp_mesh_dims=DataParallelMeshDims(shard=...) with sharding_strategy='no_shard' instead"
         )
-    others = [n for n in names if n not in shard + replicate]
-    if others:
-        raise ValueError(
-            f"dp_mesh_dims leaves mesh dims {others} of {mesh} to other parallelisms; fully_shard takes the "
-            f"data-parallel mesh: pass mesh=mesh[{tuple(shard + replicate)!r}] without dp_mesh_dims (DTensor "
-            f"parameters of tensor parallelism on the other dims are sharded over it, see fsdp.compose.tensor_parallel)"
-        )
 
     def submesh(dims: tuple[str, ...]) -> DeviceMesh:
         return mesh[dims[0]] if len(dims) == 1 else mesh[dims]._flatten("_".join(dims))
 
+    dp = DataParallelDims.of(mesh, shard, replicate)
     if not replicate:
-        return submesh(shard)
+        return submesh(shard), dp
     if len(shard) == 1 and len(replicate) == 1:
-        return mesh[(replicate[0], shard[0])]
-    return _concatenate(submesh(replicate), submesh(shard))
+        return mesh[(replicate[0], shard[0])], dp
+    return _concatenate(submesh(replicate), submesh(shard)), dp
 
 
 def _concatenate(replicate: DeviceMesh, shard: DeviceMesh) -> DeviceMesh:

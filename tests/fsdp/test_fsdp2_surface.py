@@ -415,8 +415,12 @@ def _dp_mesh_dims(model, x, y, ref) -> dict:
         group = m._fsdp_state.groups[0]
         loss_fn(m, xl, yl).backward()
         out[key] = (group.main.num_shards == shards, group.mesh.ndim, _close(_grads(m), ref))
+    # a dim named in neither role belongs to another parallelism: plain parameters are sharded
+    # over the named dims only (tests/fsdp/test_dp_mesh_dims.py trains that, spmd_types' shape)
+    leftover = fsdp.fully_shard(Block(), mesh=named, dp_mesh_dims=fsdp.DataParallelMeshDims(shard="b"))
+    group = leftover._fsdp_state.groups[0]
+    out["leftover dim"] = (group.main.num_shards, group.mesh.mesh_dim_names) == (WORLD // 2, ("b",))
     for key, dims, text in (
-        ("leftover dim", fsdp.DataParallelMeshDims(shard="b"), "leaves mesh dims ['a']"),
         ("unknown name", fsdp.DataParallelMeshDims(shard="dp"), "not found"),
         ("ddp", fsdp.DataParallelMeshDims(replicate=("a", "b")), "no_shard"),
     ):
@@ -428,7 +432,7 @@ def _dp_mesh_dims(model, x, y, ref) -> dict:
     return out
 
 
-def test_dp_mesh_dims_selects_flattens_and_refuses_other_dims() -> None:
+def test_dp_mesh_dims_selects_and_flattens_dims() -> None:
     model, (x, y) = make_model(), make_batches(1)[0]
     ref = _reference_grads(model, x, y)
     r = run_ranks(_dp_mesh_dims, WORLD, model, x, y, ref, backend="threaded", timeout=60)[0]
