@@ -130,6 +130,8 @@ class FlatOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None):
+        """One optimizer step over every group's flat shard (``closure``: re-evaluates the loss,
+        as in torch.optim); returns the closure's loss, or None."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
