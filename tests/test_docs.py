@@ -151,6 +151,16 @@ def test_example_runs(example: Example) -> None:
             run_ranks(_run_example, example.world, example.blocks, example.path, workdir, backend="gloo", timeout=240)
 
 
+def test_readme_is_short_and_marks_its_benchmark_table() -> None:
+    text = (ROOT / "README.md").read_text()
+    assert len(text) <= 15_000, f"README.md has {len(text)} characters; move detail into a guide"
+    lines = text.splitlines()
+    begin, end = lines.index("<!-- bench-table:begin -->"), lines.index("<!-- bench-table:end -->")
+    assert lines.count("<!-- bench-table:begin -->") == lines.count("<!-- bench-table:end -->") == 1
+    assert begin < end and any(line.startswith("| ") for line in lines[begin:end]), "no table between the markers"
+    assert "python3 tools/dev.py demo" in text and "python3 tools/dev.py test" in text
+
+
 def _torch_names_on() -> bool:
     import torch.distributed.fsdp
 
