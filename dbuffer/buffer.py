@@ -95,14 +95,22 @@ class DBuffer(TensorViews, StorageLifetime):
     ) -> None:
         """The local buffer is zero-filled, or left uninitialised with ``zero_fill=False`` (no
         page is written: cheap for a buffer whose storage is released right after its views are
-        made), or ``local_buffer`` is used as is (no copy).
+        made), or ``local_buffer`` is used as is (no copy). ``device``: where the local buffer
+        lives (default: the mesh's device, :func:`dbuffer.mesh_device`).
 
         ``check_ranks``: first check that every rank of the mesh passed the same shapes, dtype,
         placements and layout (one all-gather of 8 bytes per mesh axis; see
         :mod:`dbuffer.agreement`), so that a mismatch raises
         :class:`~dbuffer.agreement.RankMismatchError` on every rank instead of crashing the
         first collective. Pass False only for a buffer known to be built alike everywhere (a
-        sibling of a checked one)."""
+        sibling of a checked one).
+
+        Raises, before that collective and identically on every rank: ``TypeError`` for a
+        ``mesh``, ``dtype``, ``layout`` or ``tensor_shapes`` of the wrong type; ``ValueError`` for
+        placements that do not fit the mesh (one per axis: ``Shard(0)``, ``Replicate()``,
+        ``Partial("sum" | "avg")``, ``Owned()`` on 1-D meshes), an Owned placement without an owned
+        layout (or the reverse), a rank outside the mesh, or a ``local_buffer`` of the wrong size,
+        dtype or device."""
         if not isinstance(mesh, DeviceMesh):
             raise TypeError(f"mesh must be a torch DeviceMesh, got {type(mesh).__name__}")
         if not isinstance(dtype, torch.dtype):
@@ -366,7 +374,11 @@ def distribute_tensors(
     axis and zeros elsewhere; ``Partial("avg")`` puts them everywhere. ``layout`` as for
     :class:`DBuffer` (default: owned if a placement is ``Owned()``, else packed). Only the
     values are taken: the buffer is not part of any autograd graph (``nn.Parameter`` s and tensors
-    that require grad are read detached, as by torch's ``distribute_tensor``)."""
+    that require grad are read detached, as by torch's ``distribute_tensor``).
+
+    ``mesh`` and ``placements`` as for :class:`DBuffer`. Raises ``TypeError`` for an element that
+    is not a tensor, ``ValueError`` for mixed dtypes, and what :class:`DBuffer` raises
+    (its rank check included: every rank must pass tensors of the same shapes)."""
     tensors, dtype, device = check_tensors(tensors)
     buf = DBuffer(
         mesh,

@@ -12,28 +12,17 @@ This is the only module of the toolkit that calls torch.distributed collectives.
   2 MiB: ``all_to_all_single`` + a local sum. From 2 MiB up: point-to-point, each rank sending
   every peer that peer's chunk, receiving the first into ``out`` (when it does not overlap the
   input) and the others into ``(size - 2) * shard`` elements of scratch, and adding its own
-  chunk. Both reuse their scratch across calls (:func:`release_workspaces` frees
-  it); the previous version allocated an input-sized receive buffer on every call.
-* Gloo, all-reduce: ``dist.all_reduce``. Rebuilding it as reduce-scatter + all-gather moves the
-  same bytes and measured no faster: with the point-to-point halves above 68 ms vs 62 ms at
-  64 MiB and 14.7 ms vs 15.3 ms at 16 MiB (within this machine's noise); with
-  ``all_to_all_single`` + sum + ``all_gather_single`` 123 ms vs 62 ms at 64 MiB. Its second half
-  could also not run in the background.
+  chunk. Both reuse their scratch across calls (:func:`release_workspaces` frees it).
+* Gloo, all-reduce: ``dist.all_reduce``. Rebuilt as reduce-scatter + all-gather it moves the
+  same bytes and measured no faster, and its second half could not run in the background.
 * Owned layouts whose shards are mostly padding gather by one broadcast per owner's used range
   (:func:`broadcast_segments`) and reduce to the owners by one all-to-all of those ranges
   (:func:`reduce_to_owners`), instead of moving padded shards (see ``buffer.py``).
 * ``avg``: native where the backend has ``ReduceOp.AVG`` (NCCL, threaded); elsewhere a sum and an
   in-place division by the group size on the (already reduced, smaller) output.
 
-Figures from ``tools/bench_primitives.py``: 2 gloo ranks with 1 thread each on a 2-vCPU VM,
-medians; whole runs drift by 20% or more, so compare within one run. 64 MiB of fp32, previous
-version: all-gather 79 ms (= ``all_gather_single``, 78 ms; point-to-point 30 ms), reduce-scatter
-83 ms (all-to-all into a fresh buffer; 37 ms into a reused one, 35 ms point-to-point). This
-version: all-gather 31 ms (``all_gather_single`` 94 ms in the same run), reduce-scatter 42 ms
-(``reduce_scatter_single`` 107 ms, best hand-built raw way 39 ms). Point-to-point messages carry
-more latency (a heavier tail) than gloo's collectives, hence the 2 MiB switch: with shards up to
-1 MiB the one-call collectives were faster on average, at 2 MiB the two were even, from 4 MiB on
-point-to-point was clearly faster.
+Point-to-point messages carry more latency than gloo's collectives, hence the 2 MiB switch: the
+crossover ``tools/bench_primitives.py`` finds between the one-call collectives and point-to-point.
 
 Every function writes into the ``out`` it is given and returns a :class:`Pending` whose
 ``wait()`` finishes the work (post-processing included) and returns ``out``. With
@@ -69,7 +58,11 @@ __all__ = [
 ]
 
 def mesh_device(mesh: DeviceMesh) -> torch.device:
-    """This rank's device of ``mesh``: where its buffers live and its collectives run."""
+    """This rank's device of ``mesh``: where its buffers live and its collectives run.
+
+    ``mesh``: a torch ``DeviceMesh``. For a CUDA mesh, ``torch.device("cuda", current_device())``
+    (set the current device per rank first, as every CUDA program does); otherwise the mesh's
+    device type (``cpu``, ``meta``). Raises nothing of its own; no communication."""
     if mesh.device_type == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device(mesh.device_type)
@@ -83,7 +76,15 @@ _P2P_MIN_SHARD_BYTES = 2 << 20
 
 
 class Pending:
-    """Work in flight. ``wait()`` blocks (on CUDA: orders the current stream) and returns the result."""
+    """Work in flight: what a DBuffer primitive with ``async_op=True`` returns.
+
+    ``works``: the c10d work handles (None entries for steps done synchronously); ``finish``:
+    run once after they complete (post-processing such as the local sum of a gloo reduce-scatter
+    or the division of an average), its value being the result. Built by dbuffer, not by users.
+    ``wait()`` blocks (on CUDA: orders the current stream) and returns the result, and raises
+    what the collective raised (a backend error; ``CollectiveMismatchError`` in debug mode is
+    raised earlier, at the call). Calling it again returns the same result at once.
+    """
 
     def __init__(self, works: list, finish: Callable[[], object]) -> None:
         self._works = works
@@ -92,6 +93,7 @@ class Pending:
         self._done = False
 
     def wait(self):
+        """Finish the work (once) and return the result: the ``out`` buffer."""
         if not self._done:
             for work in self._works:
                 if work is not None:
@@ -100,11 +102,12 @@ class Pending:
             self._done = True
             # Drop the works and the finishing closure now: they hold the collective's buffers
             # (scratch, inputs), and a closure that names its own Pending would keep them until
-            # the next garbage collection (measured: 22 MiB through the optimizer step).
+            # the next garbage collection (through the optimizer step).
             self._works, self._finish = [], None
         return self._result
 
     def is_completed(self) -> bool:
+        """Whether ``wait()`` would return without blocking on the collectives."""
         return self._done or all(w is None or w.is_completed() for w in self._works)
 
 

@@ -60,13 +60,27 @@ _REDUCE_OPS = {
 
 class ElementShardedDTensor(PieceShardedDTensor):
     """A DTensor whose local piece is elements ``[start, start + count)`` of the flattened tensor
-    (1-D); exact under every op (see the module docstring for how each kind of op is run)."""
+    (1-D); exact under every op (see the module docstring for how each kind of op is run).
+
+    What a ragged layout (:func:`dbuffer.compute_ragged_layout`, fsdp's ``layout_policy("ragged")``
+    or ``"auto"`` at large worlds) hands out for a tensor whose rows a shard boundary cuts.
+    Guarantees: pointwise ops, ``*_like``, copies, casts and ``_foreach_*`` run on the local
+    elements when every sharded operand has the same element ranges; ``sum``/``norm``/``max``
+    reduce locally into ``Partial`` DTensors; views that keep the element order (``view``,
+    ``reshape``, ``flatten``) are allowed; everything else is computed on gathered tensors, so
+    every result is the single-process value. A view that would move elements (``p.t()``,
+    ``p[0]``) raises ``NotImplementedError`` naming the fix. DCP saves it as at most
+    ``2 * ndim - 1`` boxes.
+    """
 
     _elements_per_shard: tuple[int, ...]
     _element_start: int
 
     @staticmethod
     def wrap(local: torch.Tensor, spec: DTensorSpec, elements_per_shard: tuple[int, ...], start: int) -> "ElementShardedDTensor":
+        """``local`` (1-D: this rank's elements, kept as is) as the piece of the tensor ``spec``
+        describes, the ranks holding ``elements_per_shard`` elements each, this one from
+        ``start``. ``ValueError`` if ``local`` is not 1-D."""
         if local.dim() != 1:
             raise ValueError(f"an element-sharded piece is 1-D, got shape {tuple(local.shape)}")
         out = ElementShardedDTensor(local, spec, requires_grad=False)

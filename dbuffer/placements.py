@@ -55,7 +55,9 @@ class Owned:
     Not a subclass of torch's ``Placement``: DTensor's sharding propagation does not know it.
     DTensor views of an Owned buffer (:meth:`dbuffer.DBuffer.get_dtensor`) therefore say
     ``Shard(0)`` and carry their true rows (all on the owner), and ``Owned`` only ever appears
-    in a DBuffer's placements. Supported on 1-D meshes.
+    in a DBuffer's placements. Supported on 1-D meshes: a DBuffer given ``Owned()`` on a mesh of
+    more axes raises ``ValueError`` naming the fix (a 1-D sub-mesh, or ``Shard(0)``). Takes no
+    arguments; all instances are equal in effect.
     """
 
     def __repr__(self) -> str:

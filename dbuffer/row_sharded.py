@@ -98,13 +98,26 @@ def _chunk_rows(num_rows: int, axis_sizes: tuple[int, ...]) -> tuple[int, ...]:
 
 class RowShardedDTensor(PieceShardedDTensor):
     """A DTensor whose ``Shard(0)`` pieces are given row ranges; exact under every op (see the
-    module docstring for how each kind of op is run)."""
+    module docstring for how each kind of op is run).
+
+    What :meth:`dbuffer.DBuffer.get_dtensor` (and fsdp's flat layouts) hand out where a tensor's
+    rows per rank are not ``torch.chunk``'s. ``to_local()`` is this rank's true rows (possibly 0).
+    Guarantees: pointwise ops, ``*_like``, copies, casts, ``_foreach_*`` and reductions DTensor
+    combines as ``Partial`` (sum, norms, max) run on the local rows without communication when
+    every sharded operand has the same rows; everything else (``full_tensor()``,
+    ``redistribute``, matmul, ``mean``, random fills, ops mixing other pieces) is computed on
+    gathered tensors and sliced back, so every result is the single-process value. A view that
+    would move rows between ranks raises ``NotImplementedError`` naming the fix
+    (``p.full_tensor()`` or ``redistribute``). DCP saves and loads it by its true rows.
+    """
 
     _rows_per_shard: tuple[int, ...]
     _row_start: int
 
     @staticmethod
     def wrap(local: torch.Tensor, spec: DTensorSpec, rows_per_shard: tuple[int, ...], row_start: int) -> "RowShardedDTensor":
+        """``local`` (this rank's rows, a view kept as is) as the piece of the tensor ``spec``
+        describes, the ranks holding ``rows_per_shard`` rows each, this one from ``row_start``."""
         out = RowShardedDTensor(local, spec, requires_grad=False)
         out._rows_per_shard = rows_per_shard
         out._row_start = row_start

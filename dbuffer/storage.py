@@ -74,6 +74,7 @@ class StorageLifetime:
         return torch.autograd._unsafe_preserve_version_counter(self.local_buffer)
 
     def is_storage_released(self) -> bool:
+        """Whether :meth:`release_storage` freed the local storage and nothing gave it back."""
         return self.local_buffer.untyped_storage().nbytes() == 0 and self._capacity_bytes > 0
 
     def _check_owns_storage(self, op: str) -> None:

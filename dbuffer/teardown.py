@@ -14,14 +14,11 @@ unwind meets the ``noexcept`` destructor, and ``std::terminate`` aborts the proc
 That needs gloo's threads alive at exit, and after ``destroy_process_group()`` they are:
 ``torch.distributed`` drops its own references, but a ``DeviceMesh`` holds its groups
 (``DeviceMesh._pg_registry``), and in torch 2.13 module-level caches keep the mesh after any
-DTensor work. Found with ``gc.get_referrers`` on the demo's mesh after training returned, then by
-clearing one cache at a time (the first four hold the demo's mesh; the Python sharding caches
-hold meshes of ops the C++ fast path does not cache):
+DTensor work:
 
 * ``torch.distributed.tensor._redistribute._gen_transform_infos`` (``functools.cache`` keyed by
   ``DTensorSpec``\ s, which hold the mesh);
-* ``torch.distributed.tensor._redistribute._planner_cache`` (keyed by a weak reference to the
-  mesh, but each cached planner holds the mesh itself);
+* ``torch.distributed.tensor._redistribute._planner_cache`` (each cached planner holds the mesh);
 * ``torch.distributed.tensor._collective_utils.MeshTopoInfo.build_from_mesh`` (``lru_cache``
   keyed by the mesh);
 * the C++ fast-path sharding-propagation cache (``torch._C._clear_DTensor_sharding_propagator_cache``);

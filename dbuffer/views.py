@@ -36,6 +36,7 @@ class TensorViews:
 
     @property
     def shapes(self) -> tuple[tuple[int, ...], ...]:
+        """The full shape of every tensor, in buffer order."""
         return tuple(item.shape for item in self.layout.items)
 
     def __len__(self) -> int:

@@ -27,7 +27,11 @@ def choose_layout(
     """The row-atomic :func:`compute_layout` when it pads at most ``max_padding`` (a fraction
     of the buffer) or at most ``min_padding_numel`` elements, else :func:`compute_ragged_layout`,
     whose padding is below ``num_shards * align`` elements. Row atomicity is worth keeping where
-    it is cheap: every piece is then a row range (a DTensor without flattening)."""
+    it is cheap: every piece is then a row range (a DTensor without flattening).
+
+    ``shapes``, ``num_shards`` and ``align`` as for :func:`compute_layout`. Raises ``ValueError``
+    for ``max_padding`` outside [0, 1), a negative ``min_padding_numel``, and what
+    :func:`compute_layout` raises."""
     if not isinstance(max_padding, (int, float)) or isinstance(max_padding, bool) or not 0 <= max_padding < 1:
         raise ValueError(f"max_padding must be a fraction in [0, 1), got {max_padding!r}; e.g. 0.001 for 0.1%")
     min_padding_numel = _as_int(min_padding_numel, "min_padding_numel")

@@ -43,14 +43,17 @@ class _Numels:
 
     @property
     def total_numel(self) -> int:  # N * S
+        """Elements in all shards together, padding included."""
         return self.num_shards * self.shard_numel
 
     @property
     def data_numel(self) -> int:  # elements that belong to tensors
+        """Elements that belong to tensors."""
         return sum(it.numel for it in self.items)
 
     @property
     def padding_numel(self) -> int:  # elements that belong to no tensor
+        """Elements that belong to no tensor."""
         return self.total_numel - self.data_numel
 
 
@@ -60,6 +63,7 @@ class _Shards(_Numels):
 
     @property
     def padding_fraction(self) -> float:
+        """``padding_numel / total_numel`` (0 for an empty layout)."""
         return self.padding_numel / self.total_numel if self.total_numel else 0.0
 
     def shard_numel_for(self, num_shards: Optional[int] = None) -> int:

@@ -37,6 +37,9 @@ class OwnedLayout(Layout):
 
     A different class from :class:`Layout`, so the two never compare equal: a buffer with this
     layout and one with a packed layout of the same shapes are not interchangeable.
+
+    ``items``, ``num_shards``, ``shard_numel`` as for :class:`Layout` (built by
+    :func:`compute_owned_layout`, not by hand); queries raise as :class:`Layout`'s do.
     """
 
     def owner(self, item: ItemRef, num_shards: Optional[int] = None) -> int:
@@ -72,6 +75,9 @@ def assign_owners(
     * ``max(load) <= min(load) + p`` (each item lands on a least-loaded shard);
     * ``max(load) <= sum(sizes) / n + (1 - 1/n) * p`` (list scheduling);
     * ``max(load) <= (4/3 - 1/(3n))`` times the best possible maximum (Graham's LPT bound).
+
+    ``ValueError`` (naming the argument) for ``num_shards < 1``, a negative size, or
+    ``initial_loads`` of another length than ``num_shards``.
     """
     n = _as_int(num_shards, "num_shards")
     if n < 1:
@@ -108,6 +114,10 @@ def compute_owned_layout(
     to a multiple of ``align``. Padding is ``num_shards * shard_numel - total``: small when many
     tensors share the shards, large when one tensor outweighs a fair share (``total / n``), since
     every shard is then padded to that tensor's size.
+
+    ``shapes``: the tensors' shapes in registration order; ``align`` as for
+    :func:`compute_layout`. Raises ``ValueError`` (naming the argument) for ``num_shards < 1``, ``align < 1``, a shape with a
+    negative dimension or a value that is not an int; nothing else can fail (pure arithmetic).
     """
     n, align, dims_list, sizes = _check_inputs(shapes, num_shards, align)
     owners = assign_owners([numel for numel, _ in sizes], n, initial_loads=initial_loads)

@@ -24,6 +24,13 @@ class Layout(_Shards):
     Every query takes an optional ``num_shards`` n dividing N: coarse shard j is
     fine shards ``[j*N/n, (j+1)*N/n)``. Coarse boundaries are a subset of fine
     ones, so one layout serves every such sharding with rows still atomic.
+
+    A frozen value built by :func:`compute_layout` (not by hand): ``items`` holds one
+    :class:`~dbuffer.layout.common.ItemLayout` per tensor (shape, offset, element and row counts),
+    in the order given. Guarantees: no shard boundary falls strictly inside a row of any tensor,
+    tensors are contiguous and in order, every shard has ``shard_numel`` elements. A query with an
+    ``n`` that does not divide N, or an item index out of range, raises ``ValueError`` /
+    ``IndexError``.
     """
 
     items: tuple[ItemLayout, ...]
@@ -126,6 +133,10 @@ def compute_layout(shapes: Sequence[Sequence[int]], num_shards: int, *, align: i
     ``U`` = smallest S >= max(ceil((total + (N-1)*(r_max-1)) / N), r_max) that
     ``row_numel`` divides for every tensor larger than S (contiguity forces it
     for tensors crossing two boundaries). A binary search looks for smaller S.
+
+    ``shapes``: the tensors' shapes in order; ``num_shards``: the finest sharding (the mesh's
+    size); ``align``: the shard size is a multiple of it. Raises ``ValueError`` (naming the argument) for ``num_shards < 1``, ``align < 1``, a shape with a
+    negative dimension or a value that is not an int; nothing else can fail (pure arithmetic).
     """
     n, align, dims_list, sizes = _check_inputs(shapes, num_shards, align)
     size = _choose_shard_numel(sizes, n, align)

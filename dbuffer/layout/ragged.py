@@ -30,7 +30,9 @@ class RaggedLayout(_Shards):
     tensors. :func:`choose_layout` keeps the row-atomic layout where it pads little enough.
 
     The queries mirror :class:`Layout`'s and take the same optional coarser ``num_shards`` n | N
-    (coarse boundaries are a subset of the fine ones).
+    (coarse boundaries are a subset of the fine ones); ``items`` holds one
+    :class:`~dbuffer.layout.common.ItemLayout` per tensor. Built by
+    :func:`compute_ragged_layout`; queries raise as :class:`Layout`'s do.
     """
 
     items: tuple[ItemLayout, ...]
@@ -75,6 +77,7 @@ class RaggedLayout(_Shards):
         return tuple(r1 - r0 for r0, r1 in (self.item_rows(item, k, n) for k in range(n)))
 
     def elements_per_shard(self, item: ItemRef, num_shards: Optional[int] = None) -> tuple[int, ...]:
+        """How many elements of ``item`` each shard holds (summing to its ``numel``)."""
         n, _ = self._resolve(num_shards)
         return tuple(e1 - e0 for e0, e1 in (self.item_elements(item, k, n) for k in range(n)))
 
@@ -88,6 +91,7 @@ class RaggedLayout(_Shards):
         return any((k * size - it.offset) % it.row_numel for k in range(first, last + 1))
 
     def owners(self, item: ItemRef, num_shards: Optional[int] = None) -> range:
+        """The shards holding at least one element of ``item`` (empty for an empty tensor)."""
         n, size = self._resolve(num_shards)
         it = self._item(item)
         if it.numel == 0 or size == 0:
@@ -103,7 +107,12 @@ class RaggedLayout(_Shards):
 
 def compute_ragged_layout(shapes: Sequence[Sequence[int]], num_shards: int, *, align: int = 1) -> RaggedLayout:
     """Pack ``shapes`` back to back (registration order) and cut into ``num_shards`` equal shards
-    of ``ceil(total / num_shards)`` elements rounded up to ``align``; see :class:`RaggedLayout`."""
+    of ``ceil(total / num_shards)`` elements rounded up to ``align``; see :class:`RaggedLayout`.
+
+    Guarantee: padding below ``num_shards * align`` elements, whatever the shapes; the price is
+    that a shard boundary may cut a row. Raises ``ValueError`` (naming the argument) for ``num_shards < 1``, ``align < 1``, a shape with a
+    negative dimension or a value that is not an int; nothing else can fail (pure arithmetic).
+    """
     n, align, dims_list, sizes = _check_inputs(shapes, num_shards, align)
     total = sum(numel for numel, _ in sizes)
     size = -(-(-(-total // n)) // align) * align

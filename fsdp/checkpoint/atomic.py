@@ -44,7 +44,7 @@ _CRC_KEY = "__fsdp_crc32__/"  # write results that carry a file's checksum to th
 
 
 def save(state: dict[str, Any], path: Union[str, os.PathLike], *, planner: Optional[SavePlanner] = None) -> None:
-    """``dcp.save(state)`` into the directory ``path``, published atomically (module docstring).
+    """``dcp.save(state)`` into the directory ``path``, published atomically (package docstring).
 
     ``state`` is anything ``dcp.save`` takes, e.g. ``{"model": msd, "optim": osd, "step": 100}``
     from :func:`get_state_dict`. Every rank calls it. An existing ``path`` must be a checkpoint.

@@ -1,10 +1,6 @@
-"""fully_shard over tensor- or expert-parallel DTensor parameters: FSDP x TP / EP on N-D meshes.
-
-The usual 2-D recipe, as with torch FSDP2::
-
-    mesh = init_device_mesh("cuda", (dp, tp), mesh_dim_names=("dp", "tp"))
-    parallelize_module(block, mesh["tp"], {"wq": ColwiseParallel(), "wo": RowwiseParallel(), ...})
-    fully_shard(block, mesh=mesh["dp"])
+"""fully_shard over tensor- or expert-parallel DTensor parameters: FSDP x TP / EP on N-D meshes,
+as torch FSDP2 does it (TP first, then ``fully_shard`` on the data-parallel submesh; user guide:
+fsdp/README.md, "Composing with other features").
 
 A parameter that is already a DTensor on a tensor-parallel mesh ``tp`` (any mesh sliced from the
 same root mesh as the data-parallel ``mesh``, on other axes) is sharded by treating its
@@ -347,6 +343,13 @@ def clip_grad_norm_(
     or the max for ``inf``. Each group is then scaled by torch's ``clip_grads_with_norm_``.
     Returns the total norm as a plain tensor (the same value on every rank). Every rank must pass
     parameters on the same meshes in the same order (the collectives run per mesh).
+
+    Arguments as torch's: ``parameters`` (a tensor or an iterable; those without ``.grad`` are
+    skipped), ``max_norm``, ``norm_type`` (``inf`` for the max norm), ``error_if_nonfinite``
+    (``RuntimeError``, torch's message, when the total norm is NaN or infinite; checked after the
+    norms are combined, before any gradient is scaled), ``foreach`` (``False``: scale one tensor
+    at a time; otherwise torch's ``_foreach_mul_``). Scaling every local piece scales each
+    DTensor exactly, whatever its layout.
     """
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     grads = [p.grad for p in params if p.grad is not None]

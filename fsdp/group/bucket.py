@@ -47,6 +47,16 @@ class Bucket:
     * ``gradient_divide_factor``: sum the gradients over the mesh and divide by this instead of
       averaging over it (expert parallelism: an expert's gradient already sums the tokens of its
       whole expert-parallel group, so divide by the data-parallel world, not the mesh size).
+    * ``sharding_strategy`` and ``mp_policy``: as ``fully_shard``'s, for this bucket only (None:
+      the unit's).
+
+    A bucket is a plain value; ``fully_shard`` checks it before any buffer or collective exists
+    and raises ``ValueError`` naming the bucket for: a pattern that matches no parameter, a
+    parameter matched by two buckets, a placement other than ``Shard(0)`` / ``Owned()``,
+    ``Owned()`` on a 2-D mesh, ``per_tensor`` with a dim 0 the shard count does not divide, a
+    non-positive ``gradient_divide_factor``, or a ``shard_placement_fn`` dim for one of its
+    parameters; ``TypeError`` for a ``mesh`` or ``mp_policy`` of the wrong type. Guarantee: the
+    bucket's payload keeps registration order, so results are bitwise those without buckets.
     """
 
     names: Union[str, Sequence[str]]
@@ -59,9 +69,11 @@ class Bucket:
 
     @property
     def patterns(self) -> tuple[str, ...]:
+        """``names`` as a tuple of patterns."""
         return (self.names,) if isinstance(self.names, str) else tuple(self.names)
 
     def matches(self, fqn: str) -> bool:
+        """Whether the parameter name ``fqn`` matches one of the patterns (``fnmatchcase``)."""
         return any(fnmatch.fnmatchcase(fqn, pattern) for pattern in self.patterns)
 
 

@@ -64,8 +64,13 @@ def layout_policy(
     min_padding_per_shard: int = MIN_PADDING_PER_SHARD,
 ) -> Iterator[None]:
     """Build the groups of the ``fully_shard`` calls inside with layout ``kind``: ``"chunk"``
-    (FSDP2's torch.chunk pieces, the default), ``"auto"`` (row-atomic unless it pads more than ``max_padding`` and ``min_padding_per_shard`` elements
-    a shard), ``"row"`` (always row-atomic) or ``"ragged"`` (always element-granular)."""
+    (FSDP2's torch.chunk pieces, the default), ``"auto"`` (row-atomic unless it pads more than
+    ``max_padding`` of the buffer and ``min_padding_per_shard`` elements a shard, then ragged),
+    ``"row"`` (always row-atomic) or ``"ragged"`` (always element-granular). A context manager,
+    per thread; groups that cannot be chunked (``no_shard``, HFSDP, explicit buckets) are flat
+    whatever the kind. Raises ``ValueError`` for an unknown ``kind``, a ``max_padding`` outside
+    [0, 1) or a negative ``min_padding_per_shard``, before anything changes. Every rank must
+    choose alike (``fully_shard`` checks it). Guarantee: every layout hands out exact DTensors."""
     if kind not in LAYOUT_KINDS:
         raise ValueError(f"layout_policy: kind must be one of {LAYOUT_KINDS}, got {kind!r}")
     if not isinstance(max_padding, (int, float)) or isinstance(max_padding, bool) or not 0 <= max_padding < 1:

@@ -16,7 +16,15 @@ __all__ = ["MixedPrecisionPolicy", "Strategy", "parse_strategy"]
 
 @dataclass(frozen=True)
 class Strategy:
-    """Which of the three per-parameter states live sharded (ZeRO stage = how many are)."""
+    """Which of the three per-parameter states live sharded (ZeRO stage = how many are).
+
+    ``name``: Megatron-FSDP's name of the strategy. ``shard_optim``: the main weights, and so the
+    optimizer state made like them, are sharded. ``shard_grads``: the main grads are sharded
+    (reduce-scatter instead of all-reduce). ``shard_params``: the model weights are gathered
+    before forward and backward and freed after. ``fully_shard(sharding_strategy=)`` takes one of
+    the four named values (``"no_shard"``, ``"optim"``, ``"optim_grads"``,
+    ``"optim_grads_params"``) or a Strategy; another name raises ``ValueError`` listing them.
+    """
 
     name: str
     shard_optim: bool  # main weights (and so optimizer state)
@@ -71,6 +79,11 @@ class MixedPrecisionPolicy:
       way) keeps no such copy: the shard is cast into a temporary right before each gather and
       freed when the gather lands, saving ``shard numel x param_dtype size`` per rank between
       steps for one more cast per gather. ``tools/plan_memory.py --lean-param-shard`` prints both.
+
+    ``output_dtype`` casts the unit's floating outputs; ``cast_forward_inputs`` casts its floating
+    inputs to ``param_dtype`` (both as FSDP2). Construction raises ``TypeError`` for a non-bool
+    ``persistent_param_shard`` and ``ValueError`` for a dtype that is not a floating
+    ``torch.dtype`` (or None). Non-floating parameters are never cast.
     """
 
     param_dtype: Optional[torch.dtype] = None

@@ -1,39 +1,23 @@
 """Optimizer steps over the flat shards (Megatron's distributed optimizer), opt-in.
 
-``torch.optim.AdamW(model.parameters())`` keeps working: it steps the sharded DTensor
-parameters one by one. When the main grads are in another dtype than the main weights
-(``MixedPrecisionPolicy(main_grads_dtype=torch.bfloat16)``), torch requires ``param.grad`` in the
-parameter's dtype, so every gradient is first cast to an FP32 copy: a full-size FP32 gradient
-shard exists anyway and the BF16 main grads save nothing at the step's peak.
-
-:class:`FlatOptimizer` (and :class:`FlatAdamW`, :class:`FlatAdam`, :class:`FlatSGD`) steps each
+Why: ``torch.optim`` steps the sharded DTensor parameters one by one, and when the main grads are
+in another dtype than the main weights (``MixedPrecisionPolicy(main_grads_dtype=torch.bfloat16)``)
+it needs ``param.grad`` in the parameter's dtype, so a full-size FP32 copy of every gradient shard
+exists at the step and the BF16 main grads save nothing there. :class:`FlatOptimizer` steps each
 :class:`~fsdp.group.param_group.ParameterGroup` as one flat tensor instead:
 
-* the FP32 main weights are the group's local buffer, updated in place by torch's own
-  functional kernels (``torch.optim.adam.adam``, ``torch.optim.sgd.sgd``; single-tensor, foreach
-  or fused as you ask, with torch's defaults otherwise), so the arithmetic per element is torch's;
-* the main grads are read where the reduction left them; BF16 ones are upcast ``chunk_numel``
-  elements at a time into one FP32 workspace, so no FP32 copy of the gradient shard exists
-  (``param.grad`` stays None for such groups; ``param.main_grad`` is the BF16 gradient);
-* the low-precision model shard (the source of the next all-gather) is written from each chunk
-  of updated main weights right after its update, in the same pass, instead of by a separate
-  cast of the whole shard before the next forward;
-* the optimizer state is one flat tensor per state name and group (``exp_avg`` ...), in the main
-  dtype, laid out like the main weights.
+* the FP32 main weights are the group's local buffer, updated in place by torch's own functional
+  kernels (``torch.optim.adam.adam``, ``torch.optim.sgd.sgd``), so the arithmetic per element is
+  torch's;
+* BF16 main grads are upcast ``chunk_numel`` elements at a time into one FP32 workspace (no FP32
+  copy of the shard; ``param.grad`` stays None for such groups);
+* the compute-dtype model shard is written from each updated chunk in the same pass;
+* the state is one flat tensor per state name and group, laid out like the main weights.
 
-Exactness: every element sees the same sequence of torch ops as under ``torch.optim`` on the
-sharded parameters. Per-parameter step counts are kept (a parameter that got no gradient is
-skipped and its count stays, as in torch), so runs of parameters with equal counts are stepped
-together. Results equal ``torch.optim`` bit for bit where the kernels round the same regardless
-of where an element sits in a tensor (tested: CPU, fp32), and to rounding otherwise.
-
-Limits (documented, checked): parameters are stepped per whole group, so param groups (dicts
-with their own options) must each hold whole fsdp groups (use :class:`fsdp.Bucket` to make
-them); ``state_dict()`` / ``load_state_dict()`` hold this rank's flat shard and round-trip only
-on the same world size and fsdp layout (for checkpoints that reshard, use ``torch.optim`` with
-:mod:`fsdp.checkpoint`); ``zero_grad()`` of this optimizer (or ``model.zero_grad_buffer()``) is
-what drops the gradients of groups whose ``param.grad`` stays None; build the optimizer after
-``module.to(dtype)`` (which rebuilds the buffers; a stale optimizer raises).
+Per-parameter step counts are kept (a parameter without a gradient is skipped, as in torch), so
+runs of parameters with equal counts are stepped together. Limits (checked): param groups hold
+whole fsdp groups; ``state_dict()`` holds this rank's flat shard (same world size and layout
+only). User guide: fsdp/README.md, "Mixed precision and memory".
 """
 
 from __future__ import annotations
@@ -76,15 +60,29 @@ class _Run:
 
 class FlatOptimizer(torch.optim.Optimizer):
     """``optimizer_class`` (``torch.optim.AdamW``, ``Adam`` or ``SGD``) stepping every fsdp group
-    of ``params`` as one flat tensor; see the module docstring for what that saves and guarantees.
+    of ``params`` as one flat tensor; see the module docstring for what that saves.
 
     ``params``: a sharded module, its parameters, or param-group dicts (``{"params": [...],
-    "lr": ...}``) each holding whole fsdp groups. Options are ``optimizer_class``'s, validated by
-    it. ``chunk_numel``: elements per kernel call, which bounds the temporaries of a step (the
-    upcast gradient and the kernel's own, e.g. Adam's denominator); default: the largest local
-    piece of one parameter, so they never exceed what torch.optim's per-parameter step makes.
-    ``param_groups`` are one per dict, with ``params`` the groups' flat main-weight buffers, so
-    LR schedulers work unchanged.
+    "lr": ...}``) each holding whole fsdp groups; frozen parameters are skipped. ``options``
+    (``lr``, ``betas``, ``weight_decay``, ``foreach``, ...) are ``optimizer_class``'s, validated and
+    defaulted by it. ``chunk_numel``: elements per kernel call, which bounds the temporaries of a
+    step (the upcast gradient and the kernel's own, e.g. Adam's denominator); default: the largest
+    local piece of one parameter, so they never exceed what torch.optim's per-parameter step makes.
+    ``param_groups`` are one per dict, with ``params`` the groups' flat main-weight buffers, so LR
+    schedulers work unchanged. Build it after ``fully_shard`` and after any ``module.to(dtype)``.
+
+    Raises ``TypeError`` for another ``optimizer_class``, a single tensor, a parameter not sharded
+    by fsdp that requires grad, or an unsharded (gathered) parameter; ``ValueError`` for no
+    trainable sharded parameter, a ``chunk_numel`` that is not a positive int, or an fsdp group
+    split across param groups or passed in part (put such parameters in their own
+    :class:`fsdp.Bucket`).
+
+    Guarantees: every element sees the sequence of torch ops ``torch.optim`` applies to the sharded
+    parameters, so results equal ``torch.optim`` on the same model bit for bit wherever the kernels
+    round the same regardless of an element's position (tested: CPU, fp32, AdamW, Adam with
+    amsgrad, SGD with Nesterov momentum), and to rounding otherwise; no FP32 tensor the size of a
+    gradient shard is made for BF16 main grads. ``clip_grad_norm_`` clips what it steps;
+    ``zero_grad()`` drops the main grads of groups whose ``param.grad`` stays None.
     """
 
     def __init__(
@@ -133,6 +131,8 @@ class FlatOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None):
+        """One optimizer step over every group's flat shard (``closure``: re-evaluates the loss,
+        as in torch.optim); returns the closure's loss, or None."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -452,26 +452,44 @@ def _spans(group: ParameterGroup) -> list[_Span]:
 
 
 def flat_optimizer(params, optimizer_class: type = torch.optim.AdamW, **options: Any) -> FlatOptimizer:
-    """``FlatOptimizer(params, optimizer_class, **options)``."""
+    """``FlatOptimizer(params, optimizer_class, **options)``: the flat step of ``optimizer_class``
+    (``torch.optim.AdamW``, ``Adam`` or ``SGD``) over the fsdp groups of ``params`` (a sharded
+    module, its parameters or param-group dicts), with ``options`` for ``optimizer_class``.
+    Raises what :class:`FlatOptimizer` raises; guarantees what it guarantees."""
     return FlatOptimizer(params, optimizer_class, **options)
 
 
 class FlatAdamW(FlatOptimizer):
-    """:class:`FlatOptimizer` with ``torch.optim.AdamW``: ``FlatAdamW(model, lr=3e-4, weight_decay=0.1)``."""
+    """:class:`FlatOptimizer` with ``torch.optim.AdamW``: ``FlatAdamW(model, lr=3e-4, weight_decay=0.1)``.
+
+    ``params``: a sharded module, its parameters, or param-group dicts each holding whole fsdp
+    groups; ``options``: ``torch.optim.AdamW``'s (validated by it). Raises and guarantees as
+    :class:`FlatOptimizer`: in fp32 the weights equal ``torch.optim.AdamW`` on the same model
+    bit for bit; ``state_dict()`` round-trips at the same world size and layout only."""
 
     def __init__(self, params, **options: Any) -> None:
         super().__init__(params, torch.optim.AdamW, **options)
 
 
 class FlatAdam(FlatOptimizer):
-    """:class:`FlatOptimizer` with ``torch.optim.Adam``."""
+    """:class:`FlatOptimizer` with ``torch.optim.Adam``.
+
+    ``params``: a sharded module, its parameters, or param-group dicts each holding whole fsdp
+    groups; ``options``: ``torch.optim.Adam``'s (validated by it). Raises and guarantees as
+    :class:`FlatOptimizer`: in fp32 the weights equal ``torch.optim.Adam`` on the same model
+    bit for bit; ``state_dict()`` round-trips at the same world size and layout only."""
 
     def __init__(self, params, **options: Any) -> None:
         super().__init__(params, torch.optim.Adam, **options)
 
 
 class FlatSGD(FlatOptimizer):
-    """:class:`FlatOptimizer` with ``torch.optim.SGD``."""
+    """:class:`FlatOptimizer` with ``torch.optim.SGD``.
+
+    ``params``: a sharded module, its parameters, or param-group dicts each holding whole fsdp
+    groups; ``options``: ``torch.optim.SGD``'s (validated by it). Raises and guarantees as
+    :class:`FlatOptimizer`: in fp32 the weights equal ``torch.optim.SGD`` on the same model
+    bit for bit; ``state_dict()`` round-trips at the same world size and layout only."""
 
     def __init__(self, params, **options: Any) -> None:
         super().__init__(params, torch.optim.SGD, **options)

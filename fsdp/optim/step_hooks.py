@@ -74,8 +74,15 @@ _HANDLES: list = []  # the installed hooks' removable handles; empty: not instal
 
 
 def optimizer_step_hooks(enabled: bool = True) -> bool:
-    """Install (``True``) or remove (``False``) fsdp's global ``torch.optim`` step hooks.
-    Idempotent; returns whether they were installed before the call."""
+    """Install (``enabled=True``) or remove (``enabled=False``) fsdp's global ``torch.optim``
+    step hooks; ``import fsdp`` installs them. Idempotent and process-wide; returns whether they
+    were installed before the call. ``TypeError`` for a non-bool.
+
+    While installed: after any ``torch.optim`` optimizer's step, the groups whose parameters it
+    updated refresh their compute weights before the next gather; before an optimizer's first step
+    it is checked once not to hold parameters fsdp replaced or unsharded views (``RuntimeError``
+    naming the fix: build it after ``fully_shard``). Without them, call ``group.mark_stale()``
+    after updating the weights yourself (:class:`fsdp.FlatOptimizer` does)."""
     if not isinstance(enabled, bool):
         raise TypeError(f"optimizer_step_hooks(enabled): pass True or False, got {enabled!r}")
     was = bool(_HANDLES)

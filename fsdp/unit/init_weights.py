@@ -27,6 +27,12 @@ def init_weights(module: nn.Module, init_fn: Optional[Callable[[nn.Module], None
     Visiting in module order keeps the random stream of an eager build: with the same seed the
     weights equal those of the module built on a real device. No communication except the
     ``optim``/``optim_grads`` refresh of the unsharded copy.
+
+    ``module``: a sharded module (units below it are initialised; other modules are visited too);
+    ``init_fn``: called as ``init_fn(m)`` per module, in place of ``reset_parameters()``. Whatever
+    ``init_fn`` raises propagates, and the units being initialised get their sharded parameters
+    back with the values they had (nothing half-initialised is kept). Every rank must call it (the
+    same calls and seed on every rank give every rank its rows of the same weights).
     """
     order = list(module.modules())
     owner: dict[int, FSDPState] = {}

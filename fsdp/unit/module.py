@@ -28,12 +28,21 @@ _CLASS_CACHE: dict[type, type] = {}
 
 
 class UnshardHandle:
-    """Returned by ``unshard(async_op=True)``; ``wait()`` finishes the all-gathers."""
+    """Returned by ``unshard(async_op=True)``, as FSDP2's: ``wait()`` finishes the unit's
+    all-gathers and registers the unsharded parameters on the modules.
+
+    ``state``: the unit's :class:`~fsdp.unit.state.FSDPState` (None: nothing to wait for), set by
+    :meth:`FSDPModule.unshard`; users never build one. ``wait()`` is idempotent (a second call
+    returns at once) and raises whatever the collective raised (a backend error, or dbuffer's
+    ``CollectiveMismatchError`` in debug mode).
+    """
 
     def __init__(self, state: Optional[FSDPState]) -> None:
         self._state = state
 
     def wait(self) -> None:
+        """Finish the all-gathers started by ``unshard(async_op=True)`` and register the unsharded
+        parameters; a no-op after the first call."""
         if self._state is not None:
             self._state.wait_unshard()
             self._state._use_unsharded()
@@ -41,7 +50,19 @@ class UnshardHandle:
 
 
 class FSDPModule:
-    """Mixin of every sharded module (the class becomes ``FSDP<Orig>(FSDPModule, Orig)``)."""
+    """Mixin of every sharded module: ``fully_shard`` swaps a module's class to
+    ``FSDP<Orig>(FSDPModule, Orig)``, so ``isinstance(m, fsdp.FSDPModule)`` tells a unit's top
+    module, and the module gains torch FSDP2's methods (``unshard``, ``reshard``,
+    ``set_requires_gradient_sync``, ``set_reshard_after_forward``, ``set_is_last_backward``, the
+    prefetch setters, the rest of FSDP2's setters from :mod:`fsdp.unit.surface`) and
+    Megatron-FSDP's (``zero_grad_buffer``, ``finish_grad_sync``). Never built directly.
+
+    Methods act on this unit (``recurse=False``) or every unit below (``recurse=True``); none runs
+    a collective unless it says so (``unshard``, ``finish_grad_sync``), so a setter called on some
+    ranks only cannot hang, but a setting that changes what is communicated must be made on every
+    rank. Misuse raises FSDP2's exception types (e.g. ``set_reshard_after_forward(2)``:
+    ``ValueError``; a prefetch list holding a module that is not sharded: ``TypeError``).
+    """
 
     _fsdp_state: FSDPState
 
@@ -67,6 +88,8 @@ class FSDPModule:
             state.requires_grad_sync = requires_gradient_sync
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        """False: keep the gathered weights after the unit's backward (FSDP2's knob, e.g. for
+        several backwards per step); they are freed at the next reshard."""
         for state in self._states(recurse):
             state.reshard_after_backward = reshard_after_backward
 
@@ -87,9 +110,13 @@ class FSDPModule:
         self._fsdp_state.root_knobs().is_last_backward = is_last_backward
 
     def set_modules_to_forward_prefetch(self, modules: list["FSDPModule"]) -> None:
+        """Start gathering these units right after this unit's forward gather (replacing the
+        default, the next unit in forward order). ``TypeError`` for a module not sharded."""
         self._fsdp_state.forward_prefetch = [_state_of(m) for m in modules]
 
     def set_modules_to_backward_prefetch(self, modules: list["FSDPModule"]) -> None:
+        """Start gathering these units right after this unit's backward gather (replacing the
+        default, the previous unit in forward order). ``TypeError`` for a module not sharded."""
         self._fsdp_state.backward_prefetch = [_state_of(m) for m in modules]
 
     def to_empty(self, *, device, recurse: bool = True):
@@ -215,7 +242,12 @@ def _state_of(module: nn.Module) -> FSDPState:
 
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     """Run the unit's forward hooks around ``module.<method_name>`` too (e.g. ``generate``),
-    as torch FSDP2's function of the same name does."""
+    as torch FSDP2's function of the same name does: the weights are gathered before the method
+    and resharded after it, like around ``forward``.
+
+    ``module``: a module returned by ``fully_shard`` (else ``TypeError``); ``method_name``: the
+    name of one of its methods (else ``AttributeError``). The method is replaced on this module
+    object only; no collective runs until the method is called."""
     state = _state_of(module)
     method = getattr(module, method_name)
 

@@ -259,7 +259,8 @@ def set_symm_mem_for_comm(self: nn.Module, backend: Literal["NCCL"] = "NCCL") ->
 def share_comm_ctx(modules: list[nn.Module]) -> None:
     """FSDP2 (pipeline parallelism): make several roots share their comm streams. fsdp's units
     on one device always share them (one set per device, :mod:`fsdp.group.streams`), so this
-    only checks its argument."""
+    only checks its argument: ``modules``, modules returned by ``fully_shard``; anything else
+    raises FSDP2's ``ValueError``. No collective, no state changed."""
     for module in modules:
         if not isinstance(getattr(module, "_fsdp_state", None), FSDPState):  # not a sharded module
             raise ValueError(f"Expects list of FSDPModules but got {module}")

@@ -476,7 +476,7 @@ def test_save_never_replaces_what_it_did_not_write(tmp_path) -> None:
 
 
 def _resume_or_fresh(m, opt, path: str) -> int:
-    """README's loop: the state dict is built only when there is a checkpoint to load."""
+    """fsdp/README.md's resume loop: the state dict is built only when there is a checkpoint to load."""
     if os.path.exists(path) or os.path.exists(path + ckpt.OLD):
         msd, osd = ckpt.get_state_dict(m, opt)
         state = {"model": msd, "optim": osd, "step": 0}
@@ -509,8 +509,8 @@ def _fresh_starts(model, batches, root: str) -> dict:
 
 def test_state_dict_built_only_to_load_keeps_a_fresh_start_fresh(tmp_path) -> None:
     out = run_ranks(_fresh_starts, 2, make_model(), make_batches(2), str(tmp_path))[0]
-    assert _diff(out["plain"], out["loop"]) == []  # the README loop without a checkpoint: a true fresh start
+    assert _diff(out["plain"], out["loop"]) == []  # the guide's loop without a checkpoint: a true fresh start
     assert out["resumed step"] == 2 and _diff(out["loop"], out["resumed"]) == []
-    # What README warns about: building the state dict of a never-stepped AdamW "in case" makes
+    # What fsdp/README.md warns about: building the state dict of a never-stepped AdamW "in case" makes
     # its first real step the second (bias correction), so training differs from a fresh start.
     assert _diff(out["plain"], out["state dict first"]) != []

@@ -21,6 +21,7 @@ import fsdp
 from dbuffer.agreement import RankMismatchError
 from tests.harness import run_ranks
 from tests.models.float8_weight import Float8RowwiseWeight, cast_count, float8_weights, reference_float8_model
+from tests.models.nf4_weight import SplitOnlyTwoTensor
 
 DIM, ROWS_PER_RANK, STEPS = 8, 2, 3
 
@@ -495,21 +496,6 @@ def test_a_cached_cast_is_recomputed_when_its_inputs_change_without_a_version_bu
 
 
 # ----------------------------------------------------------------- NF4: cut by torch.chunk
-
-
-class SplitOnlyTwoTensor(TwoTensor):
-    """Mirrors torchao's ``NF4Tensor`` where fully_shard cuts it: ``torch.chunk`` (``aten.split``)
-    works, a slice that does not span the whole dim raises, as NF4's does
-    (``NotImplementedError: aten.slice(NF4Tensor) with end=...``)."""
-
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args, kwargs=None):
-        if func is torch.ops.aten.slice.Tensor:
-            t, dim, start, end = (list(args) + [0, None, None])[:4]
-            if (start or 0) != 0 or (end is not None and end < t.shape[dim]):
-                raise NotImplementedError(f"aten.slice({cls.__name__}) with end={end}")
-        out = super().__torch_dispatch__(func, types, args, kwargs)
-        return torch.utils._pytree.tree_map_only(TwoTensor, lambda t: t if type(t) is cls else cls(t.a, t.b), out)
 
 
 def _split_only_parity(model, reference, data) -> float:

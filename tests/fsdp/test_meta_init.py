@@ -76,8 +76,9 @@ def _meta_vs_eager(model, batches, path: str) -> dict:
         train(eager, batches, rank=rank, world=world)
         out[strategy] = (weights, _equal(full_state(m), full_state(eager)))
     # FSDP2's flow: to_empty, then each module's own init on the *sharded* model. Random fills
-    # follow DTensor's rules per parameter (see README), so only fsdp.init_weights promises the
-    # eager weights; here every value must be written and training must run.
+    # follow DTensor's rules per parameter (fsdp/README.md, "Meta-device init"), so only
+    # fsdp.init_weights promises the eager weights; here every value must be written and training
+    # must run.
     m = _meta_model(0, "optim_grads_params")
     m.to_empty(device="cpu")
     with torch.no_grad():

@@ -464,7 +464,7 @@ class TPNet(nn.Module):
 
 def _real_tp_step(model: nn.Module) -> dict:
     """One AdamW step of ``model`` under parallelize_module on tp 2 and fully_shard on dp 2 (the
-    recipe of README "FSDP x TP / EP"); the bytes torch holds afterwards."""
+    recipe of fsdp/README.md, "Composing with other features"); the bytes torch holds afterwards."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
 
