@@ -24,10 +24,7 @@ MIN_CHARS = 200
 ERRORS = re.compile(r"\b(raises?|raised|[A-Z]\w*(Error|Exception))\b", re.I)
 # name -> what its docstring still lacks (parameters, "errors", or method names), to be written
 # where the code is being restructured (fsdp/unit/fully_shard.py, fsdp/group/param_group.py).
-PENDING: dict[str, set[str]] = {
-    "fsdp.fully_shard": {"mp_policy", "ignored_params", "sharding_strategy"},
-    "fsdp.ParameterGroup": {"infos", "strategy", "errors", "wait_unshard"},
-}
+PENDING: dict[str, set[str]] = {}
 
 
 def _public() -> list[tuple[str, object]]:

@@ -54,7 +54,13 @@ __all__ = ["ParameterGroup", "meta_error"]
 
 class ParameterGroup:
     """The parts of one (dtype, requires_grad) bucket and the moves between them; see the module
-    docstring."""
+    docstring. Built by ``fully_shard`` (every argument was checked there, before any
+    collective): ``infos`` are the bucket's parameters with their registrations on the modules,
+    in registration order (every rank packs the same bytes); ``strategy`` the ZeRO stage
+    (:class:`~fsdp.group.policy.Strategy`: which of main weights, gradients and compute weights
+    are sharded). Errors: :meth:`unshard` of a meta-built group raises FSDP2's ``RuntimeError``
+    (initialise it first), and registering again after a module's parameter was replaced since
+    ``fully_shard`` raises a ``RuntimeError`` naming it (:meth:`check_registered`)."""
 
     # reshard_after_forward=n: the 1/n slice kept between forward and backward (fsdp.compose.post_forward).
     post_forward: Optional[Any] = None
@@ -265,6 +271,9 @@ class ParameterGroup:
             return self.comms.reduce(source, placements, out, async_op)
 
     def wait_unshard(self) -> None:
+        """Finish the gather in flight, if any (this group's own, or its part of one shared with
+        the unit's other groups): wait for it, let the weights part copy out, and mark the
+        unsharded weights current for this refresh."""
         if self._gather_pending is None:
             return
         self._gather_pending.wait()
@@ -338,6 +347,8 @@ class ParameterGroup:
         self.register(self.unsharded_params if unsharded else self.sharded_params)
 
     def register(self, params: list[nn.Parameter]) -> None:
+        """Put ``params`` on the modules in place of each parameter's registrations (tied ones
+        included); raises, registering nothing, as :meth:`check_registered` does."""
         self.check_registered()
         for info, p in zip(self.infos, params):
             for module, name in info.registrations:

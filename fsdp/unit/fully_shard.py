@@ -75,6 +75,16 @@ def fully_shard(
 ):
     """Shard ``module`` (or a list of modules forming one unit) over ``mesh``.
 
+    ``sharding_strategy`` (Megatron-FSDP's names): ``"optim_grads_params"`` (ZeRO-3, default:
+    weights gathered before each use and freed after), ``"optim_grads"`` (ZeRO-2: main weights,
+    optimizer state and gradients sharded, compute weights kept whole), ``"optim"`` (ZeRO-1:
+    gradients whole too) or ``"no_shard"`` (ZeRO-0: DDP-like), or an ``fsdp.Strategy``.
+    ``mp_policy``: an :class:`fsdp.MixedPrecisionPolicy` (FSDP2's ``param_dtype``,
+    ``reduce_dtype``, ``output_dtype``, ``cast_forward_inputs``, plus Megatron's
+    ``main_params_dtype`` (FP32 main weights by default), ``main_grads_dtype`` and
+    ``persistent_param_shard``); anything else raises ``TypeError``. ``ignored_params``:
+    parameters left as they are (not sharded, not gathered, not reduced), as in FSDP2.
+
     ``reshard_after_forward``: as in FSDP2, whether a unit frees its gathered weights after
     forward (and gathers again in backward). ``None`` (default): True, except for the root (the
     first unit run), whose backward starts right after its forward. After forward a unit that
