@@ -63,8 +63,8 @@ Precision (``--dtype``; ``both`` runs fp32, then bf16):
 
 On a CPU without native bf16 arithmetic (AVX2 only) bf16 matmuls run at 1-10 GFLOP/s against
 ~80 for fp32 (the table prints this machine's figures), so a bf16 step of the default model takes
-~30 s and is almost all matmul: the default times one bf16 step per method (``--steps`` for more)
-and fp32 six; the whole default run is dominated by the nine bf16 steps (~5 of its ~5.5 minutes).
+~30 s and is almost all matmul: there the default times one bf16 step per method (``--steps`` for
+more), where a CPU with bf16 units (AVX512-BF16, AMX) gets six, as fp32 does.
 
 Measurements:
 
@@ -209,8 +209,8 @@ def parse_args(argv: Optional[list[str]] = None) -> tuple[BenchConfig, argparse.
     parser.add_argument("--dtype", choices=("both", "fp32", "bf16"), default="both")
     parser.add_argument("--world", type=int, default=2, help="gloo ranks to launch (ignored under torchrun)")
     parser.add_argument("--steps", type=int, default=None,
-                        help=f"timed steps per method (default: {DEFAULT_STEPS['fp32']} fp32, "
-                             f"{DEFAULT_STEPS['bf16']} bf16)")
+                        help=f"timed steps per method (default: {DEFAULT_STEPS['fp32']}; bf16 on a CPU "
+                             f"without bf16 units: 1)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps per method first (default 1)")
     parser.add_argument("--strategy", choices=STRATEGIES, default="optim_grads_params",
                         help="our sharding_strategy (default optim_grads_params = ZeRO-3)")

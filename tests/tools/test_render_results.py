@@ -112,6 +112,12 @@ def test_render_results_rewrites_only_between_the_markers_and_checks(tmp_path: P
     assert "bench-table:begin" in capsys.readouterr().err and readme.read_text() == before
 
 
+def test_readme_table_is_the_one_the_committed_results_make() -> None:
+    """README.md's benchmark table is rendered from tools/results/, never typed or left stale."""
+    assert (ROOT / "tools" / "results" / "bench_fsdp.json").exists()
+    assert render_results.main(["--check"]) == 0
+
+
 def test_readme_has_one_pair_of_markers() -> None:
     marked = render_results.replace_block((ROOT / "README.md").read_text(), "TABLE\n")
     assert marked.count("TABLE") == 1

@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 
 from tools.kit import comm_replay
+from tools.kit.results import host_info
 
 # "ours" and "row" are the two layouts a user chooses between (FSDP2's torch.chunk pieces, the
 # default, and Megatron's flat row-atomic layout): both run by default, so that choice is measured
@@ -36,9 +37,17 @@ MODELS = {
 }
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
-# bf16 matmuls are very slow on a CPU without bf16 units (a bf16 step of the default model takes
-# about 30 s on a 2-core AVX2 machine, an fp32 one about 1.3 s): time one bf16 step by default.
-DEFAULT_STEPS = {"fp32": 6, "bf16": 1}
+# Timed steps per method by default. bf16 matmuls are very slow on a CPU without bf16 units (a
+# bf16 step of the default model takes about 30 s on a 2-core AVX2 machine, an fp32 one about
+# 1.3 s): there one bf16 step is timed; with native bf16 (AVX512-BF16 or AMX) as many as fp32.
+DEFAULT_STEPS = {"fp32": 6, "bf16": 6}
+SLOW_BF16_STEPS = 1
+
+
+def native_bf16() -> bool:
+    """Whether this CPU has bf16 dot-product units (AVX512-BF16 or AMX), from its flags."""
+    flags = host_info()["flags"]
+    return flags.get("avx512_bf16", False) or flags.get("amx_bf16", False)
 
 
 
@@ -66,7 +75,9 @@ class BenchConfig:
     model: str = "llama"  # a key of MODELS
 
     def steps_for(self, mode: str) -> int:
-        return self.steps if self.steps is not None else DEFAULT_STEPS[mode]
+        if self.steps is not None:
+            return self.steps
+        return SLOW_BF16_STEPS if mode == "bf16" and not native_bf16() else DEFAULT_STEPS[mode]
 
 
 def default_methods(model: str) -> tuple:
