@@ -112,7 +112,7 @@ def gather_together(groups: Sequence[Any], cache: dict) -> list[Any]:
     ``cache``: the unit's :class:`SharedGather` objects, kept between steps."""
     if len(groups) < 2:
         return []
-    batch = [g for g in groups if g.needs_gather() and g.can_share_gather()]
+    batch = [g for g in groups if g.can_share_gather() and g.needs_gather()]  # refresh only those that may share
     if not can_share(batch):
         return []
     for g in batch:  # on the compute stream: a released model shard is cast again
