@@ -4,10 +4,28 @@ many times slower than an fp32 one, which decides how long a bf16 benchmark runs
 
 from __future__ import annotations
 
+import resource
 import time
 from typing import Callable
 
 import torch
+
+PHASES = ("forward", "backward", "optimizer")
+
+
+def cpu_mark() -> tuple[float, float, int]:
+    """``(this thread's CPU s, the process's CPU s, minor page faults so far)``: the difference of
+    two marks splits a stretch of work into the calling thread's own CPU time, the CPU time of the
+    process's other threads (gloo's, where c10d does its work), and the fresh pages it touched
+    (each one a kernel fault that zeroes 4 KiB: big buffers allocated anew every step pay them)."""
+    return time.thread_time(), time.process_time(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def phase_costs(marks: list[tuple[float, float, int]]) -> list[tuple[float, float, int]]:
+    """Per stretch between consecutive :func:`cpu_mark` marks: ``(own thread ms, other threads
+    ms, page faults)``."""
+    return [(1e3 * (b[0] - a[0]), 1e3 * ((b[1] - a[1]) - (b[0] - a[0])), b[2] - a[2])
+            for a, b in zip(marks, marks[1:])]
 
 
 def timed(fn: Callable[[], object]) -> float:

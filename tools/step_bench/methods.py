@@ -14,6 +14,7 @@ import torch
 
 from tools.kit import comm_replay
 from tools.kit.results import host_info
+from tools.kit.timing import cpu_mark, phase_costs
 
 # "ours" and "row" are the two layouts a user chooses between (FSDP2's torch.chunk pieces, the
 # default, and Megatron's flat row-atomic layout): both run by default, so that choice is measured
@@ -141,9 +142,13 @@ class ReplayMethod:
 
     def __init__(self, trace: list) -> None:
         self.name, self.opt, self.replay = "c10d", None, comm_replay.Replay(trace)
+        self.phases: list = []
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        marks = [cpu_mark()]
         self.replay.run()
+        marks.append(cpu_mark())
+        self.phases.append(phase_costs(marks))  # one phase: the communication
         return torch.zeros(())
 
 
@@ -155,12 +160,20 @@ class Method:
 
         self.name, self.model, self.loss_fn = name, model, loss_fn
         self.opt = optimizer(model.parameters(), lr=cfg.lr, foreach=cfg.foreach)
+        # Per step, the CPU cost of forward, backward and optimizer (step + zero_grad): this
+        # thread's, the other threads', page faults (tools.kit.timing.phase_costs).
+        self.phases: list = []
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        marks = [cpu_mark()]
         loss = self.loss_fn(self.model(tokens[:, :-1]), tokens)  # no name keeps the logits alive
+        marks.append(cpu_mark())
         loss.backward()
+        marks.append(cpu_mark())
         self.opt.step()
         self.opt.zero_grad()
+        marks.append(cpu_mark())
+        self.phases.append(phase_costs(marks))
         return loss.detach()
 
 

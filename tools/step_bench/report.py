@@ -63,6 +63,7 @@ def format_table(report: dict) -> str:
                                   for k, v in sorted(comm["by_kind"].items()))
                 lines.append(f"  {name} c10d calls per step: {kinds}")
         lines.extend(_collectives_lines(res["methods"]))
+        lines.extend(phase_lines(res["methods"]))
         r = res["ratios"]
         lines.append(
             f"  ratios: step ours/fsdp2 {_fmt(r['step_ours_over_fsdp2'])}, ours/floor "
@@ -118,6 +119,42 @@ def _collectives_lines(methods: dict) -> list[str]:
     for kind, label in (("all_gather", "all-gather"), ("reduce_scatter", "reduce-scatter"),
                         ("all_reduce", "all-reduce"), ("other", "other"), ("all", "all")):
         rows.append(f"  {label:<22}" + "".join(f"{k[kind]:>8}" for k in counted.values()))
+    return rows
+
+
+def phase_lines(methods: dict) -> list[str]:
+    """Where each method's step spends CPU time, by phase, and what ours adds to the floor: the
+    account of the framework's own share (tools.kit.timing.cpu_mark says what is measured)."""
+    shown = {n: m["phases"] for n, m in methods.items() if m.get("phases")}
+    if not shown:
+        return []
+    cols = ("forward", "backward", "optimizer")
+    rows = ["  CPU ms per step by phase (median over steps, mean over ranks): the training thread's own time in "
+            "forward, backward, optimizer (step + zero_grad); 'other' = the process's other threads (gloo's, "
+            "where c10d works); faults = fresh 4 KiB pages touched (big buffers allocated anew every step)",
+            f"    {'method':<8}" + "".join(f"{c:>11}" for c in cols) + f"{'other':>9}{'total':>9}{'faults':>9}"]
+
+    def totals(ph: dict) -> tuple[list[float], float, float, float]:
+        own = [ph[c]["own_ms"] if c in ph else 0.0 for c in cols]
+        if "communication" in ph:  # the c10d replay: one phase, its own thread's calls under "other"
+            other = ph["communication"]["own_ms"] + ph["communication"]["other_ms"]
+            return own, other, other, ph["communication"]["faults"]
+        other = sum(p["other_ms"] for p in ph.values())
+        return own, other, sum(own) + other, sum(p["faults"] for p in ph.values())
+
+    for name, ph in shown.items():
+        own, other, total, faults = totals(ph)
+        rows.append(f"    {name:<8}" + "".join(f"{x:>11.1f}" for x in own) + f"{other:>9.1f}{total:>9.1f}{faults:>9.0f}")
+    if "ours" in shown and "floor" in shown:
+        o, f = totals(shown["ours"]), totals(shown["floor"])
+        diff = [a - b for a, b in zip(o[0], f[0])]
+        rows.append(f"    {'ours-floor':<8}" + "".join(f"{x:>+11.1f}" for x in diff)
+                    + f"{o[1] - f[1]:>+9.1f}{o[2] - f[2]:>+9.1f}{o[3] - f[3]:>+9.0f}")
+        if "c10d" in shown:
+            c = totals(shown["c10d"])[2]
+            rows.append(f"    ours above floor + raw c10d: {o[2] - f[2] - c:+.1f} ms per step, the framework's own work "
+                        f"(copies and casts in and out of the collectives' buffers, reductions' sums, Python, "
+                        f"the faults above; the c10d replay alone takes {c:.1f})")
     return rows
 
 

@@ -12,6 +12,7 @@ import os
 import statistics
 import sys
 import time
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -19,7 +20,7 @@ import torch.distributed as dist
 from tests.models.llama import Llama
 from tools.kit.comm import CommCounter
 from tools.kit.memory import StorageTracker, live_storages, release_library_caches
-from tools.kit.timing import gemm_probe
+from tools.kit.timing import PHASES, gemm_probe
 from tools.step_bench.methods import (
     DTYPES,
     MODELS,
@@ -109,6 +110,8 @@ def run_mode(mode: str, cfg: BenchConfig, mesh, counter: CommCounter, progress: 
         log(f"{name}: {cfg.warmup} warmup + {measured} measured step(s)")
     del base
 
+    for method in methods.values():
+        method.phases.clear()  # the breakdown covers the timed steps only
     for t in range(steps):
         i = cfg.warmup + measured + t
         for j in [(t + k) % len(names) for k in range(len(names))]:  # order rotated every step
@@ -131,6 +134,8 @@ def run_mode(mode: str, cfg: BenchConfig, mesh, counter: CommCounter, progress: 
     dist.all_gather(all_losses, losses)
     all_peaks = [torch.zeros_like(peaks) for _ in range(world)]
     dist.all_gather(all_peaks, peaks)
+    phases_by_rank = [None] * world
+    dist.all_gather_object(phases_by_rank, {n: methods[n].phases for n in names})
     comm_by_rank = [None] * world
     dist.all_gather_object(comm_by_rank, {n: counter.stats.get(n) for n in names})
     counter.stats.clear()
@@ -164,6 +169,7 @@ def run_mode(mode: str, cfg: BenchConfig, mesh, counter: CommCounter, progress: 
             "loss_by_rank": [r[j].tolist() for r in all_losses],
             "loss": [sum(r[j, i].item() for r in all_losses) / world for i in range(total)],
         }
+        entry["phases"] = phase_breakdown([r[name] for r in phases_by_rank])
         if measured:
             entry["start_bytes_by_rank"] = [int(r[j, 0].item()) for r in all_peaks]
             entry["peak_bytes_by_rank"] = [int(r[j, 1].item()) for r in all_peaks]
@@ -189,6 +195,20 @@ def run_mode(mode: str, cfg: BenchConfig, mesh, counter: CommCounter, progress: 
     del methods
     gc.collect()
     return result
+
+
+def phase_breakdown(by_rank: list[list]) -> Optional[dict]:
+    """The CPU cost of a method's timed steps by phase (``forward``, ``backward``, ``optimizer``;
+    the c10d replay has one, ``communication``): per phase the training thread's own CPU ms, the
+    other threads' (gloo's) and the page faults, each the median over steps, averaged over ranks."""
+    if not by_rank or not by_rank[0]:
+        return None
+    names = PHASES if len(by_rank[0][0]) == len(PHASES) else ("communication",)
+    out = {}
+    for p, phase in enumerate(names):
+        out[phase] = {key: statistics.fmean(statistics.median(step[p][j] for step in steps) for steps in by_rank)
+                      for j, key in enumerate(("own_ms", "other_ms", "faults"))}
+    return out
 
 
 def _paired_ratios(names: list[str], stamps: torch.Tensor) -> dict:
