@@ -125,8 +125,9 @@ class RowShardedDTensor(PieceShardedDTensor):
 
     def _with_local(self, local: torch.Tensor) -> "RowShardedDTensor":
         """``local`` (this rank's rows of a result shaped like this tensor) with these rows."""
-        meta = TensorMeta(self.shape, self.stride(), local.dtype)
-        spec = DTensorSpec(self.device_mesh, self.placements, meta)
+        spec = self._spec  # specs are immutable: a result of this dtype shares it
+        if local.dtype != self.dtype:
+            spec = DTensorSpec(self.device_mesh, self.placements, TensorMeta(self.shape, self.stride(), local.dtype))
         return RowShardedDTensor.wrap(local, spec, self._rows_per_shard, self._row_start)
 
     # ------------------------------------------------------------------ whole-tensor views
@@ -170,15 +171,16 @@ class RowShardedDTensor(PieceShardedDTensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}
+        # Elementwise first: an optimizer's step is nothing else, once per parameter per op.
+        if _is_elementwise(func):
+            refs = _common_rows(args, kwargs)
+            if refs is not None:
+                return _run_local(func, args, kwargs, refs)
         flat, tree = tree_flatten((args, kwargs))
         if func in _SPLIT_FREE_REDUCTIONS and (_SPLIT_FREE_REDUCTIONS[func] or _no_empty_piece(flat)):
             return _rewrap_rows(func(*_as_plain(args), **_as_plain(kwargs)), flat)
         if func.is_view:
             return _view(func, args, kwargs, flat)
-        if _is_elementwise(func):
-            refs = _common_rows(args, kwargs)
-            if refs is not None:
-                return _run_local(func, args, kwargs, refs)
         return run_on_full(func, args, kwargs, flat, tree)
 
     # ------------------------------------------------------------------ DCP
@@ -223,7 +225,17 @@ class RowShardedDTensor(PieceShardedDTensor):
 def _rows(t: DTensor) -> Optional[tuple]:
     """How ``t``'s rows lie on its mesh: ``None`` for a replicated value, otherwise a key that is
     equal for two DTensors exactly when their local pieces are the same rows of same-shaped
-    tensors (``"other"`` for layouts this module does not reason about: Partial, other dims)."""
+    tensors (``"other"`` for layouts this module does not reason about: Partial, other dims).
+    A RowShardedDTensor keeps its key: its mesh, placements, shape and rows never change."""
+    if isinstance(t, RowShardedDTensor):
+        key = t.__dict__.get("_row_key")
+        if key is None:
+            key = t.__dict__["_row_key"] = _rows_of(t)
+        return key
+    return _rows_of(t)
+
+
+def _rows_of(t: DTensor) -> Optional[tuple]:
     placements = tuple(t.placements)
     if any(isinstance(p, Partial) for p in placements) or hasattr(t, "_elements_per_shard"):
         return ("other", id(t))  # element pieces (dbuffer.element_sharded) are not row ranges
@@ -263,7 +275,17 @@ def row_range(t: DTensor) -> tuple[int, int]:
 # ----------------------------------------------------------------------------- the three paths
 
 
+_ELEMENTWISE_CACHE: dict = {}  # op -> whether it is elementwise (its tags and name never change)
+
+
 def _is_elementwise(func) -> bool:
+    known = _ELEMENTWISE_CACHE.get(func)
+    if known is None:
+        known = _ELEMENTWISE_CACHE[func] = _classify_elementwise(func)
+    return known
+
+
+def _classify_elementwise(func) -> bool:
     if torch.Tag.nondeterministic_seeded in func.tags:
         return False
     name = func._schema.name.split("::")[-1]
@@ -324,7 +346,9 @@ def _wrap_like(local: Any, ref: Optional[DTensor]) -> Any:
         return local
     if isinstance(ref, RowShardedDTensor):
         return ref._with_local(local)
-    spec = DTensorSpec(ref.device_mesh, ref.placements, TensorMeta(ref.shape, ref.stride(), local.dtype))
+    spec = ref._spec
+    if local.dtype != ref.dtype:
+        spec = DTensorSpec(ref.device_mesh, ref.placements, TensorMeta(ref.shape, ref.stride(), local.dtype))
     return DTensor(local, spec, requires_grad=False)
 
 
@@ -407,9 +431,15 @@ def _no_empty_piece(flat: list) -> bool:
     return all(0 not in t._rows_per_shard for t in flat if isinstance(t, RowShardedDTensor))
 
 
+_MUTATES_FIRST: dict = {}
+
+
 def _mutates_first(func) -> bool:
-    args = func._schema.arguments
-    return bool(args) and args[0].alias_info is not None and args[0].alias_info.is_write
+    known = _MUTATES_FIRST.get(func)
+    if known is None:
+        args = func._schema.arguments
+        known = _MUTATES_FIRST[func] = bool(args) and args[0].alias_info is not None and args[0].alias_info.is_write
+    return known
 
 
 def _locals(tree: Any) -> Any:

@@ -133,6 +133,14 @@ class ChunkedLayout:
         self.rank = rank
         self.chunks: ChunkLayout = compute_chunk_layout(shapes, self.dims, world)
         self._flat = [(world * self.chunks.shard_numel,)]
+        # When every parameter is cut along dim 0 into ``world`` whole pieces (the usual case), a
+        # parameter viewed as ``[world, chunk * inner]`` is exactly its columns of the gathered
+        # rows, so one ``split_with_sizes_copy`` moves the whole group (FSDP2's copy-out op);
+        # otherwise each parameter takes its own (at most two) strided copies.
+        items = self.chunks.items
+        self._split = None
+        if items and all(it.dim == 0 and self.chunks.whole_pieces(k) == world for k, it in enumerate(items)):
+            self._split = [it.chunk * it.inner for it in items]
 
     def buffer_shapes(self):
         return self._flat, compute_layout(self._flat, self.chunks.num_shards)
@@ -169,6 +177,11 @@ class ChunkedLayout:
         """Every parameter's pieces from the gathered ``rows`` (``[world, shard_numel]``: one row
         per rank's shard; a view of a wider buffer when a unit gathered several groups at once)
         into ``unsharded``."""
+        if self._split is not None:
+            world = rows.shape[0]
+            outs = [unsharded.get_local_tensor(k).view(world, n) for k, n in enumerate(self._split)]
+            torch.split_with_sizes_copy(rows[:, : sum(self._split)], self._split, dim=1, out=outs)
+            return
         for k in range(len(self.shapes)):
             self.exchange(k, rows, unsharded.get_local_tensor(k), to_full=True)
 
