@@ -63,7 +63,7 @@ def format_table(report: dict) -> str:
                                   for k, v in sorted(comm["by_kind"].items()))
                 lines.append(f"  {name} c10d calls per step: {kinds}")
         lines.extend(_collectives_lines(res["methods"]))
-        lines.extend(phase_lines(res["methods"]))
+        lines.extend(phase_lines(res["methods"], res.get("fault_us")))
         r = res["ratios"]
         lines.append(
             f"  ratios: step ours/fsdp2 {_fmt(r['step_ours_over_fsdp2'])}, ours/floor "
@@ -122,9 +122,10 @@ def _collectives_lines(methods: dict) -> list[str]:
     return rows
 
 
-def phase_lines(methods: dict) -> list[str]:
+def phase_lines(methods: dict, fault_us: Optional[float] = None) -> list[str]:
     """Where each method's step spends CPU time, by phase, and what ours adds to the floor: the
-    account of the framework's own share (tools.kit.timing.cpu_mark says what is measured)."""
+    account of the framework's own share (tools.kit.timing.cpu_mark says what is measured;
+    ``fault_us``, tools.kit.timing.fault_probe, what a page fault costs on this host)."""
     shown = {n: m["phases"] for n, m in methods.items() if m.get("phases")}
     if not shown:
         return []
@@ -152,9 +153,11 @@ def phase_lines(methods: dict) -> list[str]:
                     + f"{o[1] - f[1]:>+9.1f}{o[2] - f[2]:>+9.1f}{o[3] - f[3]:>+9.0f}")
         if "c10d" in shown:
             c = totals(shown["c10d"])[2]
+            faulted = (f"; its {o[3] - f[3]:.0f} more page faults cost about {(o[3] - f[3]) * fault_us / 1e3:.1f} ms "
+                       f"at {fault_us:.2f} us each (measured here)" if fault_us else "")
             rows.append(f"    ours above floor + raw c10d: {o[2] - f[2] - c:+.1f} ms per step, the framework's own work "
                         f"(copies and casts in and out of the collectives' buffers, reductions' sums, Python, "
-                        f"the faults above; the c10d replay alone takes {c:.1f})")
+                        f"page faults; the c10d replay alone takes {c:.1f}){faulted}")
     return rows
 
 

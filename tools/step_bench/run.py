@@ -20,7 +20,7 @@ import torch.distributed as dist
 from tests.models.llama import Llama
 from tools.kit.comm import CommCounter
 from tools.kit.memory import StorageTracker, live_storages, release_library_caches
-from tools.kit.timing import PHASES, gemm_probe
+from tools.kit.timing import PHASES, fault_probe, gemm_probe
 from tools.step_bench.methods import (
     DTYPES,
     MODELS,
@@ -142,8 +142,11 @@ def run_mode(mode: str, cfg: BenchConfig, mesh, counter: CommCounter, progress: 
 
     gemm = [None] * world
     dist.all_gather_object(gemm, gemm_probe({m: DTYPES[m] for m in ("fp32", mode)}))  # all ranks at once
+    faults = [None] * world
+    dist.all_gather_object(faults, fault_probe())  # all ranks at once, as the steps run
     result: dict = {
         "gemm_gflops": gemm[0],
+        "fault_us": statistics.fmean(faults),
         "policy": {n: policy_text(mode)[n] for n in names},
         "optimizer": {n: f"{type(methods[n].opt).__name__} ({optimizer_impl(methods[n])})"
                       if methods[n].opt is not None else "no optimizer" for n in names},
