@@ -101,6 +101,13 @@ Measurements:
   calls carry it: one call of ``dbuffer.collectives`` is one collective (on gloo ours' big
   gathers are isend/irecv pairs), FSDP2's c10d calls one each; the table prints them side by
   side and the targets hold ours to at most FSDP2's all-gathers and reduce-scatters.
+* Where the time goes: every step of every method marks this thread's CPU time, the process's
+  and the minor page faults (``tools.kit.timing.cpu_mark``) before forward, before backward,
+  before the optimizer and at the end; the table gives per method the training thread's CPU ms
+  of each phase, the other threads' (gloo's), the faults (median over timed steps, mean over
+  ranks), ours minus the floor, and ours' CPU time beyond floor + c10d by phase, its extra faults
+  priced by ``tools.kit.timing.fault_probe`` (a fresh buffer written minus the same buffer
+  written again, per page, on all ranks at once).
 * ``--counts``: only that count, quickly (``--warmup`` steps and one counted step per method, no
   timing, no memory tracking), for ``ours``, ``row`` and ``fsdp2`` on each of the three models,
   with a verdict per model: ours may not make more all-gathers, reduce-scatters or collectives

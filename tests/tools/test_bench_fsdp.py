@@ -8,7 +8,7 @@ from tests.harness import run_ranks
 from tests.models.llama import LlamaConfig
 from tools import bench_fsdp
 from tools.step_bench.methods import BenchConfig, check_config
-from tools.step_bench.report import format_table
+from tools.step_bench.report import format_table, ours_above_floor
 from tools.step_bench.run import c10d_bound, run_benchmark
 
 # Small enough to run in seconds; the vocabulary is large enough that the root unit's shard
@@ -113,6 +113,23 @@ def test_bench_core_on_a_tiny_model() -> None:
     assert any(line.split()[:1] == ["row"] for line in layouts)
     gathers = next(line for line in table.splitlines() if line.strip().startswith("all-gather "))
     assert gathers.split()[1:4] == ["5", "5", "5"]  # ours, row, fsdp2 side by side
+
+    # Where the CPU time goes: the phases of a step add up to the step's CPU time (taken apart, by
+    # process_time around the whole step); the floor runs no collective, so its other threads idle.
+    for name, m in res["methods"].items():
+        phases = m["phases"]
+        assert set(phases) == ({"communication"} if name == "c10d" else {"forward", "backward", "optimizer"}), name
+        assert all(p["own_ms"] >= 0 and p["faults"] >= 0 for p in phases.values())
+        total = sum(p["own_ms"] + p["other_ms"] for p in phases.values())
+        assert 0.5 * m["cpu_ms"] <= total <= 1.5 * m["cpu_ms"], (name, total, m["cpu_ms"])
+    floor_phases = floor["phases"].values()
+    assert sum(p["other_ms"] for p in floor_phases) < 0.2 * sum(p["own_ms"] for p in floor_phases)
+    above = ours_above_floor(res["methods"], res["fault_us"])
+    spent = lambda ph: sum(p["own_ms"] + p["other_ms"] for p in ph.values())  # noqa: E731
+    assert abs(above["total"] - (spent(ours["phases"]) - spent(floor["phases"]))) < 1e-9
+    assert abs(above["beyond_c10d"] - (above["total"] - spent(c10d["phases"]))) < 1e-9
+    assert res["fault_us"] >= 0 and abs(above["faults_ms"] - above["faults"] * res["fault_us"] / 1e3) < 1e-9
+    assert "CPU ms per step by phase" in table and "ours above floor + raw c10d" in table
 
 
 def test_c10d_bound_counts_communication_cpu_only_when_no_core_is_idle() -> None:

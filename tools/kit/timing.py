@@ -65,19 +65,22 @@ def gemm_probe(dtypes: dict[str, torch.dtype], rows: int = 256, dim: int = 512, 
 
 
 def fault_probe(mib: int = 64, reps: int = 3) -> float:
-    """Microseconds one page fault costs here: writing a buffer of ``mib`` MiB freshly allocated
-    (above glibc's mmap threshold, so mapped anew: every 4 KiB page faults and is zeroed by the
-    kernel) minus writing the same buffer again (warm); best of ``reps``, per 4 KiB page."""
-    numel = mib << 20
+    """Microseconds one page fault costs here: writing ``mib`` MiB of freshly mapped anonymous
+    memory (every 4 KiB page faults and is zeroed by the kernel, as for a buffer glibc maps anew)
+    minus writing it again (warm); best of ``reps``, per page."""
+    import mmap
+
+    nbytes = mib << 20
     fresh, warm = [], []
     for _ in range(reps):
-        t0 = time.perf_counter()
-        buf = torch.empty(numel, dtype=torch.uint8)
-        buf.fill_(1)
-        t1 = time.perf_counter()
-        buf.fill_(2)
-        t2 = time.perf_counter()
+        with mmap.mmap(-1, nbytes) as region:
+            buf = torch.frombuffer(region, dtype=torch.uint8)
+            t0 = time.perf_counter()
+            buf.fill_(1)
+            t1 = time.perf_counter()
+            buf.fill_(2)
+            t2 = time.perf_counter()
+            del buf
         fresh.append(t1 - t0)
         warm.append(t2 - t1)
-        del buf
-    return max(0.0, min(fresh) - min(warm)) * 1e6 / (numel / 4096)
+    return max(0.0, min(fresh) - min(warm)) * 1e6 / (nbytes / 4096)

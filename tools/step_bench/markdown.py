@@ -15,6 +15,7 @@ from typing import Optional
 from tools.kit.results import describe_host
 from tools.step_bench.counts import split_kinds
 from tools.step_bench.methods import MODELS
+from tools.step_bench.report import above_text, ours_above_floor
 
 MIB = 1 << 20
 TIMED_MODES = ("fp32", "bf16")
@@ -71,6 +72,9 @@ def _timed_notes(mode: str, run: dict) -> list[str]:
         notes.append(f"  The framework's own share (ours' CPU time / (floor + its c10d calls replayed alone)): "
                      f"{r['cpu_ours_over_floor_plus_c10d']:.2f}; no step can be below "
                      f"{r['bound_step_ours_over_floor']:.2f} of the floor on this host.")
+    above = ours_above_floor(res["methods"], res.get("fault_us"))
+    if above is not None and "beyond_c10d" in above:
+        notes.append("  " + above_text(above)[0].upper() + above_text(above)[1:] + ".")
     return notes
 
 

@@ -135,30 +135,62 @@ def phase_lines(methods: dict, fault_us: Optional[float] = None) -> list[str]:
             "where c10d works); faults = fresh 4 KiB pages touched (big buffers allocated anew every step)",
             f"    {'method':<8}" + "".join(f"{c:>11}" for c in cols) + f"{'other':>9}{'total':>9}{'faults':>9}"]
 
-    def totals(ph: dict) -> tuple[list[float], float, float, float]:
-        own = [ph[c]["own_ms"] if c in ph else 0.0 for c in cols]
-        if "communication" in ph:  # the c10d replay: one phase, its own thread's calls under "other"
-            other = ph["communication"]["own_ms"] + ph["communication"]["other_ms"]
-            return own, other, other, ph["communication"]["faults"]
-        other = sum(p["other_ms"] for p in ph.values())
-        return own, other, sum(own) + other, sum(p["faults"] for p in ph.values())
-
     for name, ph in shown.items():
-        own, other, total, faults = totals(ph)
+        own, other, total, faults = _phase_totals(ph)
         rows.append(f"    {name:<8}" + "".join(f"{x:>11.1f}" for x in own) + f"{other:>9.1f}{total:>9.1f}{faults:>9.0f}")
-    if "ours" in shown and "floor" in shown:
-        o, f = totals(shown["ours"]), totals(shown["floor"])
-        diff = [a - b for a, b in zip(o[0], f[0])]
-        rows.append(f"    {'ours-floor':<8}" + "".join(f"{x:>+11.1f}" for x in diff)
-                    + f"{o[1] - f[1]:>+9.1f}{o[2] - f[2]:>+9.1f}{o[3] - f[3]:>+9.0f}")
-        if "c10d" in shown:
-            c = totals(shown["c10d"])[2]
-            faulted = (f"; its {o[3] - f[3]:.0f} more page faults cost about {(o[3] - f[3]) * fault_us / 1e3:.1f} ms "
-                       f"at {fault_us:.2f} us each (measured here)" if fault_us else "")
-            rows.append(f"    ours above floor + raw c10d: {o[2] - f[2] - c:+.1f} ms per step, the framework's own work "
-                        f"(copies and casts in and out of the collectives' buffers, reductions' sums, Python, "
-                        f"page faults; the c10d replay alone takes {c:.1f}){faulted}")
+    above = ours_above_floor(methods, fault_us)
+    if above is not None:
+        rows.append(f"    {'ours-floor':<8}" + "".join(f"{above[c]:>+11.1f}" for c in cols)
+                    + f"{above['other']:>+9.1f}{above['total']:>+9.1f}{above['faults']:>+9.0f}")
+        if "beyond_c10d" in above:
+            rows.append("    " + above_text(above))
     return rows
+
+
+def _phase_totals(ph: dict) -> tuple[list[float], float, float, float]:
+    """``(own ms per phase, other threads ms, total ms, faults)`` of one method's phases; the c10d
+    replay's one phase counts as other threads' time (the communication), whichever thread ran it."""
+    cols = ("forward", "backward", "optimizer")
+    own = [ph[c]["own_ms"] if c in ph else 0.0 for c in cols]
+    if "communication" in ph:
+        other = ph["communication"]["own_ms"] + ph["communication"]["other_ms"]
+        return own, other, other, ph["communication"]["faults"]
+    other = sum(p["other_ms"] for p in ph.values())
+    return own, other, sum(own) + other, sum(p["faults"] for p in ph.values())
+
+
+def ours_above_floor(methods: dict, fault_us: Optional[float] = None) -> Optional[dict]:
+    """What ours' step costs beyond the floor's, in CPU ms per step: per phase on the training
+    thread, on the other threads, in all, its extra page faults; with the c10d replay, how much
+    is left beyond the communication itself (``beyond_c10d``: the framework's own work), and with
+    ``fault_us`` what the extra faults cost."""
+    ours, floor = (methods.get(n, {}).get("phases") for n in ("ours", "floor"))
+    if not (ours and floor):
+        return None
+    o, f = _phase_totals(ours), _phase_totals(floor)
+    out = dict(zip(("forward", "backward", "optimizer"), (a - b for a, b in zip(o[0], f[0]))))
+    out.update(other=o[1] - f[1], total=o[2] - f[2], faults=o[3] - f[3])
+    replay = methods.get("c10d", {}).get("phases")
+    if replay:
+        out["c10d"] = _phase_totals(replay)[2]
+        out["beyond_c10d"] = out["total"] - out["c10d"]
+    if fault_us:
+        out["faults_ms"] = out["faults"] * fault_us / 1e3
+        out["fault_us"] = fault_us
+    return out
+
+
+def above_text(above: dict) -> str:
+    """One sentence: ours' CPU time beyond floor + raw c10d, by phase (README's notes, the table)."""
+    text = (f"ours above floor + raw c10d: {above['beyond_c10d']:+.1f} ms of CPU per step, the framework's own work "
+            f"(forward {above['forward']:+.1f}, backward {above['backward']:+.1f}, optimizer "
+            f"{above['optimizer']:+.1f} on the training thread; gloo's threads {above['other'] - above['c10d']:+.1f} "
+            f"beyond the {above['c10d']:.1f} ms the c10d replay takes): copies and casts in and out of the "
+            f"collectives' buffers, the reductions' sums, Python, page faults")
+    if "faults_ms" in above:
+        text += (f"; its {above['faults']:.0f} more page faults cost about {above['faults_ms']:.1f} ms at "
+                 f"{above['fault_us']:.2f} us each (measured here)")
+    return text
 
 
 def _layout_lines(res: dict) -> list[str]:
