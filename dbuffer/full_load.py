@@ -29,7 +29,8 @@ plain DTensors (FSDP2's, tensor parallelism's) load exactly as without dbuffer. 
 also go to torch: it builds plain DTensors for ``load_state_dict(assign=True)``, which fsdp
 adopts at the first forward. If a torch release renames or reshapes these private functions,
 nothing is wrapped (:data:`INSTALLED` says so and a test fails); ``fsdp.checkpoint.set_state_dict``
-does not depend on them.
+does not depend on them. :func:`uninstall` puts torch's own functions back (then these loaders
+cut every DTensor where ``torch.chunk`` would again); :func:`install` wraps them again.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from torch.distributed.tensor import DTensor, Partial
 
 from dbuffer.pieces import PieceShardedDTensor
 
-__all__ = ["INSTALLED", "install"]
+__all__ = ["INSTALLED", "install", "uninstall"]
 
 INSTALLED = False
 _EXPECTED = {
@@ -134,3 +135,27 @@ def install() -> bool:
     sd._distribute_state_dict = wrapped
     INSTALLED = True
     return True
+
+
+def uninstall() -> bool:
+    """Put torch's own full-state-dict loaders back (idempotent), for a program that wants torch
+    untouched: afterwards those loaders cut row- or element-sharded DTensors where ``torch.chunk``
+    would, as without dbuffer. Returns whether anything was unwrapped."""
+    global INSTALLED
+    try:
+        import torch.distributed._state_dict_utils as utils
+        import torch.distributed.checkpoint.state_dict as sd
+    except ImportError:
+        return False
+    unwrapped = False
+    if getattr(utils._distribute_tensors, "_dbuffer_full_load", False):
+        utils._distribute_tensors = utils._distribute_tensors.__wrapped__
+        unwrapped = True
+    wrapped = utils._distribute_state_dict
+    if getattr(wrapped, "_dbuffer_full_load", False):
+        utils._distribute_state_dict = wrapped.__wrapped__
+        if sd._distribute_state_dict is wrapped:
+            sd._distribute_state_dict = wrapped.__wrapped__
+        unwrapped = True
+    INSTALLED = False
+    return unwrapped

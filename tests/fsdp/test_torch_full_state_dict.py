@@ -218,3 +218,22 @@ def _wrong_shape(full) -> str:
 def test_a_wrong_shape_raises_the_same_error_on_every_rank() -> None:
     messages = run_ranks(_wrong_shape, 2, make_model(seed=7).state_dict())
     assert messages[0] == messages[1] and "(16, 4)" in messages[0] and "(16, 8)" in messages[0], messages
+
+
+def test_uninstall_puts_torchs_loaders_back_and_install_wraps_them_again() -> None:
+    import torch.distributed._state_dict_utils as utils
+    import torch.distributed.checkpoint.state_dict as sd
+
+    assert full_load.INSTALLED
+    wrapped_tensors, wrapped_state_dict = utils._distribute_tensors, utils._distribute_state_dict
+    try:
+        assert full_load.uninstall() and not full_load.INSTALLED
+        assert utils._distribute_tensors is wrapped_tensors.__wrapped__
+        assert not getattr(utils._distribute_tensors, "_dbuffer_full_load", False)
+        assert sd._distribute_state_dict is utils._distribute_state_dict is wrapped_state_dict.__wrapped__
+        assert not full_load.uninstall()  # nothing left to unwrap
+    finally:
+        assert full_load.install()
+    assert full_load.INSTALLED and getattr(utils._distribute_tensors, "_dbuffer_full_load", False)
+    assert sd._distribute_state_dict is utils._distribute_state_dict
+    assert getattr(utils._distribute_state_dict, "_dbuffer_full_load", False)
