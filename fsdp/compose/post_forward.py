@@ -20,11 +20,9 @@ the backward gather lands there and is copied out as after any gather.
 
 from __future__ import annotations
 
-import weakref
 from typing import Callable, Optional
 
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 
@@ -32,23 +30,25 @@ from dbuffer import DBuffer, Pending
 
 __all__ = ["PostForwardShard", "enable_post_forward_slices", "post_forward_mesh"]
 
-# Weak: the groups that use a view keep it alive; a cache must not carry process groups past teardown.
-_MESHES: "weakref.WeakValueDictionary[tuple, DeviceMesh]" = weakref.WeakValueDictionary()
+_VIEWS = "_fsdp_post_forward_views"  # the attribute of a shard mesh holding its views, by n
 
 
 def post_forward_mesh(mesh: DeviceMesh, n: int) -> DeviceMesh:
     """The ``(W/n, n)`` view of a 1-D shard mesh whose inner axis groups ``n`` consecutive ranks.
-    Collective the first time for a given (mesh, n): call it on every rank of the mesh."""
-    # The world's identity and this rank belong in the key: torch's threaded test group runs
-    # every rank (and every new world) in one process, each with its own process groups.
-    world = id(dist.distributed_c10d._get_default_group())
-    key = (world, dist.get_rank(), mesh.device_type, tuple(mesh.mesh.flatten().tolist()), n)
-    view = _MESHES.get(key)
+    Collective the first time for a given (mesh, n): call it on every rank of the mesh.
+
+    The view is kept on ``mesh`` itself, so it lives exactly as long as the mesh and its process
+    groups, and whether a call builds one (a collective) or reuses it depends only on which mesh
+    object the program passes, the same on every rank of an SPMD program. A cache that dropped
+    views when the garbage collector freed their last unit would decide that per rank: one rank
+    still holding an old model would reuse its view while another built a new one, alone, and
+    hang in the process groups' creation."""
+    views = mesh.__dict__.setdefault(_VIEWS, {})
+    view = views.get(n)
     if view is None:
-        view = DeviceMesh(
+        view = views[n] = DeviceMesh(
             mesh.device_type, mesh.mesh.reshape(-1, n), mesh_dim_names=("post_forward_outer", "post_forward_inner")
         )
-        _MESHES[key] = view
     return view
 
 

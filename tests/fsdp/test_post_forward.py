@@ -90,3 +90,31 @@ def _refuses_a_non_factor(model) -> bool:
 
 def test_reshard_after_forward_int_is_validated() -> None:
     assert all(run_ranks(_refuses_a_non_factor, 4, make_model()))
+
+
+def _an_old_model_alive_on_some_ranks(model, batches) -> dict:
+    import gc
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    old = shard(copy.deepcopy(model), True, mesh=mesh, reshard_after_forward=N)
+    train(old, batches[:1], rank=rank, world=world)
+    if rank % 2:  # these ranks free the old model (and whatever only it kept alive); the others keep it
+        del old
+        gc.collect()
+    new = shard(copy.deepcopy(model), True, mesh=mesh, reshard_after_forward=N)
+    train(new, batches, rank=rank, world=world)
+    return full_state(new)
+
+
+def test_a_model_alive_on_some_ranks_only_changes_nothing_for_the_next_one() -> None:
+    """The (W/n, n) view of a mesh is built collectively the first time; whether a later
+    fully_shard builds it again must not depend on what each rank's garbage collector freed
+    (a view cached only while some unit used it: ranks that dropped their model built a new
+    view alone and hung)."""
+    model, batches = make_model(), make_batches(2)
+    want = reference(model, batches)
+    for state in run_ranks(_an_old_model_alive_on_some_ranks, 4, model, batches, timeout=60):
+        assert max_diff(state, want) < 1e-5
