@@ -33,6 +33,14 @@ __all__ = ["PostForwardShard", "enable_post_forward_slices", "post_forward_mesh"
 _VIEWS = "_fsdp_post_forward_views"  # the attribute of a shard mesh holding its views, by n
 
 
+class _Views(dict):
+    """A mesh's views by ``n``. Pickled (a DTensor saved or deep-copied takes its mesh along) as
+    empty: process groups do not travel, and a copy builds its views again when first used."""
+
+    def __reduce__(self):
+        return (_Views, ())
+
+
 def post_forward_mesh(mesh: DeviceMesh, n: int) -> DeviceMesh:
     """The ``(W/n, n)`` view of a 1-D shard mesh whose inner axis groups ``n`` consecutive ranks.
     Collective the first time for a given (mesh, n): call it on every rank of the mesh.
@@ -43,7 +51,7 @@ def post_forward_mesh(mesh: DeviceMesh, n: int) -> DeviceMesh:
     views when the garbage collector freed their last unit would decide that per rank: one rank
     still holding an old model would reuse its view while another built a new one, alone, and
     hang in the process groups' creation."""
-    views = mesh.__dict__.setdefault(_VIEWS, {})
+    views = mesh.__dict__.setdefault(_VIEWS, _Views())
     view = views.get(n)
     if view is None:
         view = views[n] = DeviceMesh(

@@ -106,6 +106,9 @@ def _an_old_model_alive_on_some_ranks(model, batches) -> dict:
         gc.collect()
     new = shard(copy.deepcopy(model), True, mesh=mesh, reshard_after_forward=N)
     train(new, batches, rank=rank, world=world)
+    views = mesh.__dict__["_fsdp_post_forward_views"]  # one view, on the mesh itself
+    assert list(views) == [N] and views[N].mesh.shape == (world // N, N)
+    assert not copy.deepcopy(mesh).__dict__.get("_fsdp_post_forward_views")  # process groups do not travel
     return full_state(new)
 
 
