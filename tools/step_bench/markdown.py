@@ -74,7 +74,8 @@ def _timed_notes(mode: str, run: dict) -> list[str]:
                      f"{r['bound_step_ours_over_floor']:.2f} of the floor on this host.")
     above = ours_above_floor(res["methods"], res.get("fault_us"))
     if above is not None and "beyond_c10d" in above:
-        notes.append("  " + above_text(above)[0].upper() + above_text(above)[1:] + ".")
+        text = above_text(above)
+        notes.append(f"  {text[0].upper()}{text[1:]}.")
     return notes
 
 

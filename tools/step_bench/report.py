@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from tools.kit.timing import PHASES
 from tools.step_bench.counts import split_kinds
 from tools.step_bench.methods import METHODS, VARIANTS
 
@@ -129,12 +130,11 @@ def phase_lines(methods: dict, fault_us: Optional[float] = None) -> list[str]:
     shown = {n: m["phases"] for n, m in methods.items() if m.get("phases")}
     if not shown:
         return []
-    cols = ("forward", "backward", "optimizer")
+    cols = PHASES
     rows = ["  CPU ms per step by phase (median over steps, mean over ranks): the training thread's own time in "
             "forward, backward, optimizer (step + zero_grad); 'other' = the process's other threads (gloo's, "
             "where c10d works); faults = fresh 4 KiB pages touched (big buffers allocated anew every step)",
             f"    {'method':<8}" + "".join(f"{c:>11}" for c in cols) + f"{'other':>9}{'total':>9}{'faults':>9}"]
-
     for name, ph in shown.items():
         own, other, total, faults = _phase_totals(ph)
         rows.append(f"    {name:<8}" + "".join(f"{x:>11.1f}" for x in own) + f"{other:>9.1f}{total:>9.1f}{faults:>9.0f}")
@@ -150,8 +150,7 @@ def phase_lines(methods: dict, fault_us: Optional[float] = None) -> list[str]:
 def _phase_totals(ph: dict) -> tuple[list[float], float, float, float]:
     """``(own ms per phase, other threads ms, total ms, faults)`` of one method's phases; the c10d
     replay's one phase counts as other threads' time (the communication), whichever thread ran it."""
-    cols = ("forward", "backward", "optimizer")
-    own = [ph[c]["own_ms"] if c in ph else 0.0 for c in cols]
+    own = [ph[c]["own_ms"] if c in ph else 0.0 for c in PHASES]
     if "communication" in ph:
         other = ph["communication"]["own_ms"] + ph["communication"]["other_ms"]
         return own, other, other, ph["communication"]["faults"]
@@ -168,7 +167,7 @@ def ours_above_floor(methods: dict, fault_us: Optional[float] = None) -> Optiona
     if not (ours and floor):
         return None
     o, f = _phase_totals(ours), _phase_totals(floor)
-    out = dict(zip(("forward", "backward", "optimizer"), (a - b for a, b in zip(o[0], f[0]))))
+    out = dict(zip(PHASES, (a - b for a, b in zip(o[0], f[0]))))
     out.update(other=o[1] - f[1], total=o[2] - f[2], faults=o[3] - f[3])
     replay = methods.get("c10d", {}).get("phases")
     if replay:
