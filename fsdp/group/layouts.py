@@ -22,7 +22,8 @@ that is the group's :class:`ParamKind`, which a layout calls to build what it ha
 
 from __future__ import annotations
 
-from typing import Optional
+import weakref
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -141,6 +142,8 @@ class ChunkedLayout:
         self._split = None
         if items and all(it.dim == 0 and self.chunks.whole_pieces(k) == world for k, it in enumerate(items)):
             self._split = [it.chunk * it.inner for it in items]
+        self._param_views = _ViewsOf()  # per parameter, [world, piece numel] views of the unsharded weights
+        self._grad_columns = _ViewsOf()  # per parameter, its [world, piece numel] columns of the gradient rows
 
     def buffer_shapes(self):
         return self._flat, compute_layout(self._flat, self.chunks.num_shards)
@@ -179,7 +182,9 @@ class ChunkedLayout:
         into ``unsharded``."""
         if self._split is not None:
             world = rows.shape[0]
-            outs = [unsharded.get_local_tensor(k).view(world, n) for k, n in enumerate(self._split)]
+            outs = self._param_views.of(unsharded.local_buffer, lambda: [
+                unsharded.get_local_tensor(k).view(world, n) for k, n in enumerate(self._split)
+            ])
             torch.split_with_sizes_copy(rows[:, : sum(self._split)], self._split, dim=1, out=outs)
             return
         for k in range(len(self.shapes)):
@@ -197,6 +202,16 @@ class ChunkedLayout:
 
     def write_grad(self, grad_in: DBuffer, k: int, grad: Optional[torch.Tensor], add: bool) -> None:
         rows = self.rows(grad_in.local_buffer)
+        if self._split is not None and grad is not None and grad.is_contiguous():
+            # whole dim-0 pieces: the gradient viewed as [world, piece numel] is its columns
+            columns = self._grad_columns.of(
+                grad_in.local_buffer, lambda: torch.split(rows[:, : sum(self._split)], self._split, dim=1)
+            )[k]
+            if add:
+                columns.add_(grad.view(columns.shape))
+            else:
+                columns.copy_(grad.view(columns.shape))
+            return
         if grad is None:
             it = self.chunks.items[k]
             rows[:, it.offset : it.offset + it.chunk * it.inner].zero_()
@@ -257,6 +272,22 @@ def describe_layout(layout) -> str:
     if isinstance(inner, OwnedLayout):
         return "owned"
     return "ragged" if type(inner).__name__ == "RaggedLayout" else "row-atomic"
+
+
+class _ViewsOf:
+    """Views of one tensor's storage, made once for it and again only for another tensor: a
+    DBuffer's views stay valid across ``release_storage`` / ``reallocate_storage`` (the storage
+    object is the same), so the per-parameter views a copy needs cost Python only once."""
+
+    def __init__(self) -> None:
+        self._of: Optional[weakref.ref] = None
+        self._views: Sequence[torch.Tensor] = ()
+
+    def of(self, base: torch.Tensor, make: Callable[[], Sequence[torch.Tensor]]) -> Sequence[torch.Tensor]:
+        """The views ``make()`` builds of ``base``: built now if they were built for another tensor."""
+        if self._of is None or self._of() is not base:
+            self._views, self._of = make(), weakref.ref(base)
+        return self._views
 
 
 def contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
