@@ -45,8 +45,9 @@ every step:
   than ``floor`` + ``c10d``: the table prints that bound next to the ours/floor target;
 * ``flat``: ``ours`` with ``fsdp.FlatAdamW`` (the step over the flat shards, :mod:`fsdp.optim`)
   and, in bf16, ``main_grads_dtype=bf16`` (no FP32 gradient copy at the step);
-* ``lean`` (only with ``--methods``): ``flat`` with ``persistent_param_shard=False`` (no BF16
-  shard kept between steps; the shard is cast before each gather).
+* ``lean`` (only with ``--methods``): ``flat`` with ``persistent_param_shard=False`` (the same
+  as ``flat`` here: in these packed layouts every gather casts into its own row and no BF16
+  shard is kept with either setting).
 
 The table prints peak memory and step time of each variant against FSDP2 and ``ours``.
 

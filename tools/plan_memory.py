@@ -28,10 +28,10 @@ allowance is the padding the layout puts into those buffers.
 Categories (bytes on this rank):
 
 * main weights: the weights the optimizer updates (sharded unless ``no_shard``).
-* model weights: the compute-dtype copy of the main shard; 0 when it aliases the main weights,
-  and 0 with ``MixedPrecisionPolicy(persistent_param_shard=False)`` (``--lean-param-shard``),
-  which casts the shard into a temporary before each gather instead (one cast per gather; the
-  temporary, 1/world of a unit, is not counted). ``format()`` prints that trade-off.
+* model weights: a compute-dtype copy of the weights kept between steps: ``no_shard``'s full one
+  when its dtype differs, HFSDP's shard-axis copy; 0 for the other sharded strategies, whose
+  every gather casts the main shard straight into its own row of the gathered buffer (FSDP2's
+  copy-in).
 * unsharded weights: the full compute weights ``optim``/``optim_grads`` keep between steps
   (``no_shard`` uses its model weights, ZeRO-3 gathers them per use: both 0 here).
 * main grads: the reduced-gradient buffer (sharded for ``optim_grads*``), counted in full: it
@@ -152,7 +152,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--main-grads-dtype", default="fp32", choices=list(DTYPES))
     ap.add_argument("--reduce-dtype", default=None, choices=list(DTYPES), help="default: the param dtype")
     ap.add_argument("--optimizer", default="adamw", choices=list(OPTIMIZER_STATES))
-    ap.add_argument("--lean-param-shard", action="store_true", help="persistent_param_shard=False: cast per gather")
     ap.add_argument("--flat-optimizer", action="store_true", help="fsdp.FlatAdamW & co.: no FP32 .grad copies")
     ap.add_argument("--layout", default="chunk", choices=list(LAYOUT_KINDS), help="default groups' layout (chunk: FSDP2's torch.chunk pieces; auto: row-atomic unless it pads > 0.1%%)")
     ap.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -162,7 +161,6 @@ def main(argv: Optional[list[str]] = None) -> int:
         main_params_dtype=DTYPES[args.main_dtype],
         main_grads_dtype=DTYPES[args.main_grads_dtype],
         reduce_dtype=DTYPES[args.reduce_dtype] if args.reduce_dtype else None,
-        persistent_param_shard=not args.lean_param_shard,
     )
     start = time.perf_counter()
     result = plan(

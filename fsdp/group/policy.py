@@ -69,16 +69,19 @@ class MixedPrecisionPolicy:
 
     And one memory/speed knob, for when ``param_dtype`` differs from the main dtype:
 
-    * ``persistent_param_shard``: True (default, fast) keeps this rank's shard of the model
-      weights in ``param_dtype`` between steps (written by the optimizer step, or cast once
-      after it), so the forward's all-gather reads it as is. It is not kept from a unit's forward
-      to its backward, the span of the activations' peak: a unit resharded after a forward with
-      grad casts it again for its backward gather (one cast per step), and a unit whose gathered
+    * ``persistent_param_shard``: where a gather can, it casts the main shard straight into its
+      own row of the gathered buffer and gathers in place (FSDP2's copy-in; every packed layout
+      on the compute device), and no ``param_dtype`` shard exists whatever this says. Where it
+      cannot (host offload, ``Owned`` buckets), True (default) keeps this rank's shard of the
+      model weights in ``param_dtype`` between steps (written by the optimizer step, or cast
+      once after it), so the forward's all-gather reads it as is; it is not kept from a unit's
+      forward to its backward, the span of the activations' peak: a unit resharded after a
+      forward with grad casts it again for its backward gather, and a unit whose gathered
       weights stay until the next step (the root from forward to the end of backward;
-      ``optim``/``optim_grads`` after their gather) drops it once gathered. False (lean, FSDP2's
-      way) keeps no such copy: the shard is cast into a temporary right before each gather and
-      freed when the gather lands, saving ``shard numel x param_dtype size`` per rank between
-      steps for one more cast per gather. ``tools/plan_memory.py --lean-param-shard`` prints both.
+      ``optim``/``optim_grads`` after their gather) drops it once gathered. False (lean) casts
+      the shard into a temporary right before each gather, freed when the gather lands, saving
+      ``shard numel x param_dtype size`` per rank between steps for one more cast per gather.
+      HFSDP always keeps its shard-axis copy.
 
     ``output_dtype`` casts the unit's floating outputs; ``cast_forward_inputs`` casts its floating
     inputs to ``param_dtype`` (both as FSDP2). Construction raises ``TypeError`` for a non-bool

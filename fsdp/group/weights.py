@@ -4,10 +4,12 @@ A :class:`~fsdp.group.param_group.ParameterGroup` drives the same cycle for ever
 weights (refresh after the optimizer stepped, gather, hand the unsharded parameters to the
 modules, free them) and leaves what is moved, and how, to its weights part:
 
-* :class:`BufferWeights` (here, the default): the weights are DBuffers. ``main`` (the group's,
-  which the optimizer updates) is cast into ``model``, the compute-dtype shard; ``model`` is
-  all-gathered into ``unsharded`` (flat layouts) or into ``gathered`` and copied out into
-  ``unsharded`` (FSDP2's chunked layout); the modules compute with views of ``unsharded``.
+* :class:`BufferWeights` (here, the default): the weights are DBuffers. A gather casts ``main``
+  (the group's, which the optimizer updates) straight into this rank's row of its target, as
+  FSDP2's copy-in does, and all-gathers in place: into ``unsharded`` (flat layouts) or into
+  ``gathered``, copied out into ``unsharded`` (FSDP2's chunked layout); the modules compute with
+  views of ``unsharded``. Where a gather cannot write its own row (HFSDP, host offload, ``Owned``
+  buckets) it reads ``model``, the compute-dtype shard cast from ``main``.
 * :class:`fsdp.compose.extensions.SubclassWeights`: tensor-subclass parameters (float8, NF4):
   the shards are pieces of the subclass itself and FSDP2's ``fsdp_pre_all_gather`` /
   ``fsdp_post_all_gather`` make what is gathered and what the modules compute with.
@@ -23,6 +25,7 @@ from typing import Any, Optional
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import Shard
 
 from dbuffer import DBuffer
 from fsdp.group.members import check_no_late_extension
@@ -34,14 +37,17 @@ __all__ = ["BufferWeights"]
 class BufferWeights:
     """Weights held in DBuffers (see the module docstring for the buffers and their moves).
 
-    ``model`` is ``main`` itself when dtype and placements agree (no copy, no cast), a persistent
-    cast of it otherwise, or, with ``persistent_param_shard=False``, a temporary cast before each
-    gather (:attr:`lean_model`). Under HFSDP the model shard sits at other placements than
-    ``main`` (:attr:`GroupPlacements.model <fsdp.group.members.GroupPlacements>`) and a refresh
-    casts ``main`` into ``cast_main`` and all-gathers that over the replicate axis."""
+    ``model`` is ``main`` itself when dtype and placements agree (no copy, no cast). Otherwise a
+    gather that can casts ``main`` into its own row of the target (:attr:`casts_into_gather`) and
+    ``model`` holds no storage; else ``model`` is a cast of ``main`` kept between steps, or with
+    ``persistent_param_shard=False`` a temporary cast before each gather (:attr:`lean_model`).
+    Under HFSDP the model shard sits at other placements than ``main``
+    (:attr:`GroupPlacements.model <fsdp.group.members.GroupPlacements>`) and a refresh casts
+    ``main`` into ``cast_main`` and all-gathers that over the replicate axis."""
 
     keeps_post_forward_slice = True  # reshard_after_forward=n may keep a slice of the gathered weights
     dtype_fixed: Optional[str] = None  # module.to(dtype) is allowed
+    casts_into_gather = False  # set by build()
 
     def __init__(self, group: Any) -> None:
         self.group = group
@@ -53,6 +59,7 @@ class BufferWeights:
         self.unsharded_params: Optional[list[nn.Parameter]] = None
         self._init_buffer: Optional[DBuffer] = None  # full main-dtype weights during init_weights
         self._version_before_gather = 0
+        self._row: Optional[DBuffer] = None  # the gather's own row, cast from main by begin_gather
 
     # ------------------------------------------------------------------ building
 
@@ -73,7 +80,6 @@ class BufferWeights:
             self.model = g.sibling(pl.model, d.model)
             if d.model != d.main:
                 self.cast_main = g.sibling(g.main.placements, d.model, zero_fill=False)
-        self._release_lean_model()
         self.gathered = None
         if g.layout.copies:
             self.gathered = g.sibling(pl.replicated, d.model, zero_fill=False)
@@ -84,6 +90,8 @@ class BufferWeights:
             self.unsharded = g.layout.unsharded_buffer(
                 g.main, pl.replicated, d.model, g.compute_device, zero_fill=not strategy.shard_params
             )
+        self.casts_into_gather = self._can_cast_into_gather()
+        self._release_lean_model()
         self.unsharded_params = [g.kind.unsharded(k, self.unsharded.get_local_tensor(k), g.requires_grad) for k in range(len(g.infos))]
         if strategy.shard_params:  # gathered before each use (its views exist now)
             self.unsharded.release_storage()
@@ -108,18 +116,26 @@ class BufferWeights:
         check_no_late_extension(g)
         return sum(p._version for p in g.sharded_params) + g.main.local_buffer._version
 
+    def _can_cast_into_gather(self) -> bool:
+        """Whether a gather can cast the main shard straight into its own row of the target and
+        all-gather in place (FSDP2's copy-in): a cast is needed, the main weights are sharded on
+        the compute device (no host offload) at exactly the placements a local scatter of the
+        target gives (a packed layout: not ``Owned``, not HFSDP's separate model shard)."""
+        g = self.group
+        if self.model is g.main or g.placements.model is not None or g.offload.on_host or not g.strategy.shard_optim:
+            return False
+        target = self.gathered_buffer()
+        return tuple(g.main.placements) == tuple(target.placements[:-1]) + (Shard(0),)
+
     @property
     def lean_model(self) -> bool:
-        """Whether the model shard is a temporary cast before each gather (the policy's
-        ``persistent_param_shard=False``) rather than a copy kept between steps."""
+        """Whether no model shard is kept between gathers: each gather casts the main weights
+        afresh, into its own row (:attr:`casts_into_gather`) or, with the policy's
+        ``persistent_param_shard=False``, into a temporary model shard freed when it lands."""
         g = self.group
-        return (
-            g.policy is not None
-            and not g.policy.persistent_param_shard
-            and self.model is not g.main
-            and g.strategy.shard_optim
-            and g.placements.model is None
-        )
+        if self.model is g.main or not g.strategy.shard_optim or g.placements.model is not None:
+            return False
+        return self.casts_into_gather or (g.policy is not None and not g.policy.persistent_param_shard)
 
     @property
     def step_writes_model(self) -> bool:
@@ -180,13 +196,19 @@ class BufferWeights:
         return self.gathered is not None
 
     def begin_gather(self, from_shard: bool = True, own_target: bool = True) -> Optional[DBuffer]:
-        """Before a gather, on the compute stream: if the gather reads the model shard
-        (``from_shard``; not a post-forward slice's), a released model shard is cast again; with
-        ``own_target`` (not a gather shared with other groups), the target gets storage and is
-        returned: the gathered buffer if the layout copies out of it, else the unsharded
-        weights themselves."""
+        """Before a gather, on the compute stream: with ``own_target`` (not a gather shared with
+        other groups) the target gets storage and is returned: the gathered buffer if the layout
+        copies out of it, else the unsharded weights themselves. If the gather reads this rank's
+        shard (``from_shard``; not a post-forward slice's), the main weights are cast into the
+        target's own row (:attr:`casts_into_gather`), or a released model shard is cast again."""
         self._version_before_gather = self.unsharded.local_buffer._version
-        if from_shard and self.model is not self.group.main and self.model.is_storage_released():
+        g = self.group
+        if from_shard and own_target and self.casts_into_gather:
+            target = self.gathered_buffer()
+            target.reallocate_storage()
+            self._row = g.main.cast(g.dtypes.model, out=target.scatter(target.mesh.ndim - 1))
+            return target
+        if from_shard and self.model is not g.main and self.model.is_storage_released():
             self._cast_model()
         if not own_target:
             return None
@@ -195,8 +217,13 @@ class BufferWeights:
         return target
 
     def gather_source(self) -> DBuffer:
-        """The sharded compute weights a gather reads: ``model``, or under offload its copy on
-        the compute device (uploaded now, on the current stream: the gather's)."""
+        """The sharded compute weights a gather reads: the target's own row that
+        :meth:`begin_gather` cast the main weights into (the gather runs in place), else
+        ``model``, or under offload its copy on the compute device (uploaded now, on the current
+        stream: the gather's)."""
+        row, self._row = self._row, None
+        if row is not None:
+            return row
         return self.group.offload.upload(self.model)
 
     def gathered_buffer(self) -> DBuffer:

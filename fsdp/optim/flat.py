@@ -11,7 +11,8 @@ exists at the step and the BF16 main grads save nothing there. :class:`FlatOptim
   torch's;
 * BF16 main grads are upcast ``chunk_numel`` elements at a time into one FP32 workspace (no FP32
   copy of the shard; ``param.grad`` stays None for such groups);
-* the compute-dtype model shard is written from each updated chunk in the same pass;
+* a kept compute-dtype model shard (host offload, ``Owned`` buckets: where a gather cannot cast
+  into its own row) is written from each updated chunk in the same pass;
 * the state is one flat tensor per state name and group, laid out like the main weights.
 
 Per-parameter step counts are kept (a parameter without a gradient is skipped, as in torch), so

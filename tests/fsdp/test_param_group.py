@@ -175,36 +175,46 @@ def test_load_state_dict_refreshes_model_weights() -> None:
 
 
 def _lean_vs_persistent(model, batches) -> dict:
-    """Train with the BF16 model shard kept (default) and cast per gather (lean), torch.optim and
-    fsdp.FlatAdamW; the lean model buffer must hold no storage between steps, nor the persistent
-    one of a unit whose weights stay gathered until the step, and none from forward to backward."""
+    """Train with ``persistent_param_shard`` True (default) and False, torch.optim and
+    fsdp.FlatAdamW, in the default layout (every gather casts the main weights straight into its
+    own row, FSDP2's copy-in: no model shard is kept with either setting) and with ``Owned``
+    buckets (a gather reads a model shard: kept between steps by default, cast before each
+    gather when lean). A model shard holds storage only where it is kept: never from forward to
+    backward, nor in a unit whose weights stay gathered until the step."""
+    from dbuffer import Owned
+
     rank, world = dist.get_rank(), dist.get_world_size()
     out = {}
-    for strategy in ("no_shard", "optim", "optim_grads_params"):
-        for flat in (False, True):
-            states = []
-            for persistent in (True, False):
-                policy = fsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, persistent_param_shard=persistent)
-                m = shard(copy.deepcopy(model), True, sharding_strategy=strategy, mp_policy=policy)
-                make = (lambda ps: fsdp.FlatAdamW(ps, lr=1e-2, weight_decay=0.1)) if flat else None
-                at_forward_end: list[bool] = []  # after fsdp's root post-forward: every shard gone
-                m.register_forward_hook(lambda mod, args, out: at_forward_end.append(
-                    all(g.weights.model.is_storage_released() for u in mod._fsdp_state.units for g in u.groups)))
-                train(m, batches, rank=rank, world=world, make_opt=make)
-                assert at_forward_end == [strategy != "no_shard"] * len(batches), (strategy, persistent, flat)
-                groups = [g for u in m._fsdp_state.units for g in u.groups]
-                lean = [g.weights.lean_model for g in groups]
-                assert all(lean) == (not persistent and strategy != "no_shard"), (strategy, persistent, lean)
-                # Between steps a persistent shard is kept only where a gather still reads it: the
-                # blocks' ZeRO-3 backward. The root keeps its gathered weights from forward to the
-                # end of backward, ZeRO-1/2 until the next step: theirs went after the gather.
-                for u in m._fsdp_state.units:
-                    gathered_until_step = strategy == "optim" or u is m._fsdp_state
-                    for g in u.groups:
-                        expected = g.weights.lean_model or (gathered_until_step and strategy != "no_shard")
-                        assert g.weights.model.is_storage_released() == expected, (strategy, persistent, flat)
-                states.append(full_state(m))
-            out[(strategy, flat)] = max_diff(*states)
+    for owned in (False, True):
+        buckets = dict(buckets=[fsdp.Bucket("*", placement=Owned())]) if owned else {}
+        for strategy in ("optim", "optim_grads_params") if owned else ("no_shard", "optim", "optim_grads_params"):
+            for flat in (False, True):
+                states = []
+                for persistent in (True, False):
+                    policy = fsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, persistent_param_shard=persistent)
+                    m = shard(copy.deepcopy(model), True, sharding_strategy=strategy, mp_policy=policy, **buckets)
+                    make = (lambda ps: fsdp.FlatAdamW(ps, lr=1e-2, weight_decay=0.1)) if flat else None
+                    at_forward_end: list[bool] = []  # after fsdp's root post-forward: every shard gone
+                    m.register_forward_hook(lambda mod, args, out: at_forward_end.append(
+                        all(g.weights.model.is_storage_released() for u in mod._fsdp_state.units for g in u.groups)))
+                    train(m, batches, rank=rank, world=world, make_opt=make)
+                    case = (owned, strategy, persistent, flat)
+                    assert at_forward_end == [strategy != "no_shard"] * len(batches), case
+                    groups = [g for u in m._fsdp_state.units for g in u.groups]
+                    sharded = strategy != "no_shard"
+                    assert [g.weights.casts_into_gather for g in groups] == [sharded and not owned] * len(groups), case
+                    lean = [g.weights.lean_model for g in groups]
+                    assert lean == [sharded and not (owned and persistent)] * len(groups), case
+                    # Between steps a kept shard holds storage only where a gather still reads it:
+                    # the blocks' ZeRO-3 backward. The root keeps its gathered weights from forward
+                    # to the end of backward, ZeRO-1/2 until the next step: theirs went after the gather.
+                    for u in m._fsdp_state.units:
+                        gathered_until_step = strategy == "optim" or u is m._fsdp_state
+                        for g in u.groups:
+                            expected = g.weights.lean_model or (gathered_until_step and sharded)
+                            assert g.weights.model.is_storage_released() == expected, case
+                    states.append(full_state(m))
+                out[(owned, strategy, flat)] = max_diff(*states)
     return out
 
 

@@ -161,17 +161,17 @@ def test_c10d_method_needs_ours_first_and_an_untimed_step() -> None:
 
 
 def test_flat_and_lean_variants_run_and_report() -> None:
-    """The variants train the same (the flat step is torch's AdamW per element, the lean cast the
-    same cast, only later) and the lean one holds no BF16 shard between steps, which the tracker
-    sees in the peak. (The flat variant's BF16 main grads save 2 bytes per element at the step;
-    whether its backward peak is lower depends on the model: the FP32 reduce-scatter output of the
-    group in flight is a temporary there, which fp32 main grads do not need.)"""
+    """The variants train the same (the flat step is torch's AdamW per element) and, since every
+    gather of these packed layouts casts the main shard into its own row, neither keeps a BF16
+    shard: persistent_param_shard changes nothing here, which the tracker sees in equal peaks.
+    (The flat variant's BF16 main grads save 2 bytes per element at the step; whether its
+    backward peak is lower depends on the model: the FP32 reduce-scatter output of the group in
+    flight is a temporary there, which fp32 main grads do not need.)"""
     cfg = dict(TINY, dtypes=("bf16",), vocab=512, steps=1, methods=("ours", "flat", "lean"))
     report = run_ranks(run_benchmark, 2, cfg, backend="gloo", timeout=120)[0]
     res = report["modes"]["bf16"]
     peaks = {name: m["peak_bytes"] for name, m in res["methods"].items()}
-    print(peaks)
-    assert peaks["lean"] < peaks["flat"]
+    assert peaks["lean"] == peaks["flat"], peaks
     assert res["optimizer"]["flat"].startswith("FlatAdamW")
     assert res["methods"]["flat"]["loss"] == res["methods"]["lean"]["loss"]
     table = format_table(report)

@@ -22,7 +22,6 @@ class _Closed:
     params: int
     units: int
     bytes: dict[str, int]
-    param_shard_bytes: int = 0  # a persistent model shard's bytes, whether the policy keeps it
     local_params: int = 0  # elements of this rank's TP pieces
 
 
@@ -75,9 +74,10 @@ def closed_form(
     regrad = [p for p in trainable if _dtypes(policy, p.dtype)[2] != _dtypes(policy, p.dtype)[0]]
     main_trainable = per_rank(total(trainable, 0), s.shard_optim)
     param_shard = per_rank(total(cast, 1), s.shard_optim)
-    # no_shard's model weights are its full ones; HFSDP's model shard is always kept
-    lean = s.shard_optim and not policy.persistent_param_shard and not outer
-    model_weights = 0 if lean else param_shard
+    # Sharded strategies keep no model shard: each gather casts the main shard into its own row
+    # of the gathered buffer (the planner's groups are packed, on the device). no_shard's model
+    # weights are its full ones; HFSDP's model shard is always kept.
+    model_weights = 0 if s.shard_optim and not outer else param_shard
     if outer:  # the shard-axis copy every gather reads, and the cast piece gathered into it
         model_weights = per_rank(total(every, 1), True, world) + param_shard
     out = {
@@ -92,8 +92,7 @@ def closed_form(
         sizes = [(total(g, which, trainable_only), 0) for g in groups] + [(total(root_params, which, trainable_only), 0)]
         out[key] = peak_of(sizes, schedule[key])[0][0]
     return _Closed(
-        sum(p.numel() for p in every), len(groups) + 1, out, param_shard if s.shard_optim and not outer else 0,
-        sum(local_numel[id(p)] for p in every),
+        sum(p.numel() for p in every), len(groups) + 1, out, sum(local_numel[id(p)] for p in every),
     )
 
 

@@ -118,7 +118,6 @@ def plan(
         params=closed.params, units=closed.units, layout_padding=measured.layout_padding, **cats,
         padding=measured.padding, padding_mean=measured.padding_mean, device=device,
         released_between_uses=measured.released, peak_moments=measured.peak_moments, seconds=seconds,
-        param_shard_bytes=closed.param_shard_bytes, persistent_param_shard=mp_policy.persistent_param_shard,
         grad_copy_bytes=grad_copy_bytes, mesh=shape.to_dict(), local_params=closed.local_params,
         outer_dp_sharding_strategy=outer_dp_sharding_strategy,
         layouts=measured.layouts, layout_policy=layout,

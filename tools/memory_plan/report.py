@@ -72,8 +72,6 @@ class Plan:
     released_between_uses: bool  # every working-set buffer held no storage after fully_shard
     peak_moments: dict[str, Moment]  # per working set: the moment of its peak (root held, other units)
     seconds: dict[str, float] = field(default_factory=dict)
-    param_shard_bytes: int = 0  # closed form of a persistent model shard, whether kept or cast per gather
-    persistent_param_shard: bool = True
     grad_copy_bytes: int = 0  # closed form of the FP32 .grad copies, whether made or not (flat)
     mesh: dict[str, int] = field(default_factory=dict)  # {"dp_replicate": R, "dp_shard": S, "tp": T}
     local_params: int = 0  # parameter elements on this rank's TP piece (= params without TP)
@@ -137,18 +135,6 @@ class Plan:
     def trade_offs(self) -> list[str]:
         """The memory knobs that apply to this configuration and what each costs or saves."""
         rows = []
-        if self.param_shard_bytes:
-            size = f"{self.param_shard_bytes / GiB:.4f} GiB/rank"
-            if self.persistent_param_shard:
-                rows.append(
-                    f"param shard: persistent (fast; {size}); persistent_param_shard=False (--lean-param-shard) "
-                    f"saves it for one cast of the shard before every gather"
-                )
-            else:
-                rows.append(
-                    f"param shard: cast before every gather (lean; saves {size}); the default persistent shard "
-                    f"is cast once per optimizer step instead"
-                )
         if self.grad_copy_bytes:
             size = f"{self.grad_copy_bytes / GiB:.4f} GiB/rank"
             if self.optimizer.endswith("(flat)"):

@@ -23,8 +23,8 @@ METHODS = ("ours", "row", "fsdp2", "floor", "c10d", "flat")
 # Variants of ours: "row" = ours under layout_policy("auto"), the flat row-atomic layout (no copy
 # out of each gather and into each reduction, which ours, on FSDP2's pieces, makes); "flat" =
 # fsdp.FlatAdamW (the step over the flat shards) with BF16 main grads in bf16 mode; "lean" = flat +
-# MixedPrecisionPolicy(persistent_param_shard=False) (no BF16 shard kept between steps; not run
-# by default).
+# MixedPrecisionPolicy(persistent_param_shard=False) (not run by default; the same as flat in
+# these packed layouts, whose gathers keep no BF16 shard with either setting).
 VARIANTS = ("row", "flat", "lean")
 ALL_METHODS = METHODS + ("lean",)
 FLAT_OPTIMIZER = ("flat", "lean")  # the variants that step with fsdp.FlatAdamW
