@@ -29,6 +29,7 @@ import argparse
 import gc
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Optional
@@ -167,13 +168,13 @@ def main(argv: Optional[list[str]] = None) -> list[str]:
     args = parser.parse_args(argv)
     if args.cuda and not torch.cuda.is_available():
         parser.error("--cuda: no CUDA device here")
+    if args.fake_world < 2:
+        parser.error(f"--fake-world must be at least 2 (the ranks memory is sharded over), got {args.fake_world}")
     cfg = BenchConfig(
         dtypes=("fp32", "bf16") if args.dtype == "both" else (args.dtype,), vocab=args.vocab, dim=args.dim,
         layers=args.layers, heads=args.heads, hidden=args.hidden or 11 * args.dim // 4, seq=args.seq,
         batch=args.batch, steps=args.steps, warmup=args.warmup, data="random", methods=METHODS,
     )
-    import tempfile
-
     with tempfile.TemporaryDirectory() as tmp:
         path = f"{tmp}/real.pt"
         launch.spawn(1, _real_rank, cfg, args.cuda, path, backend="nccl" if args.cuda else "gloo",

@@ -22,7 +22,6 @@ that is the group's :class:`ParamKind`, which a layout calls to build what it ha
 
 from __future__ import annotations
 
-import weakref
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -201,17 +200,17 @@ class ChunkedLayout:
             self.exchange(k, self.rows(out), unsharded.get_local_tensor(k), to_full=False, ranks=(first, last))
 
     def write_grad(self, grad_in: DBuffer, k: int, grad: Optional[torch.Tensor], add: bool) -> None:
-        rows = self.rows(grad_in.local_buffer)
         if self._split is not None and grad is not None and grad.is_contiguous():
             # whole dim-0 pieces: the gradient viewed as [world, piece numel] is its columns
-            columns = self._grad_columns.of(
-                grad_in.local_buffer, lambda: torch.split(rows[:, : sum(self._split)], self._split, dim=1)
-            )[k]
+            columns = self._grad_columns.of(grad_in.local_buffer, lambda: torch.split(
+                self.rows(grad_in.local_buffer)[:, : sum(self._split)], self._split, dim=1
+            ))[k]
             if add:
                 columns.add_(grad.view(columns.shape))
             else:
                 columns.copy_(grad.view(columns.shape))
             return
+        rows = self.rows(grad_in.local_buffer)
         if grad is None:
             it = self.chunks.items[k]
             rows[:, it.offset : it.offset + it.chunk * it.inner].zero_()
@@ -280,13 +279,13 @@ class _ViewsOf:
     object is the same), so the per-parameter views a copy needs cost Python only once."""
 
     def __init__(self) -> None:
-        self._of: Optional[weakref.ref] = None
+        self._base: Optional[torch.Tensor] = None  # the views keep it alive anyway (their ``_base``)
         self._views: Sequence[torch.Tensor] = ()
 
     def of(self, base: torch.Tensor, make: Callable[[], Sequence[torch.Tensor]]) -> Sequence[torch.Tensor]:
         """The views ``make()`` builds of ``base``: built now if they were built for another tensor."""
-        if self._of is None or self._of() is not base:
-            self._views, self._of = make(), weakref.ref(base)
+        if self._base is not base:
+            self._views, self._base = make(), base
         return self._views
 
 

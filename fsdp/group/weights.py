@@ -203,17 +203,16 @@ class BufferWeights:
         target's own row (:attr:`casts_into_gather`), or a released model shard is cast again."""
         self._version_before_gather = self.unsharded.local_buffer._version
         g = self.group
-        if from_shard and own_target and self.casts_into_gather:
-            target = self.gathered_buffer()
-            target.reallocate_storage()
-            self._row = g.main.cast(g.dtypes.model, out=target.scatter(target.mesh.ndim - 1))
-            return target
-        if from_shard and self.model is not g.main and self.model.is_storage_released():
+        into_row = from_shard and own_target and self.casts_into_gather
+        if from_shard and not into_row and self.model is not g.main and self.model.is_storage_released():
             self._cast_model()
+        self._row = None
         if not own_target:
             return None
         target = self.gathered_buffer()
         target.reallocate_storage()
+        if into_row:
+            self._row = g.main.cast(g.dtypes.model, out=target.scatter(target.mesh.ndim - 1))
         return target
 
     def gather_source(self) -> DBuffer:
