@@ -24,6 +24,7 @@ from dbuffer.layout import (
     compute_ragged_layout,
 )
 from dbuffer.placements import Owned
+from dbuffer.view import dtensor_view
 
 _install_full_load()
 
@@ -42,5 +43,6 @@ __all__ = [
     "compute_owned_layout",
     "compute_ragged_layout",
     "distribute_tensors",
+    "dtensor_view",
     "mesh_device",
 ]

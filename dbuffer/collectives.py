@@ -24,6 +24,11 @@ This is the only module of the toolkit that calls torch.distributed collectives.
 Point-to-point messages carry more latency than gloo's collectives, hence the 2 MiB switch: the
 crossover ``tools/bench_primitives.py`` finds between the one-call collectives and point-to-point.
 
+A group of one makes no c10d call (a copy, or nothing); :func:`singleton_groups_communicate`
+(or ``DBUFFER_SINGLETON_C10D=1`` in the environment) makes it call c10d as a group of N does, so
+that one process on one GPU runs the real collective calls (NCCL at world 1) and the stream
+ordering around them: for tests and ``tools/gpu_check.py``.
+
 Every function writes into the ``out`` it is given and returns a :class:`Pending` whose
 ``wait()`` finishes the work (post-processing included) and returns ``out``. With
 ``DBUFFER_DEBUG_COLLECTIVES=1`` each one first checks that every rank of the group is at the same
@@ -32,8 +37,10 @@ call (:mod:`dbuffer.debug`); off, that costs one bool check.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import threading
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -55,6 +62,7 @@ __all__ = [
     "reduce_scatter",
     "reduce_to_owners",
     "release_workspaces",
+    "singleton_groups_communicate",
 ]
 
 def mesh_device(mesh: DeviceMesh) -> torch.device:
@@ -69,6 +77,26 @@ def mesh_device(mesh: DeviceMesh) -> torch.device:
 
 
 _NATIVE_AVG_BACKENDS = ("nccl", "threaded")
+
+# Whether a group of one calls c10d anyway (see the module docstring).
+_SINGLETON_C10D = os.environ.get("DBUFFER_SINGLETON_C10D", "0") == "1"
+
+
+@contextlib.contextmanager
+def singleton_groups_communicate(enabled: bool = True) -> Iterator[None]:
+    """Within the block, a group of one calls c10d as a larger group does (``enabled=False``:
+    the default shortcut, a local copy). The whole process: set it around a run, not per rank."""
+    global _SINGLETON_C10D
+    before, _SINGLETON_C10D = _SINGLETON_C10D, enabled
+    try:
+        yield
+    finally:
+        _SINGLETON_C10D = before
+
+
+def _alone(size: int) -> bool:
+    """Whether a group of ``size`` takes the no-call shortcut."""
+    return size == 1 and not _SINGLETON_C10D
 
 # From this many bytes per shard (per message) up, gloo all-gather and reduce-scatter go
 # point-to-point; see the module docstring.
@@ -207,11 +235,11 @@ def _div_by(size: int, t: torch.Tensor) -> Callable[[], torch.Tensor]:
 def all_gather(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False) -> Pending:
     """Concatenate every rank's ``inp`` into ``out`` (``out.numel() == size * inp.numel()``)."""
     size = dist.get_world_size(group)
-    if size == 1:
-        return _alone(out, inp)
+    if _alone(size):
+        return _copied(out, inp)
     if _debug.ENABLED:
         _debug.check(group, "all_gather", _describe(out, inp))
-    if size > 1 and _backend(group) == "gloo" and _gloo_p2p_ok(out, inp) and _big(inp):
+    if _backend(group) == "gloo" and _gloo_p2p_ok(out, inp) and _big(inp):
         _check_sizes("all_gather", out, inp, size)
         rank = dist.get_rank(group)
         chunks = out.view(size, inp.numel())
@@ -232,17 +260,17 @@ def reduce_scatter(
 ) -> Pending:
     """``out`` = chunk ``group rank`` of the reduction over ranks of ``inp``."""
     size = dist.get_world_size(group)
-    if size == 1:
-        return _alone(out, inp)
+    if _alone(size):
+        return _copied(out, inp)
     if _debug.ENABLED:
         _debug.check(group, f"reduce_scatter({op})", _describe(out, inp))
     backend = _backend(group)
     c10d_op, divide = _reduce_op(op, backend)
-    if size > 1 and backend == "gloo" and _gloo_p2p_ok(out, inp):
+    if backend == "gloo" and _gloo_p2p_ok(out, inp):
         _check_sizes("reduce_scatter", inp, out, size)
         shard = out.numel()
         chunks = inp.view(size, shard)
-        if _big(out):
+        if _big(out) and size > 1:
             rank = dist.get_rank(group)
             # The first peer's chunk lands in ``out`` itself when out is apart from inp: at
             # world 2 that needs no scratch at all (a gradient shard less at the backward peak).
@@ -269,6 +297,9 @@ def reduce_scatter(
             rows = workspace.view(size, shard)
 
             def reduce() -> None:  # in rank order; adds beat torch.sum(dim=0) (2x at 1 MiB)
+                if size == 1:  # a group of one that communicates (singleton_groups_communicate)
+                    out.copy_(rows[0])
+                    return
                 torch.add(rows[0], rows[1], out=out)
                 for j in range(2, size):
                     out.add_(rows[j])
@@ -285,8 +316,8 @@ def reduce_scatter(
 
 def all_reduce(t: torch.Tensor, op: str, group: dist.ProcessGroup, async_op: bool = False) -> Pending:
     """Reduce ``t`` in place over the group."""
-    if dist.get_world_size(group) == 1:
-        return _alone(t, t)
+    if _alone(dist.get_world_size(group)):
+        return _copied(t, t)
     if _debug.ENABLED:
         _debug.check(group, f"all_reduce({op})", _describe(t))
     c10d_op, divide = _reduce_op(op, _backend(group))
@@ -361,7 +392,7 @@ def reduce_to_owners(
     return _maybe_wait(Pending([work], finish), async_op)
 
 
-def _alone(out: torch.Tensor, inp: torch.Tensor) -> Pending:
+def _copied(out: torch.Tensor, inp: torch.Tensor) -> Pending:
     """A group of one: gathering, summing or averaging over it is a copy (no c10d call)."""
     if out.data_ptr() != inp.data_ptr():
         out.copy_(inp.view(out.shape))

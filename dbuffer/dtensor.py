@@ -38,6 +38,7 @@ from dbuffer.broadcast import broadcast_, broadcast_object
 from dbuffer.placements import Owned, is_shard, sharded_axes
 from dbuffer.element_sharded import ElementShardedDTensor, element_range
 from dbuffer.row_sharded import RowShardedDTensor, chunk_rows, row_range
+from dbuffer.view import contiguous_stride, dtensor_view
 
 __all__ = [
     "ElementShardedDTensor",
@@ -69,16 +70,16 @@ def make_dtensor(
     row-major over the sharded mesh axes) of a tensor of ``shape`` placed by the DBuffer
     ``placements`` (``Owned()`` allowed)."""
     shape = torch.Size(shape)
-    stride = _contiguous_stride(shape)
+    stride = contiguous_stride(shape)
     dt_placements = dtensor_placements(placements)
     axes = sharded_axes(placements)
     if not axes:
-        return DTensor.from_local(local, mesh, dt_placements, run_check=False, shape=shape, stride=stride)
+        return dtensor_view(local, mesh, dt_placements, shape, stride)
     if len(shape) == 0:
         return _replicated_scalar(local, mesh, placements)
     rows = tuple(rows_per_shard)
     if rows == chunk_rows(shape[0], [mesh.shape[a] for a in axes]):
-        return DTensor.from_local(local, mesh, dt_placements, run_check=False, shape=shape, stride=stride)
+        return dtensor_view(local, mesh, dt_placements, shape, stride)
     spec = DTensorSpec(mesh, dt_placements, TensorMeta(shape, stride, local.dtype))
     return RowShardedDTensor.wrap(local, spec, rows, sum(rows[:shard]))
 
@@ -95,7 +96,7 @@ def make_element_dtensor(
     the flattened tensor of ``shape`` (1-D), ``elements_per_shard`` the counts of every shard
     (row-major over the sharded mesh axes), placed by the DBuffer ``placements``."""
     shape = torch.Size(shape)
-    spec = DTensorSpec(mesh, dtensor_placements(placements), TensorMeta(shape, _contiguous_stride(shape), local.dtype))
+    spec = DTensorSpec(mesh, dtensor_placements(placements), TensorMeta(shape, contiguous_stride(shape), local.dtype))
     return ElementShardedDTensor.wrap(local, spec, tuple(elements_per_shard), start)
 
 
@@ -106,10 +107,3 @@ def _replicated_scalar(local: torch.Tensor, mesh: DeviceMesh, placements: Sequen
     placements = [Replicate() if is_shard(p) else p for p in placements]
     return DTensor.from_local(value, mesh, placements, run_check=False)
 
-
-def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for d in reversed(shape):
-        stride.append(acc)
-        acc *= max(d, 1)
-    return tuple(reversed(stride))

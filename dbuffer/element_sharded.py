@@ -44,6 +44,7 @@ from torch.utils._pytree import tree_flatten
 from dbuffer.pieces import PieceShardedDTensor, run_on_full
 from dbuffer.placements import sharded_axes
 from dbuffer.row_sharded import RowShardedDTensor, _is_elementwise, _mutates_first
+from dbuffer.view import contiguous_stride
 
 __all__ = ["ElementShardedDTensor", "element_boxes", "element_range"]
 
@@ -91,7 +92,7 @@ class ElementShardedDTensor(PieceShardedDTensor):
     def _with_local(self, local: torch.Tensor, shape: Optional[Sequence[int]] = None) -> "ElementShardedDTensor":
         """``local`` (this rank's elements of a result shaped ``shape``, default this shape)."""
         shape = torch.Size(self.shape if shape is None else shape)
-        meta = TensorMeta(shape, _contiguous_stride(shape), local.dtype)
+        meta = TensorMeta(shape, contiguous_stride(shape), local.dtype)
         spec = DTensorSpec(self.device_mesh, self.placements, meta)
         return ElementShardedDTensor.wrap(local, spec, self._elements_per_shard, self._element_start)
 
@@ -234,13 +235,6 @@ def _sub(out: list, shape: tuple, row: int, start: int, end: int, prefix: tuple,
     for offsets, sizes, local in inner:
         out.append((prefix + (row,) + offsets, (1,) + sizes, local))
 
-
-def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for d in reversed(tuple(shape)):
-        stride.append(acc)
-        acc *= max(d, 1)
-    return tuple(reversed(stride))
 
 
 def element_range(t: DTensor) -> tuple[int, int]:

@@ -53,11 +53,12 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from dbuffer import DBuffer
+from dbuffer import DBuffer, dtensor_view
 from dbuffer.agreement import check_agreement
 from dbuffer.layout import compute_layout
+from dbuffer.view import contiguous_stride
 from fsdp.compose.extension_protocol import POST, PRE, numel as _numel, plain as _plain, plain_leaves as _plain_leaves
-from fsdp.group.layouts import ParamKind, contiguous_stride
+from fsdp.group.layouts import ParamKind
 
 __all__ = ["SUBCLASS", "SubclassKind", "SubclassWeights"]
 
@@ -163,7 +164,7 @@ class SubclassWeights:
             _, length = g.layout.chunks.piece(k, g.layout.rank)
             shape, stride = self._orig[k]
             local = padded.narrow(0, 0, length)
-            dt = DTensor.from_local(local, g.mesh, g.placements.sharded, run_check=False, shape=shape, stride=stride)
+            dt = dtensor_view(local, g.mesh, g.placements.sharded, shape, stride)
             p = nn.Parameter(dt, requires_grad=g.requires_grad)
             p._fsdp_group = weakref.ref(g)  # found by the optimizer-step hook
             params.append(p)

@@ -36,11 +36,18 @@ Why the copies are safe on CUDA (``pin_memory=True``: host buffers are pinned an
 for pinned memory to speed up, so the host buffers are ordinary memory and the policy works as
 ``pin_memory=False`` (torch FSDP2 raises there instead). The copies still run, between distinct
 host buffers, so the data path is the same one a GPU runs.
+
+**The seam.** Everything that differs on a GPU (page-locked allocation, ``non_blocking`` copies,
+the events that end them) is a :class:`HostTransfers` part, made by :data:`TRANSFERS` for the
+compute device: :class:`DeviceTransfers` (torch's own) unless a test replaces the factory with a
+stand-in that pins on the CPU and defers every non-blocking copy until its completion is
+synchronized, so that a host read that skipped :meth:`HostOffload.settle` reads garbage there
+as it would on a GPU (``tests/standins.py``).
 """
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Any, Callable, Optional, Protocol, Sequence
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -50,7 +57,10 @@ from dbuffer import DBuffer
 from dbuffer.layout import Layout
 from fsdp.group.streams import CommStreams
 
-__all__ = ["CPUOffloadPolicy", "HostOffload", "OffloadPolicy", "check_offload_policy"]
+__all__ = [
+    "CPUOffloadPolicy", "Completion", "DeviceTransfers", "HostOffload", "HostTransfers", "OffloadPolicy",
+    "TRANSFERS", "check_offload_policy", "has_pinned_memory",
+]
 
 
 def check_offload_policy(policy: object) -> Optional[CPUOffloadPolicy]:
@@ -67,20 +77,90 @@ def check_offload_policy(policy: object) -> Optional[CPUOffloadPolicy]:
     )
 
 
+class Completion(Protocol):
+    """A non-blocking copy in flight between host and device."""
+
+    event: Any  # recorded on the stream the copy was queued on, right after it
+
+    def synchronize(self) -> None:
+        """Block the host until the copy is done."""
+
+
+class HostTransfers(Protocol):
+    """What offload needs of the link between host memory and the compute device."""
+
+    pinned: bool  # host buffers are page-locked and copies between them and the device non-blocking
+
+    def host_tensor(self, numel: int, dtype: torch.dtype, zero: bool) -> torch.Tensor:
+        """A 1-D host tensor (pinned when :attr:`pinned`), zeroed if ``zero``."""
+
+    def is_pinned(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` lives in memory :meth:`host_tensor` would give (pinned where it pins)."""
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> Optional[Completion]:
+        """Queue ``dst.copy_(src)`` on the current stream; a :class:`Completion` when it may still
+        be running on return (non-blocking), None when it is done."""
+
+
+def has_pinned_memory(device: torch.device) -> bool:
+    """Whether page-locked host memory speeds up copies to ``device``: an accelerator, not the
+    CPU itself (nor the meta device)."""
+    return device.type not in ("cpu", "meta")
+
+
+class _EventCompletion:
+    def __init__(self, event: Any) -> None:
+        self.event = event
+
+    def synchronize(self) -> None:
+        self.event.synchronize()
+
+
+class DeviceTransfers:
+    """torch's own transfers: pinned allocation and ``non_blocking`` copies ended by an event of
+    the device's streams, where ``pin_memory`` asks for them and the device has pinned memory."""
+
+    def __init__(self, compute_device: torch.device, pin_memory: bool) -> None:
+        self.compute_device = compute_device
+        self.pinned = pin_memory and has_pinned_memory(compute_device)
+
+    def host_tensor(self, numel: int, dtype: torch.dtype, zero: bool) -> torch.Tensor:
+        make = torch.zeros if zero else torch.empty
+        return make(numel, dtype=dtype, device="cpu", pin_memory=self.pinned)
+
+    def is_pinned(self, t: torch.Tensor) -> bool:
+        return self.pinned and t.is_pinned()
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> Optional[Completion]:
+        dst.copy_(src, non_blocking=self.pinned)
+        if not self.pinned:
+            return None
+        return _EventCompletion(CommStreams.for_device(self.compute_device).record())
+
+
+# Makes a group's transfers from (compute device, pin_memory); tests put a stand-in here.
+TRANSFERS: Callable[[torch.device, bool], HostTransfers] = DeviceTransfers
+
+
 class HostOffload:
     """The host side of one parameter group: allocation of its host buffers and the copies
-    between them and the compute device, with the events that order those copies."""
+    between them and the compute device (through its :class:`HostTransfers`), with the
+    completions that order those copies."""
 
     device = torch.device("cpu")
     on_host = True  # the group's other offload part is fsdp.group.residence.NoOffload
 
     def __init__(self, policy: CPUOffloadPolicy, compute_device: torch.device) -> None:
         self.compute_device = compute_device
-        # Pinned memory only speeds up copies to an accelerator (see the module docstring).
-        self.pin = policy.pin_memory and compute_device.type != "cpu"
-        self._events: list = []  # non-blocking copies that may still read or write host memory
+        self.transfers: HostTransfers = TRANSFERS(compute_device, policy.pin_memory)
+        self._pending: list[Completion] = []  # non-blocking copies that may still read or write host memory
         self._reads: list[torch.Tensor] = []  # device tensors the next recorded copy reads
         self._staging: Optional[DBuffer] = None  # the upload target (device), one per group
+
+    @property
+    def pin(self) -> bool:
+        """Whether the host buffers are pinned and the copies non-blocking."""
+        return self.transfers.pinned
 
     # ------------------------------------------------------------------ allocation
 
@@ -93,15 +173,13 @@ class HostOffload:
         layout: Optional[Layout],
         zero_fill: bool = True,
     ) -> DBuffer:
-        """A host DBuffer (pinned with ``pin``), zero-filled unless ``zero_fill=False``."""
+        """A host DBuffer in the transfers' memory (pinned where they pin), zero-filled unless
+        ``zero_fill=False``."""
         plain = DBuffer(
-            mesh, placements, shapes, dtype, self.device, layout=layout, zero_fill=zero_fill and not self.pin,
+            mesh, placements, shapes, dtype, self.device, layout=layout, zero_fill=False,
             check_ranks=False,  # a sibling of a buffer fully_shard checked
         )
-        if not self.pin:
-            return plain
-        make = torch.zeros if zero_fill else torch.empty
-        local = make(plain.local_buffer.numel(), dtype=dtype, pin_memory=True)
+        local = self.transfers.host_tensor(plain.local_buffer.numel(), dtype, zero_fill)
         return DBuffer(
             mesh, placements, shapes, dtype, self.device, layout=plain.layout, local_buffer=local, check_ranks=False
         )
@@ -109,7 +187,7 @@ class HostOffload:
     def adopt(self, buf: DBuffer) -> DBuffer:
         """``buf`` itself, or (``pin`` and it is not pinned: a buffer rebuilt by a dtype change)
         a pinned copy with the same values and the same released state."""
-        if not self.pin or buf.local_buffer.is_pinned():
+        if not self.pin or self.transfers.is_pinned(buf.local_buffer):
             return buf
         released = buf.is_storage_released()
         out = self.buffer(buf.mesh, buf.placements, buf.shapes, buf.dtype, buf.layout, zero_fill=False)
@@ -138,8 +216,7 @@ class HostOffload:
             else:
                 staging.reallocate_storage()
             out = staging
-        out.local_buffer.copy_(src.local_buffer, non_blocking=self.pin)
-        self._record()
+        self._track(self.transfers.copy(out.local_buffer, src.local_buffer))
         return out
 
     def release_upload(self) -> None:
@@ -160,38 +237,35 @@ class HostOffload:
             self.settle()
             dst.add_(src.to(self.device, dst.dtype))
             return
-        dst.copy_(src, non_blocking=self.pin)
-        self._record()
+        self._track(self.transfers.copy(dst, src))
 
     # ------------------------------------------------------------------ ordering
 
     def used_here(self, t: torch.Tensor) -> None:
         """The copy about to be queued on the current stream reads the device tensor ``t``, whose
         owner may free it right after (``grad_in``'s storage is resized to 0, which no kept
-        reference can delay): :meth:`_record` orders that stream after the copy. Held only until
+        reference can delay): :meth:`_track` orders that stream after the copy. Held only until
         then (the caller holds ``t`` while it queues the copy)."""
         self._reads.append(t)
 
-    def _record(self) -> None:
-        """After a copy between host and device queued on the current stream. Without pinned
-        memory (and on the CPU) the copy is synchronous, done on return: nothing to order. With
-        it, an event ends the copy: :meth:`settle` waits for it on the host, and if the copy read
-        device memory (:meth:`used_here`), the stream that opened the launch the copy is queued
-        in (the compute stream; the copy runs on the reduce-scatter stream) waits for it when
-        that launch ends, before the memory's owner can free and reuse it (FSDP2's events instead
-        of ``record_stream``; see :mod:`fsdp.group.streams`, item 5)."""
+    def _track(self, done: Optional[Completion]) -> None:
+        """After a copy between host and device queued on the current stream. A synchronous copy
+        (no pinned memory, or the CPU) is done on return: nothing to order. A non-blocking one is
+        kept until :meth:`settle` waits for it on the host, and if it read device memory
+        (:meth:`used_here`), the stream that opened the launch the copy is queued in (the
+        compute stream; the copy runs on the reduce-scatter stream) waits for its event when that
+        launch ends, before the memory's owner can free and reuse it (FSDP2's events instead of
+        ``record_stream``; see :mod:`fsdp.group.streams`, item 5)."""
         reads, self._reads = self._reads, []
-        if not self.pin:
+        if done is None:
             return
-        streams = CommStreams.for_device(self.compute_device)
-        event = streams.record()
-        self._events.append(event)
+        self._pending.append(done)
         if reads:
-            streams.launcher_waits(event)
+            CommStreams.for_device(self.compute_device).launcher_waits(done.event)
 
     def settle(self) -> None:
         """Block the host until every non-blocking copy to or from this group's host buffers is
-        done (a no-op without pinned memory, whose copies are synchronous)."""
-        events, self._events, self._reads = self._events, [], []
-        for event in events:
-            event.synchronize()
+        done (a no-op when every copy was synchronous)."""
+        pending, self._pending, self._reads = self._pending, [], []
+        for done in pending:
+            done.synchronize()

@@ -63,6 +63,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
+from dbuffer import dtensor_view
 from fsdp.group.bucket import mesh_key
 from fsdp.group.layouts import ParamKind
 from fsdp.group.members import ParamInfo
@@ -303,11 +304,11 @@ class TensorParallelKind(ParamKind):
 
     def sharded(self, k: int, local: torch.Tensor, mesh: DeviceMesh, placements: tuple, shape: torch.Size) -> DTensor:
         s, (on, placed) = self.specs[k], self.shardings[k]  # not the layout's dp mesh and placements
-        return DTensor.from_local(local, on, placed, run_check=False, shape=s.shape, stride=s.stride)
+        return dtensor_view(local, on, placed, s.shape, s.stride)
 
     def unsharded(self, k: int, full: torch.Tensor, requires_grad: bool) -> nn.Parameter:
         s = self.specs[k]
-        tensor = DTensor.from_local(full, s.mesh, s.placements, run_check=False, shape=s.shape, stride=s.stride)
+        tensor = dtensor_view(full, s.mesh, s.placements, s.shape, s.stride)
         return nn.Parameter(tensor, requires_grad=requires_grad)
 
     def grad_local(self, k: int, grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:

@@ -269,7 +269,7 @@ class GradReducer:
                 result.release_storage()
         else:
             overwrite = flight.kind is Reduction.OVERWRITE
-            g.reduction.finish(result.local_buffer, g.mesh)  # divide, hook (FSDP2's knobs)
+            g.reduction.finish(result.local_buffer, g.mesh, g.streams)  # divide, hook (FSDP2's knobs)
             if g.offload.on_host:  # to the host, off the compute stream (which need not wait)
                 with g.streams.launch(g.streams.reduce_scatter):
                     g.offload.download(result.local_buffer, self.main_grad.local_buffer, add=not overwrite)

@@ -31,11 +31,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from dbuffer import DBuffer, Owned
+from dbuffer import DBuffer, Owned, dtensor_view
 from dbuffer.layout import ChunkLayout, OwnedLayout, compute_chunk_layout, compute_layout, compute_owned_layout
 from fsdp.group.layout_choice import group_layout
 
-__all__ = ["ChunkedLayout", "FlatLayout", "ParamKind", "contiguous_stride", "describe_layout", "flat_layout"]
+__all__ = ["ChunkedLayout", "FlatLayout", "ParamKind", "describe_layout", "flat_layout"]
 
 
 class ParamKind:
@@ -50,9 +50,7 @@ class ParamKind:
 
     def sharded(self, k: int, local: torch.Tensor, mesh: DeviceMesh, placements: tuple, shape: torch.Size) -> DTensor:
         """Parameter ``k``'s sharded DTensor around this rank's piece ``local``."""
-        return DTensor.from_local(
-            local, mesh, placements, run_check=False, shape=shape, stride=contiguous_stride(shape)
-        )
+        return dtensor_view(local, mesh, placements, shape)
 
     def unsharded(self, k: int, full: torch.Tensor, requires_grad: bool) -> nn.Parameter:
         """What modules compute with for parameter ``k`` whose whole values are ``full``."""
@@ -288,13 +286,6 @@ class _ViewsOf:
             self._views, self._base = make(), base
         return self._views
 
-
-def contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for d in reversed(shape):
-        stride.append(acc)
-        acc *= max(d, 1)
-    return tuple(reversed(stride))
 
 
 # Elements each rank already owns through the Owned groups this process built before on the same

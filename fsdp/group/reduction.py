@@ -49,28 +49,22 @@ class ReduceSettings:
         """The reduce op of the gradient buffer's ``Partial`` placements."""
         return "sum" if self.force_sum or self.divide_factor is not None else "avg"
 
-    def finish(self, reduced: torch.Tensor, mesh: DeviceMesh) -> None:
-        """Bring a finished reduction's output (in place) to the gradient FSDP2 would produce."""
+    def finish(self, reduced: torch.Tensor, mesh: DeviceMesh, streams: Any) -> None:
+        """Bring a finished reduction's output (in place) to the gradient FSDP2 would produce;
+        ``streams``: the device's :class:`~fsdp.group.streams.CommStreams` (a hook stream runs
+        the hook ordered both ways against the current stream)."""
         if self.divide_factor is not None and not self.force_sum:
             reduced.div_(self.divide_factor)
         if self.hook is not None:
-            self._run_hook(reduced)
+            hook = self.hook
+            if self.hook_stream is None:
+                hook(reduced)
+            else:
+                streams.run_on(self.hook_stream, lambda: hook(reduced))
         if self.force_sum:
             factor = self.divide_factor if self.divide_factor is not None else float(mesh.size())
             if factor != 1:
                 reduced.div_(factor)
-
-    def _run_hook(self, reduced: torch.Tensor) -> None:
-        if self.hook_stream is None:
-            self.hook(reduced)
-            return
-        device_module = torch.get_device_module(reduced.device.type)
-        if reduced.device.type == "cuda":  # the hook's stream must see the reduced values
-            self.hook_stream.wait_stream(torch.cuda.current_stream(reduced.device))
-        with device_module.stream(self.hook_stream):
-            self.hook(reduced)
-        if reduced.device.type == "cuda":  # and what follows must see the hook's changes
-            torch.cuda.current_stream(reduced.device).wait_stream(self.hook_stream)
 
 
 def check_divide_factor(factor: Any) -> float:

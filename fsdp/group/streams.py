@@ -55,7 +55,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from types import ModuleType
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -141,6 +141,15 @@ class CommStreams:
             frames.pop()
             for event in handed_back:
                 origin.wait_event(event)
+
+    def run_on(self, stream: Any, fn: Callable[[], None]) -> None:
+        """Run ``fn`` with ``stream`` current, after the work queued on the current stream so far,
+        and order the current stream after it (a user's all-reduce hook on its own stream)."""
+        origin = self.current()
+        stream.wait_stream(origin)
+        with self.module.stream(stream):
+            fn()
+        origin.wait_stream(stream)
 
     def wait(self, stream: Optional[Any]) -> None:
         """Order the current stream after the latest launch on ``stream``."""

@@ -191,22 +191,24 @@ def test_offload_download_and_custom_comm_staging_use_events(fake_everywhere) ->
 
     from fsdp.compose.custom_comm import _keep_until_used
     from fsdp.compose.offload import HostOffload
+    from tests.models.device_standins import deferred_transfers
 
     dev = fake_everywhere
-    device = torch.device("meta")  # stands for an accelerator: no data moves in this test
+    device = torch.device("meta")  # stands for an accelerator: its streams are the logging module's
     s = CommStreams.for_device(device)
-    host = HostOffload(CPUOffloadPolicy(pin_memory=True), device)
+    with deferred_transfers():  # pinned host memory and non-blocking copies, on the CPU
+        host = HostOffload(CPUOffloadPolicy(pin_memory=True), device)
     assert host.pin
-    grad_in = torch.empty(4, device=device)
+    grad_in, main_grad = torch.ones(4), host.transfers.host_tensor(4, torch.float32, zero=True)
     with s.launch(s.reduce_scatter):  # finish_reduce's download of a reduction's result
-        host.used_here(grad_in)
-        host._record()  # after the non-blocking device-to-host copy
+        host.download(grad_in, main_grad, add=False)
     copied = dev.log.calls[1]  # after the launch's wait for the compute stream
     assert copied[0] == "record" and copied[2] == "reduce_scatter", dev.log.calls
     # the compute stream waits for the copy before it can reuse grad_in's memory ...
     assert dev.log.calls[-1] == ("wait_event", "compute", copied[1]), dev.log.calls
-    host.settle()  # ... and the host before it touches the host buffer
-    assert dev.log.calls[-1] == ("host waits", copied[1])
+    assert main_grad.isnan().all()  # not landed: the host must wait for it ...
+    host.settle()  # ... and does, before it touches the host buffer
+    assert dev.log.calls[-1] == ("host waits", copied[1]) and torch.equal(main_grad, grad_in)
     # a comm object's staging buffer read by the copy-out on the compute stream
     dev.log.calls.clear()
     _keep_until_used(torch.empty(4, device=device))
@@ -223,8 +225,24 @@ def test_offload_without_pinned_memory_records_nothing(fake_everywhere) -> None:
 
     from fsdp.compose.offload import HostOffload
 
-    host = HostOffload(CPUOffloadPolicy(pin_memory=False), torch.device("meta"))
-    host.used_here(torch.empty(4, device="meta"))
-    host._record()  # a synchronous copy: done on return
+    host = HostOffload(CPUOffloadPolicy(pin_memory=True), torch.device("cpu"))  # nothing to pin for
+    assert not host.pin
+    dst = torch.zeros(4)
+    host.download(torch.ones(4), dst, add=False)  # a synchronous copy: done on return
+    assert torch.equal(dst, torch.ones(4))
     host.settle()
     assert fake_everywhere.log.calls == []
+
+
+def test_an_all_reduce_hook_on_its_own_stream_is_ordered_both_ways(fake) -> None:
+    from fsdp.group.reduction import ReduceSettings
+
+    s, dev = fake
+    hook_stream = _FakeStream("hook", dev.log)
+    ran_on = []
+    settings = ReduceSettings(hook=lambda t: ran_on.append(dev.current.name) or t.mul_(2), hook_stream=hook_stream)
+    reduced = torch.ones(3)
+    settings.finish(reduced, mesh=None, streams=s)
+    assert ran_on == ["hook"] and torch.equal(reduced, torch.full((3,), 2.0))
+    assert dev.log.calls == [("wait_stream", "hook", "compute"), ("wait_stream", "compute", "hook")], dev.log.calls
+    assert dev.current is dev.compute

@@ -1,0 +1,136 @@
+"""Stand-ins for what only a GPU does, so that CPU tests take the branches a GPU takes.
+
+A branch that only a GPU takes is a branch no test takes; each device-dependent decision goes
+through a seam, and these drive the seams on the CPU:
+
+* :func:`moving_from_local`: ``DTensor.from_local`` as it behaves on a mesh whose device type
+  differs from its local tensor's (a host buffer on a CUDA mesh): it wraps a *copy*. A view-maker
+  that goes through it stops being a view, as it would on a GPU (``dbuffer.view`` says why
+  views are built without it).
+* :class:`DeferredTransfers` (with :func:`deferred_transfers`): CPU offload's
+  :class:`~fsdp.compose.offload.HostTransfers` with "pinned" host memory on the CPU and every
+  non-blocking copy deferred to its completion: a device-to-host copy poisons its destination
+  (NaN) until the host synchronizes the copy, and a host-to-device copy checks, when
+  synchronized, that the host did not write its source meanwhile. Code that reads a host buffer
+  before waiting for the copy into it, or writes one a copy may still read, then fails on the
+  CPU as it would (silently, at random) on a GPU.
+
+Imported by tests and by ``tools/gpu_check.py --cpu``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from fsdp.compose import offload as offload_module
+from fsdp.group.streams import CommStreams
+
+__all__ = ["DeferredTransfers", "deferred_transfers", "moving_from_local"]
+
+
+@contextlib.contextmanager
+def moving_from_local() -> Iterator[list[int]]:
+    """Within the block, ``DTensor.from_local`` wraps a copy of its local tensor (differentiable,
+    as ``local.to(device)`` is), as on a mesh of another device type. Yields a one-element list:
+    how many calls copied (the whole process: threaded ranks share it)."""
+    original = DTensor.from_local
+    calls = [0]
+
+    def from_local(local_tensor: torch.Tensor, *args: Any, **kwargs: Any) -> DTensor:
+        if not local_tensor.is_meta:
+            calls[0] += 1
+            local_tensor = local_tensor.clone()
+        return original(local_tensor, *args, **kwargs)
+
+    DTensor.from_local = staticmethod(from_local)  # type: ignore[method-assign]
+    try:
+        yield calls
+    finally:
+        DTensor.from_local = original  # type: ignore[method-assign]
+
+
+class _Deferred:
+    """A copy in flight: ``finish`` runs when the host synchronizes it (once)."""
+
+    def __init__(self, event: Any, finish: Callable[[], None], owner: "DeferredTransfers") -> None:
+        self.event = event
+        self._finish: Optional[Callable[[], None]] = finish
+        self._owner = owner
+
+    def synchronize(self) -> None:
+        if self._finish is not None:
+            finish, self._finish = self._finish, None
+            finish()
+            self._owner.synchronized += 1
+        self.event.synchronize()
+
+
+class DeferredTransfers:
+    """:class:`~fsdp.compose.offload.HostTransfers` as a GPU with ``pin_memory=True`` behaves,
+    on the CPU (see the module docstring). Counts what it did: ``uploads``, ``downloads``
+    (non-blocking copies of each direction) and ``synchronized``."""
+
+    def __init__(self, compute_device: torch.device, pin_memory: bool) -> None:
+        self.pinned = pin_memory
+        self.streams = CommStreams.for_device(compute_device)
+        self._host: dict[int, torch.Tensor] = {}  # storage -> a tensor on it (kept: no reuse of the key)
+        self.uploads = self.downloads = self.synchronized = 0
+
+    def host_tensor(self, numel: int, dtype: torch.dtype, zero: bool) -> torch.Tensor:
+        t = (torch.zeros if zero else torch.empty)(numel, dtype=dtype)
+        if self.pinned:
+            self._host[_storage_key(t)] = t
+        return t
+
+    def is_pinned(self, t: torch.Tensor) -> bool:
+        return _storage_key(t) in self._host
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> Optional[_Deferred]:
+        if not self.pinned:
+            dst.copy_(src)
+            return None
+        event = self.streams.record()
+        if self.is_pinned(dst):  # device -> host: the host sees it once synchronized
+            value = src.detach().clone()
+            dst.fill_(float("nan") if dst.is_floating_point() else -1)
+            self.downloads += 1
+            return _Deferred(event, lambda: dst.copy_(value), self)
+        dst.copy_(src)  # host -> device: the device reads it in stream order
+        before = src.detach().clone()
+        self.uploads += 1
+
+        def check_source_untouched() -> None:
+            if not torch.equal(src, before):
+                raise AssertionError(
+                    "the host wrote a host buffer while a non-blocking upload from it may still "
+                    "have been reading it (settle() before writing)"
+                )
+
+        return _Deferred(event, check_source_untouched, self)
+
+
+@contextlib.contextmanager
+def deferred_transfers() -> Iterator[list[DeferredTransfers]]:
+    """Within the block, offload groups built by ``fully_shard`` get :class:`DeferredTransfers`;
+    yields the list of those made, in order."""
+    made: list[DeferredTransfers] = []
+    original = offload_module.TRANSFERS
+
+    def factory(device: torch.device, pin_memory: bool) -> DeferredTransfers:
+        made.append(DeferredTransfers(device, pin_memory))
+        return made[-1]
+
+    offload_module.TRANSFERS = factory
+    try:
+        yield made
+    finally:
+        offload_module.TRANSFERS = original
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    """The storage's identity (stable across resizes: a released buffer keeps its storage object)."""
+    return t.untyped_storage()._cdata
