@@ -68,12 +68,14 @@ __all__ = [
 def mesh_device(mesh: DeviceMesh) -> torch.device:
     """This rank's device of ``mesh``: where its buffers live and its collectives run.
 
-    ``mesh``: a torch ``DeviceMesh``. For a CUDA mesh, ``torch.device("cuda", current_device())``
-    (set the current device per rank first, as every CUDA program does); otherwise the mesh's
-    device type (``cpu``, ``meta``). Raises nothing of its own; no communication."""
-    if mesh.device_type == "cuda":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device(mesh.device_type)
+    ``mesh``: a torch ``DeviceMesh``. For an accelerator mesh (CUDA, XPU, ...), that device type
+    at the device module's ``current_device()`` (set the current device per rank first, as every
+    CUDA program does); otherwise the mesh's device type (``cpu``, ``meta``). Raises nothing of
+    its own; no communication."""
+    kind = mesh.device_type
+    if kind in ("cpu", "meta"):
+        return torch.device(kind)
+    return torch.device(kind, torch.get_device_module(kind).current_device())
 
 
 _NATIVE_AVG_BACKENDS = ("nccl", "threaded")

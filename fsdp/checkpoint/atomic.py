@@ -107,9 +107,16 @@ def _on_rank0(decide):
     backend = str(dist.get_backend()).lower()
     if "fake" in backend:
         return decide()
-    cuda = "nccl" in backend and "gloo" not in backend
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    return broadcast_object(decide() if dist.get_rank() == 0 else None, None, 0, device)
+    return broadcast_object(decide() if dist.get_rank() == 0 else None, None, 0, object_device(backend))
+
+
+def object_device(backend: str) -> torch.device:
+    """Where the default group (of ``backend``, as ``dist.get_backend()`` names it) moves an
+    object's bytes: the current CUDA device when only NCCL serves it, else the host (gloo,
+    ``cpu:gloo,cuda:nccl``)."""
+    if "nccl" in backend and "gloo" not in backend:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 class _AtomicWriter(FileSystemWriter):

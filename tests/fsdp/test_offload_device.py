@@ -152,3 +152,19 @@ def test_pinned_memory_is_for_accelerators_only() -> None:
     assert DeviceTransfers(torch.device("cuda", 0), True).pinned  # decided without touching the device
     assert not DeviceTransfers(torch.device("cuda", 0), False).pinned
     assert not DeviceTransfers(torch.device("cpu"), True).pinned
+
+
+def test_device_choices_of_an_accelerator_mesh_without_one(monkeypatch) -> None:
+    """The decisions a CUDA run takes, driven on the CPU: this rank's device of a CUDA mesh
+    (the current device), and where the checkpoint's decision travels under NCCL."""
+    from types import SimpleNamespace
+
+    from dbuffer import mesh_device
+    from fsdp.checkpoint.atomic import object_device
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert mesh_device(SimpleNamespace(device_type="cuda")) == torch.device("cuda", 3)
+    assert mesh_device(SimpleNamespace(device_type="cpu")) == torch.device("cpu")
+    assert mesh_device(SimpleNamespace(device_type="meta")) == torch.device("meta")
+    assert object_device("nccl") == torch.device("cuda", 3)
+    assert object_device("cpu:gloo,cuda:nccl") == torch.device("cpu") == object_device("gloo")
