@@ -14,7 +14,7 @@ training step file by file: CONTRIBUTING.md.
 
 from fsdp.unit.fully_shard import fully_shard
 from fsdp.unit.init_weights import init_weights
-from fsdp.unit.module import FSDPModule, UnshardHandle, register_fsdp_forward_method
+from fsdp.unit.module import FSDPModule, GradientReductionHandle, UnshardHandle, register_fsdp_forward_method
 from fsdp.unit.surface import DataParallelMeshDims, share_comm_ctx
 from fsdp.group.bucket import Bucket
 from fsdp.group.layout_choice import layout_policy
@@ -39,6 +39,7 @@ __all__ = [
     "FlatAdamW",
     "FlatOptimizer",
     "FlatSGD",
+    "GradientReductionHandle",
     "MixedPrecisionPolicy",
     "Muon",
     "OffloadPolicy",

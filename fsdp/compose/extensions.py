@@ -98,6 +98,7 @@ class SubclassWeights:
     Gradients use the group's chunked gradient buffers unchanged (plain ``Shard(0)`` pieces)."""
 
     keeps_post_forward_slice = False  # it gathers the pre-all-gather outputs, not the model shard
+    keep_unsharded_storage = False  # FSDP2's set_keep_unsharded_storage (see BufferWeights)
     dtype_fixed = (
         "tensor-subclass parameters (all-gather extensions) keep the dtype they had at fully_shard; "
         "convert the module before sharding it"
@@ -413,8 +414,9 @@ class SubclassWeights:
                 t.untyped_storage().resize_(want)
 
     def free_unsharded(self) -> None:
-        """Free the gathered outputs and the tensors ``fsdp_post_all_gather`` named."""
-        if self._alive:
+        """Free the gathered outputs and the tensors ``fsdp_post_all_gather`` named (kept with
+        ``keep_unsharded_storage``, FSDP2's ``set_keep_unsharded_storage``)."""
+        if self._alive and not self.keep_unsharded_storage:
             self._free_storage()
         self._alive = False
 

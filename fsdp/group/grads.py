@@ -161,6 +161,24 @@ class GradReducer:
         for k, grad in held.items():
             self._pack(k, grad, on_group_start)
 
+    @torch.no_grad()
+    def take_assigned_grads(self) -> None:
+        """Take the gradients assigned to the unsharded parameters' ``.grad`` outside autograd's
+        accumulation (a pipeline's weight-gradient step, ``torch.autograd.grad`` + assignment),
+        which no post-accumulate-grad hook saw, as if they had arrived through it."""
+        params = self.group.unsharded_params
+        if params is None:
+            return
+        for k, p in enumerate(params):
+            grad, p.grad = p.grad, None
+            if grad is None:
+                continue
+            if self._local:
+                self._pack(k, grad)
+            else:
+                held = self._held.get(k)
+                self._held[k] = grad if held is None else held + grad
+
     def end_backward(self) -> None:
         self._pack_held()  # gradients kept for a later (sync) backward live in grad_in
         self._seen.clear()
@@ -186,7 +204,7 @@ class GradReducer:
         self._pack_held()
         self._zero_unwritten()
         target_pl = self.main_grad.placements
-        if self._defers_all_reduce():
+        if self.defers_all_reduce():
             partial_pl = g.placements.deferred
             with streams.launch(streams.reduce_scatter):
                 pending = g.reduce_into(self.grad_in, partial_pl, g.sibling(partial_pl, reduce_dtype))
@@ -218,7 +236,9 @@ class GradReducer:
         self._local = set()
         self._in_flight = InFlight(pending, Reduction.OVERWRITE if overwrite else Reduction.ACCUMULATE)
 
-    def _defers_all_reduce(self) -> bool:
+    def defers_all_reduce(self) -> bool:
+        """Whether a reduction now would reduce-scatter only and keep partial sums (HSDP with
+        ``set_requires_all_reduce(False)``)."""
         g = self.group
         return g.mesh.ndim == 2 and not g.reduction.all_reduce and g.strategy.shard_grads
 

@@ -48,6 +48,9 @@ class BufferWeights:
     keeps_post_forward_slice = True  # reshard_after_forward=n may keep a slice of the gathered weights
     dtype_fixed: Optional[str] = None  # module.to(dtype) is allowed
     casts_into_gather = False  # set by build()
+    # FSDP2's set_keep_unsharded_storage: a reshard keeps the unsharded (and gathered) storage, so
+    # their data pointers stay the same across steps (CUDA graph capture), for their memory.
+    keep_unsharded_storage = False
 
     def __init__(self, group: Any) -> None:
         self.group = group
@@ -247,13 +250,15 @@ class BufferWeights:
                 self.unsharded.reallocate_storage()
                 own = rows is None
                 g.layout.copy_out(g.layout.rows(self.gathered.local_buffer) if own else rows, self.unsharded)
-                if own:
+                if own and not self.keep_unsharded_storage:
                     self.gathered.release_storage()
         if refill:
             torch._C._autograd._unsafe_set_version_counter((self.unsharded.local_buffer,), (self._version_before_gather,))
 
     def free_unsharded(self) -> None:
-        if not self.unsharded.is_storage_released():
+        """After a reshard: release the unsharded storage (the next gather allocates it again),
+        unless :attr:`keep_unsharded_storage`, when the next gather refills it in place."""
+        if not self.keep_unsharded_storage and not self.unsharded.is_storage_released():
             self.unsharded.release_storage()
 
     def keep_slice(self, post, refresh: int) -> None:

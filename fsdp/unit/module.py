@@ -19,10 +19,13 @@ from fsdp.group.convert import accepts_device, check_convert, convert
 from fsdp.group.meta_init import materialize
 from fsdp.group.param_group import ParameterGroup
 from fsdp.unit import surface
+from fsdp.unit.finalization import finalize_backward, finish_finalized
+from fsdp.unit.root import Finalization
 from fsdp.unit.state import FSDPState, finish_grad_sync
 from fsdp.unit.surface import ArgumentTypeError
+from fsdp.unit.training_state import in_backward
 
-__all__ = ["FSDPModule", "UnshardHandle", "register_fsdp_forward_method", "state_of_module"]
+__all__ = ["FSDPModule", "GradientReductionHandle", "UnshardHandle", "register_fsdp_forward_method", "state_of_module"]
 
 _CLASS_CACHE: dict[type, type] = {}
 
@@ -47,6 +50,28 @@ class UnshardHandle:
             self._state.wait_unshard()
             self._state._use_unsharded()
             self._state = None
+
+
+class GradientReductionHandle:
+    """Returned by ``finalize_backward(async_op=True)``, as torch 2.15's: ``wait()`` waits for the
+    gradient reductions the finalization launched and attaches ``.grad``: the end of the backward
+    iteration. Until then the gradients must not be read and no forward of the tree may run
+    (it raises).
+
+    ``state``: the root's :class:`~fsdp.unit.state.FSDPState` (None: nothing to wait for, e.g.
+    a finalization before the first forward), set by :meth:`FSDPModule.finalize_backward`; users
+    never build one. ``wait()`` is idempotent; it raises ``RuntimeError`` if ``reset_iter_state``
+    dropped the iteration since, and whatever a collective raised."""
+
+    def __init__(self, state: Optional[FSDPState]) -> None:
+        self._state = state
+
+    def wait(self) -> None:
+        """Wait for gradient reduction and release its retained buffers (a no-op after the
+        first call)."""
+        state, self._state = self._state, None
+        if state is not None:
+            finish_finalized(state)
 
 
 class FSDPModule:
@@ -108,6 +133,49 @@ class FSDPModule:
         later last backward or :meth:`finish_grad_sync` completes them. Read by the root (set it
         there; on another unit of an initialised tree it reaches the root too, as in FSDP2)."""
         self._fsdp_state.root_knobs().is_last_backward = is_last_backward
+
+    def set_manual_backward_finalization(self, enabled: bool) -> None:
+        """True: the end of each backward leaves reductions, reshards and ``.grad`` to
+        :meth:`finalize_backward`, called once after all the backwards of a step (torch 2.15's; a
+        pipeline schedule does it; it supersedes :meth:`set_is_last_backward`). Call it on the
+        root, before backward. Raises ``RuntimeError`` on a unit below an initialised root (and
+        at the first forward for one set below the root), during backward, or while a backward
+        waits for its finalization."""
+        state = self._fsdp_state
+        if state.root is not None and state.root is not state:
+            raise RuntimeError("set_manual_backward_finalization must be called on the root FSDP module")
+        ctx = state.root_knobs()
+        if enabled != ctx.manual_finalization:
+            if in_backward():
+                raise RuntimeError("set_manual_backward_finalization cannot change mode during backward")
+            if ctx.finalization is not Finalization.OPEN:
+                raise RuntimeError("set_manual_backward_finalization cannot change mode after backward starts")
+        ctx.manual_finalization = bool(enabled)
+
+    def finalize_backward(self, *, async_op: bool = False) -> Optional[GradientReductionHandle]:
+        """End the backward iteration under manual finalization: reduce what each unit holds
+        (if it syncs), reshard (free where ``reshard_after_backward``), wait for the reductions
+        and attach ``.grad``; with ``async_op=True`` return a :class:`GradientReductionHandle`
+        whose ``wait()`` does the waiting and attaching. Before the root's first forward it does
+        nothing. Raises ``RuntimeError`` (FSDP2's) without manual finalization, on a unit that
+        is not the root, inside backward, or before a previous handle was waited for."""
+        state = self._fsdp_state
+        if state.root is None:
+            return GradientReductionHandle(None) if async_op else None
+        finalize_backward(state)
+        handle = GradientReductionHandle(state)
+        if async_op:
+            return handle
+        handle.wait()
+        return None
+
+    def set_keep_unsharded_storage(self, keep: bool, *, recurse: bool = True) -> None:
+        """True: a reshard keeps the unsharded parameters' storage (and the gathered buffer),
+        so their data pointers stay the same across reshard and unshard (CUDA graph capture), at
+        the cost of that memory between uses; the next gather refills it in place."""
+        for state in self._states(recurse):
+            for group in state.groups:
+                group.weights.keep_unsharded_storage = bool(keep)
 
     def set_modules_to_forward_prefetch(self, modules: list["FSDPModule"]) -> None:
         """Start gathering these units right after this unit's forward gather (replacing the

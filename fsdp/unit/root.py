@@ -9,8 +9,14 @@ callback (queued once per backward), whether that end waits for the reductions
 shared by every unit on it: :mod:`fsdp.group.streams`). A unit below a root holds none of it:
 its ``root_ctx`` is None and its hooks report to ``state.root.root_ctx``.
 
+How a backward iteration ends (torch 2.15's manual backward finalization) is the tree's too: with
+``set_manual_backward_finalization(True)`` the end-of-backward callback leaves every unit's
+reductions and reshards for ``finalize_backward()``, which a pipeline schedule calls once after
+all the micro-batches of a step; :class:`Finalization` is where the iteration stands, and its
+moves are checked.
+
 Knobs that only a root reads (``set_is_last_backward``, ``set_post_optim_event``,
-``set_reduce_scatter_max_input_buffers``) may be set before the first forward, when no unit
+``set_reduce_scatter_max_input_buffers``, ``set_manual_backward_finalization``) may be set before the first forward, when no unit
 knows yet whether it is a root: they create the unit's context then. Lazy initialisation keeps
 the root's and drops those of units below it: as in FSDP2, such a knob has an effect only on the
 root. A unit not yet initialised whose gradients arrive anyway (parameters used after
@@ -19,13 +25,14 @@ root. A unit not yet initialised whose gradients arrive anyway (parameters used 
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from fsdp.group.grads import GradReducer
 from fsdp.group.streams import CommStreams
 
-__all__ = ["MAX_REDUCTIONS_IN_FLIGHT", "RootContext"]
+__all__ = ["Finalization", "MAX_REDUCTIONS_IN_FLIGHT", "RootContext"]
 
 Unit = Any  # an fsdp.unit.state.FSDPState (not imported: that module imports this one)
 
@@ -33,6 +40,22 @@ Unit = Any  # an fsdp.unit.state.FSDPState (not imported: that module imports th
 # longer than reducing its shard, so a second one in flight buys no overlap and costs a whole
 # unsharded gradient buffer at the step's memory peak (measured: 13 MiB of 419 on the benchmark).
 MAX_REDUCTIONS_IN_FLIGHT = 1
+
+
+class Finalization(enum.Enum):
+    """Where the tree's backward iteration stands under manual finalization."""
+
+    OPEN = "open"  # no backward waits for finalize_backward()
+    BACKWARD = "backward"  # a backward ended under manual finalization: finalize_backward() ends the iteration
+    REDUCING = "reducing"  # finalize_backward(async_op=True) returned: the handle's wait() ends it
+
+
+#: ``_FINALIZATION_MOVES[current]``: the states the iteration may enter from ``current``.
+_FINALIZATION_MOVES = {
+    Finalization.OPEN: {Finalization.OPEN, Finalization.BACKWARD, Finalization.REDUCING},
+    Finalization.BACKWARD: {Finalization.BACKWARD, Finalization.OPEN, Finalization.REDUCING},
+    Finalization.REDUCING: {Finalization.OPEN},
+}
 
 
 @dataclass(eq=False)
@@ -51,6 +74,15 @@ class RootContext:
     final_callback_queued: bool = False  # once per backward, on the autograd engine
     is_last_backward: bool = True  # False: the end of backward leaves reductions in flight
     streams: list[CommStreams] = field(default_factory=list)  # one per device of the tree's groups
+    manual_finalization: bool = False  # set_manual_backward_finalization: finalize_backward() ends a backward
+    finalization: Finalization = Finalization.OPEN
+
+    def finalize_move(self, target: Finalization, what: str) -> None:
+        """Move the backward iteration to ``target``, or raise ``RuntimeError`` (FSDP2's words)
+        saying what must come first; ``what`` names the caller's action."""
+        if target not in _FINALIZATION_MOVES[self.finalization]:
+            raise RuntimeError(f"The previous gradient reduction must be waited on before {what}")
+        self.finalization = target
 
     def adopt(self, units: list[Unit]) -> None:
         """The tree found by lazy initialisation: its units and the streams their groups use."""

@@ -18,7 +18,9 @@ the unit's :class:`~fsdp.unit.training_state.TrainingState` after each hook:
    input), its reduction starts (async; at most one in flight) and its unsharded storage is
    freed (POST_BACKWARD);
 5. the root's final callback (queued on the autograd engine; IDLE) reduces whatever is left,
-   reshards every unit, waits for every reduction and attaches ``param.grad``.
+   reshards every unit, waits for every reduction and attaches ``param.grad``. Under manual
+   backward finalization (torch 2.15's, for pipeline schedules) it leaves that to
+   :meth:`FSDPState.finalize_backward`, called once after all the backwards of a step.
 
 What only the root holds for its tree (units, forward order, reductions in flight, the final
 callback, ...) is its :class:`~fsdp.unit.root.RootContext`; every move between training states is
@@ -47,12 +49,15 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from dbuffer.collectives import release_workspaces
 from fsdp.group.meta_init import adopt_assigned
-from fsdp.group.param_group import ParameterGroup, meta_error
+from fsdp.group.param_group import ParameterGroup
 from fsdp.group.policy import MixedPrecisionPolicy
 from fsdp.group.profiling import label
 from fsdp.group.shared_gather import gather_together
-from fsdp.unit.root import MAX_REDUCTIONS_IN_FLIGHT, RootContext
-from fsdp.unit.training_state import TrainingState, check_transition
+from fsdp.unit import finalization, pipelining
+from fsdp.unit.finalization import finish_grad_sync
+from fsdp.unit.lazy_init import find_tree
+from fsdp.unit.root import MAX_REDUCTIONS_IN_FLIGHT, Finalization, RootContext
+from fsdp.unit.training_state import TrainingState, check_transition, in_backward
 
 __all__ = ["LABELS", "FSDPState", "MAX_REDUCTIONS_IN_FLIGHT", "finish_grad_sync"]
 
@@ -70,6 +75,7 @@ LABELS = (
     "fsdp::post_backward",  # a group's gradients complete: launch its reduction, reshard
     "fsdp::root_post_backward",  # the root's end-of-backward callback
     "fsdp::finish_grad_sync",  # wait for every reduction, attach .grad
+    "fsdp::finalize_backward",  # manual finalization: reduce what is left and reshard, then finish
     "fsdp::reset_iter_state",  # recovery after a failed forward or backward
 )
 
@@ -153,6 +159,24 @@ class FSDPState:
         for group in self.groups:
             adopt_assigned(group)
 
+    # ------------------------------------------------------------------ torch.distributed.pipelining < 2.15
+
+    @property
+    def _state_ctx(self) -> pipelining.TreeView:
+        """FSDP2's name, read by pipeline schedules of torch 2.11-2.14 (:mod:`fsdp.unit.pipelining`)."""
+        return pipelining.TreeView(self)
+
+    @property
+    def _fsdp_param_groups(self) -> list[pipelining.PostBackward]:
+        return [pipelining.PostBackward(self)] if self.groups else []
+
+    @property
+    def _fsdp_param_group(self) -> Optional[pipelining.PostBackward]:  # torch 2.11's name
+        return pipelining.PostBackward(self) if self.groups else None
+
+    def _root_post_backward_final_callback(self) -> None:
+        (self.root if self.root is not None else self)._final_callback()
+
     # ------------------------------------------------------------------ identity, state, root
 
     @property
@@ -202,46 +226,7 @@ class FSDPState:
                 f"forward is the root; call fully_shard on a module that holds these ones and run that"
             )
         with label("fsdp::lazy_init"):
-            self._find_tree()
-
-    def _find_tree(self) -> None:
-        units: dict[FSDPState, str] = {}
-        for name, m in self.modules[0].named_modules():
-            state = getattr(m, "_fsdp_state", None)  # set by fully_shard on every unit's module
-            if not isinstance(state, FSDPState) or state in units:
-                continue
-            if state is not self and state.root is not None:
-                raise RuntimeError(
-                    f"FSDP state has already been lazily initialized for {name}\nFSDP requires running "
-                    f"forward through the root module first"
-                )
-            units[state] = name
-        shared = [message for state in units for message in state.shared_with_other_units]
-        if shared:  # local and identical on every rank (same model): raised before any collective
-            raise ValueError(shared[0])
-        for state in units:
-            for group in state.groups:
-                adopt_assigned(group)
-        names = {id(p): n for top in self.modules for n, p in top.named_parameters(remove_duplicate=False)}
-        for state in units:
-            on_meta = [p for g in state.groups if g.is_meta for p in g.sharded_params]
-            if on_meta:
-                raise RuntimeError(meta_error([names.get(id(p), "?") for p in on_meta]))
-        # Knobs set on units before now (root_knobs): the root's stay; the largest bound on
-        # reductions in flight any unit asked for applies (FSDP2 takes the most aggressive cap).
-        early = [state.root_ctx for state in units if state.root_ctx is not None]
-        ctx = self.root_ctx if self.root_ctx is not None else RootContext([self])
-        ctx.max_reductions_in_flight = max((c.max_reductions_in_flight for c in early), default=MAX_REDUCTIONS_IN_FLIGHT)
-        for state, name in units.items():
-            state.root, state.fqn, state.root_ctx = self, name, None
-        self.root_ctx = ctx
-        ctx.adopt(list(units))
-        if logger.isEnabledFor(logging.DEBUG):
-            logger.debug(
-                "lazy init: root %s of %d units %s; %d parameter groups on %s",
-                self.name(), len(units), [state.fqn or "<root>" for state in units],
-                sum(len(state.groups) for state in units), sorted({str(s.device) for s in ctx.streams}),
-            )
+            find_tree(self)
 
     # ------------------------------------------------------------------ unshard / reshard
 
@@ -280,14 +265,16 @@ class FSDPState:
     # ------------------------------------------------------------------ forward
 
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict):
-        if _in_backward():  # activation checkpointing recomputes this unit's forward
+        if in_backward():  # activation checkpointing recomputes this unit's forward
             self._prepare_backward(recompute=True)
             return self._cast_inputs(args, kwargs)
         if self.root is None:
             self._lazy_init()
         with label("fsdp::pre_forward", self.fqn):
-            self._enter(TrainingState.FORWARD)
             ctx = self.root.root_ctx
+            if ctx.finalization is Finalization.REDUCING:
+                raise RuntimeError("The previous gradient reduction must be waited on before forward")
+            self._enter(TrainingState.FORWARD)
             if self.root is self:
                 self._root_pre_forward(ctx)
             ctx.ran_forward(self)
@@ -327,7 +314,7 @@ class FSDPState:
         return self.reshard_after_forward
 
     def _post_forward(self, module: nn.Module, args: tuple, output: Any):
-        if _in_backward():  # a recomputation: its backward runs next, on these weights
+        if in_backward():  # a recomputation: its backward runs next, on these weights
             return self._cast_output(output)
         with label("fsdp::post_forward", self.fqn):
             self._enter(TrainingState.IDLE)
@@ -427,6 +414,9 @@ class FSDPState:
         with label("fsdp::root_post_backward"):
             ctx = self.root_ctx
             ctx.final_callback_queued = False
+            if ctx.manual_finalization:
+                finalization.end_backward(ctx)
+                return
             ctx.reductions_in_flight.clear()  # whatever is still in flight is finished below
             for unit in ctx.units:
                 unit._enter(TrainingState.IDLE)
@@ -434,7 +424,11 @@ class FSDPState:
                     for group in unit.groups:
                         if group.grads is not None and group.grads.has_local_grads():
                             group.grads.launch_reduce()
-                unit.reshard(free=unit.reshard_after_backward)
+                # Not the last backward and weights kept: they stay registered too, so a
+                # pipeline's weight-gradient step differentiates the parameters its
+                # input-gradient step saw (as FSDP2 leaves them).
+                if unit.reshard_after_backward or ctx.is_last_backward:
+                    unit.reshard(free=unit.reshard_after_backward)
                 for group in unit.groups:
                     if group.grads is not None:
                         group.grads.end_backward()
@@ -463,6 +457,7 @@ class FSDPState:
             if self.root_ctx is not None:
                 self.root_ctx.final_callback_queued = False
                 self.root_ctx.reductions_in_flight.clear()
+                self.root_ctx.finalization = Finalization.OPEN  # a handle's wait() now raises
             for unit in self._tree():
                 for group in unit.groups:
                     group.wait_unshard()
@@ -471,24 +466,6 @@ class FSDPState:
                 unit.reshard()
                 unit._enter(TrainingState.IDLE)
             release_workspaces()
-
-
-def finish_grad_sync(units: list[FSDPState], launch: bool) -> None:
-    with label("fsdp::finish_grad_sync"):
-        reducers = [g.grads for unit in units for g in unit.groups if g.grads is not None]
-        if launch:
-            for grads in reducers:  # all launched before any wait: they overlap
-                grads.launch_reduce()
-        for grads in reducers:
-            grads.finish_reduce()
-            grads.attach_grads()
-
-
-def _in_backward() -> bool:
-    """Whether this thread is running autograd's backward: a forward there is activation
-    checkpointing's recomputation (``torch.utils.checkpoint``, reentrant or not, HF's
-    ``gradient_checkpointing``), not a new step."""
-    return torch._C._current_graph_task_id() != -1
 
 
 def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:

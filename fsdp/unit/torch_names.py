@@ -15,6 +15,13 @@ inside its functions, as these frameworks do, gets fsdp's; torch's internals, wh
 names at import, keep torch's. So switch it on before the framework imports those names at
 module level, and keep one implementation per process: the switch is process-wide, as the names are.
 
+One part of torch is rebound on purpose: ``torch.distributed.pipelining`` binds ``FSDPModule``,
+``fully_shard`` and the handles at import and, for a stage module that is an ``FSDPModule``,
+drives the stage's gradient sync through them (``set_manual_backward_finalization``,
+``finalize_backward``; before torch 2.15 the private names :mod:`fsdp.unit.pipelining` answers).
+So its modules, if already imported, are rebound too, and a pipeline of fsdp stages works
+whichever was imported first.
+
 ``CPUOffloadPolicy``, ``OffloadPolicy`` and ``DataParallelMeshDims`` are torch's own classes in
 fsdp too (the same objects), so they need no rebinding and work either way.
 """
@@ -22,11 +29,12 @@ fsdp too (the same objects), so they need no rebinding and work either way.
 from __future__ import annotations
 
 import importlib
+import sys
 from typing import Any, Optional
 
 from fsdp.group.policy import MixedPrecisionPolicy
 from fsdp.unit.fully_shard import fully_shard
-from fsdp.unit.module import FSDPModule, UnshardHandle, register_fsdp_forward_method
+from fsdp.unit.module import FSDPModule, GradientReductionHandle, UnshardHandle, register_fsdp_forward_method
 from fsdp.unit.surface import share_comm_ctx
 
 __all__ = ["torch_names"]
@@ -40,6 +48,9 @@ _PUBLIC = (
     "torch.distributed._composable.fsdp.fully_shard",
 )
 _CLASS_ONLY = ("torch.distributed.fsdp._fully_shard._fully_shard",)
+# Modules that bound FSDP2's names at their import and drive FSDP2 stages through them: rebound
+# when already imported (a later import takes the names from torch.distributed.fsdp anyway).
+_PIPELINING = ("torch.distributed.pipelining.stage", "torch.distributed.pipelining.schedules")
 
 _SAVED: Optional[dict[tuple[str, str], Any]] = None  # torch's objects while fsdp's are bound
 
@@ -50,6 +61,7 @@ def _ours() -> dict[str, Any]:
         "FSDPModule": FSDPModule,
         "MixedPrecisionPolicy": MixedPrecisionPolicy,
         "UnshardHandle": UnshardHandle,
+        "GradientReductionHandle": GradientReductionHandle,
         "register_fsdp_forward_method": register_fsdp_forward_method,
         "share_comm_ctx": share_comm_ctx,
     }
@@ -57,7 +69,8 @@ def _ours() -> dict[str, Any]:
 
 def _targets():
     ours = _ours()
-    for path in _PUBLIC + _CLASS_ONLY:
+    imported = tuple(path for path in _PIPELINING if path in sys.modules)
+    for path in _PUBLIC + _CLASS_ONLY + imported:
         try:
             module = importlib.import_module(path)
         except ImportError:  # a path this torch does not have
@@ -103,5 +116,20 @@ def torch_names(enabled: bool = True) -> _Switch:
     elif not enabled and was:
         for (path, name), theirs in _SAVED.items():
             setattr(importlib.import_module(path), name, theirs)
+        _restore_pipelining(_SAVED)
         _SAVED = None
     return _Switch(was)
+
+
+def _restore_pipelining(saved: dict[tuple[str, str], Any]) -> None:
+    """Pipelining modules imported while the switch was on bound fsdp's objects: give them
+    torch's (as ``torch.distributed.fsdp`` had them)."""
+    ours = {id(obj): name for name, obj in _ours().items()}
+    for path in _PIPELINING:
+        module = sys.modules.get(path)
+        if module is None:
+            continue
+        for attr, value in list(vars(module).items()):
+            name = ours.get(id(value))
+            if name is not None and (_PUBLIC[0], name) in saved:
+                setattr(module, attr, saved[(_PUBLIC[0], name)])

@@ -32,7 +32,9 @@ from __future__ import annotations
 
 from enum import Enum, auto
 
-__all__ = ["ALLOWED", "TrainingState", "TrainingStateError", "check_transition"]
+import torch
+
+__all__ = ["ALLOWED", "TrainingState", "TrainingStateError", "check_transition", "in_backward"]
 
 
 class TrainingState(Enum):
@@ -80,3 +82,10 @@ def check_transition(unit: str, current: TrainingState, target: TrainingState) -
         raise TrainingStateError(
             f"fsdp unit {unit} cannot go from {current.name} to {target.name}: {_WHY[current]}"
         )
+
+
+def in_backward() -> bool:
+    """Whether this thread is running autograd's backward: a forward there is activation
+    checkpointing's recomputation (``torch.utils.checkpoint``, reentrant or not, HF's
+    ``gradient_checkpointing``), not a new step; ``finalize_backward`` there is too early."""
+    return torch._C._current_graph_task_id() != -1

@@ -1,0 +1,60 @@
+"""FSDP2's private state as ``torch.distributed.pipelining`` of torch 2.11 to 2.14 reads it.
+
+Before torch 2.15's ``finalize_backward``, a pipeline stage whose module is an ``FSDPModule``
+ends the step's backward (its ``REDUCE_GRAD`` action, ``perform_reduce_grad``) by reaching into
+FSDP2's internals::
+
+    state = fully_shard.state(stage_module)
+    for unit in state._state_ctx.all_states:
+        for group in unit._fsdp_param_groups:      # torch 2.11: unit._fsdp_param_group
+            group.post_backward()
+    state._root_post_backward_final_callback()
+
+fsdp's :class:`~fsdp.unit.state.FSDPState` answers those names with the small views below, so the
+same schedule drives fsdp stages: a unit's "post-backward" takes the gradients the schedule
+accumulated (through autograd, or assigned by a weight-gradient step), reduces them if the unit
+syncs and reshards if it is set to; the final callback is the root's end of backward. Nothing
+else of FSDP2's internals is offered: torch 2.15 and later go through the public methods.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["PostBackward", "TreeView"]
+
+Unit = Any  # an fsdp.unit.state.FSDPState (not imported: it imports this module)
+
+
+class TreeView:
+    """``state._state_ctx``: the tree's units as ``all_states`` (the unit alone before lazy
+    initialisation)."""
+
+    def __init__(self, unit: Unit) -> None:
+        self._unit = unit
+
+    @property
+    def all_states(self) -> list[Unit]:
+        root = self._unit.root if self._unit.root is not None else self._unit
+        return list(root.root_ctx.units) if root.root_ctx is not None else [root]
+
+
+class PostBackward:
+    """One unit as FSDP2's ``FSDPParamGroup`` is called by a pipeline schedule: its
+    :meth:`post_backward`."""
+
+    def __init__(self, unit: Unit) -> None:
+        self._unit = unit
+
+    def post_backward(self) -> None:
+        """Take the gradients the schedule left on the unsharded parameters, launch the
+        unit's reductions if it syncs, and reshard it if ``reshard_after_backward``."""
+        unit = self._unit
+        for group in unit.groups:
+            if group.grads is None:
+                continue
+            group.grads.take_assigned_grads()
+            if unit.requires_grad_sync:
+                group.grads.launch_reduce()
+        if unit.reshard_after_backward:
+            unit.reshard()
