@@ -16,6 +16,7 @@ from fsdp.unit.fully_shard import fully_shard
 from fsdp.unit.init_weights import init_weights
 from fsdp.unit.module import FSDPModule, GradientReductionHandle, UnshardHandle, register_fsdp_forward_method
 from fsdp.unit.surface import DataParallelMeshDims, share_comm_ctx
+from fsdp.unit.shard_placement import ShardPlacementResult
 from fsdp.group.bucket import Bucket
 from fsdp.group.layout_choice import layout_policy
 from fsdp.optim.muon import Muon
@@ -44,6 +45,7 @@ __all__ = [
     "Muon",
     "OffloadPolicy",
     "ParameterGroup",
+    "ShardPlacementResult",
     "Strategy",
     "UnshardHandle",
     "clip_grad_norm_",

@@ -103,6 +103,7 @@ def plan_buckets(
     bucket_size: Optional[int],
     shard_dims: Optional[Sequence[Optional[int]]] = None,
     default_dim: Optional[int] = None,
+    param_meshes: Optional[Sequence[Optional[DeviceMesh]]] = None,
 ) -> list[GroupSpec]:
     """Assign the unit's parameters (registration order) to groups. Explicit buckets come first,
     in the order given; the rest is grouped by (dtype, requires_grad), split at ``bucket_size``
@@ -110,7 +111,11 @@ def plan_buckets(
     parameter, the dim ``shard_placement_fn`` shards it along (None: ``default_dim``); those
     parameters form groups of their own, grouped the same way, when the strategy shards the main
     weights (otherwise nothing is sharded and they join the default groups). ``default_dim``:
-    the dim of the parameters ``shard_dims`` leaves at None (0: FSDP2's layout; None: flat)."""
+    the dim of the parameters ``shard_dims`` leaves at None (0: FSDP2's layout; None: flat).
+    ``param_meshes``: per parameter, the mesh ``shard_placement_fn`` put it on (torch 2.15's
+    ``ShardPlacementResult``; None: ``mesh``); such parameters form groups of their own on it.
+    Parameters of different compute dtypes (``MixedPrecisionPolicy.param_dtype_override_fn``)
+    never share a group, and each group gets its members' resolved policy."""
     if bucket_size is not None and (not isinstance(bucket_size, int) or bucket_size <= 0):
         raise ValueError(f"bucket_size must be a positive number of bytes or None, got {bucket_size!r}")
     owner: dict[int, int] = {}
@@ -135,20 +140,23 @@ def plan_buckets(
     for b, bucket in enumerate(buckets):
         members = [k for k in range(len(names)) if owner.get(k) == b]
         specs.extend(_explicit(b, bucket, members, names, params, mesh, strategy, policy))
+    meshes = dict(enumerate(param_meshes)) if param_meshes is not None else {}
     dims = list(shard_dims) if shard_dims is not None else [None] * len(names)
     for k, b in owner.items():
-        if dims[k] is not None:
+        if dims[k] is not None or meshes.get(k) is not None:
             raise ValueError(
                 f"parameter {names[k]!r} is in buckets[{b}] (names={buckets[b].patterns}) and shard_placement_fn "
-                f"returned Shard({dims[k]}) for it; a bucket sets its own placement: return None for it"
+                f"returned a placement for it (Shard({dims[k]}) or a mesh of its own); a bucket sets its own "
+                f"placement and mesh: return None for it"
             )
     rest = [k for k in range(len(names)) if k not in owner]
+    policies = {k: policy.for_param(params[k], names[k]) for k in rest}
     for k in rest:  # torch.chunk pieces along dim 0: DTensor (tensor-parallel) parameters always, others by default
         if dims[k] is None and params[k].dim() and (mesh_key(params[k]) is not None or default_dim is not None):
             dims[k] = 0 if default_dim is None else default_dim
     chunked = [k for k in rest if dims[k] is not None] if strategy.shard_optim else []
-    specs.extend(_default([k for k in rest if k not in chunked], params, mesh, strategy, policy, bucket_size))
-    for spec in _default(chunked, params, mesh, strategy, policy, bucket_size):
+    specs.extend(_default([k for k in rest if k not in chunked], params, mesh, meshes, strategy, policies, bucket_size))
+    for spec in _default(chunked, params, mesh, meshes, strategy, policies, bucket_size):
         specs.append(replace(spec, dims=[dims[k] for k in spec.members]))
     return specs
 
@@ -181,32 +189,37 @@ def _explicit(b, bucket, members, names, params, mesh, strategy, policy) -> list
                     f"number of experts (or mesh) that divides, or leave per_tensor off"
                 )
         groups = [[k] for k in members]
-    else:
-        groups = _by_dtype(members, params)
-    return [GroupSpec(g, mesh, bucket.placement, strategy, policy, factor, own_collectives=True) for g in groups]
+    resolved = {k: policy.for_param(params[k], names[k]) for k in members}
+    if not bucket.per_tensor:
+        groups = [g for g, _ in _by_dtype(members, params, resolved, {})]
+    return [GroupSpec(g, mesh, bucket.placement, strategy, resolved[g[0]], factor, own_collectives=True) for g in groups]
 
 
-def _default(members, params, mesh, strategy, policy, bucket_size) -> list[GroupSpec]:
+def _default(members, params, mesh, meshes, strategy, policies, bucket_size) -> list[GroupSpec]:
     specs = []
-    for group in _by_dtype(members, params):
+    for group, (policy, on) in _by_dtype(members, params, policies, meshes):
+        on = mesh if on is None else on
         main_bytes = [_main_bytes(params[k], policy) for k in group]
         current: list[int] = []
         size = 0
         for k, nbytes in zip(group, main_bytes):
             if current and bucket_size is not None and size + nbytes > bucket_size:
-                specs.append(GroupSpec(current, mesh, Shard(0), strategy, policy, own_collectives=True))
+                specs.append(GroupSpec(current, on, Shard(0), strategy, policy, own_collectives=True))
                 current, size = [], 0
             current.append(k)
             size += nbytes
-        specs.append(GroupSpec(current, mesh, Shard(0), strategy, policy, own_collectives=bucket_size is not None))
+        specs.append(GroupSpec(current, on, Shard(0), strategy, policy, own_collectives=bucket_size is not None))
     return specs
 
 
-def _by_dtype(members: list[int], params: list[torch.Tensor]) -> list[list[int]]:
+def _by_dtype(members: list[int], params: list[torch.Tensor], policies: dict, meshes: dict) -> list[tuple[list[int], tuple]]:
+    """``members`` grouped by (dtype, requires_grad, TP mesh, resolved policy, mesh of their
+    own), in registration order; each group with its (policy, mesh or None)."""
     groups: dict[tuple, list[int]] = {}
     for k in members:  # DTensor (tensor-parallel) parameters: one group per TP mesh
-        groups.setdefault((params[k].dtype, params[k].requires_grad, mesh_key(params[k])), []).append(k)
-    return list(groups.values())
+        key = (params[k].dtype, params[k].requires_grad, mesh_key(params[k]), policies[k], meshes.get(k))
+        groups.setdefault(key, []).append(k)
+    return [(ks, (key[3], key[4])) for key, ks in groups.items()]
 
 
 def _main_bytes(p: torch.Tensor, policy: MixedPrecisionPolicy) -> int:

@@ -6,12 +6,12 @@ any collective runs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field, replace
+from typing import Callable, Optional
 
 import torch
 
-__all__ = ["MixedPrecisionPolicy", "Strategy", "parse_strategy"]
+__all__ = ["MixedPrecisionPolicy", "Strategy", "parse_strategy", "reduces_in_grad_dtype"]
 
 
 @dataclass(frozen=True)
@@ -64,8 +64,11 @@ class MixedPrecisionPolicy:
       main dtype (then the model weights *are* the main weights, no copy).
     * ``main_grads_dtype``: the gradient accumulation buffer. ``None``: the main dtype. When it
       differs from the main dtype, ``param.grad`` is a cast copy of ``param.main_grad``.
-    * ``reduce_dtype``: the dtype gradients are averaged across ranks in. ``None``: like FSDP2,
-      the compute dtype.
+    * ``reduce_dtype``: the dtype gradients are averaged across ranks in. ``None``: as the
+      installed torch's FSDP2 does: from torch 2.15 each parameter's own gradient dtype (its
+      ``grad_dtype`` if set, else its original dtype; promoted with the compute dtype, so FP32
+      main weights computed in FP32 stay FP32), before 2.15 the compute dtype
+      (:func:`reduces_in_grad_dtype`).
 
     And one memory/speed knob, for when ``param_dtype`` differs from the main dtype:
 
@@ -84,9 +87,14 @@ class MixedPrecisionPolicy:
       HFSDP always keeps its shard-axis copy.
 
     ``output_dtype`` casts the unit's floating outputs; ``cast_forward_inputs`` casts its floating
-    inputs to ``param_dtype`` (both as FSDP2). Construction raises ``TypeError`` for a non-bool
-    ``persistent_param_shard`` and ``ValueError`` for a dtype that is not a floating
-    ``torch.dtype`` (or None). Non-floating parameters are never cast.
+    inputs to ``param_dtype`` (both as FSDP2). ``param_dtype_override_fn`` (torch 2.15's,
+    keyword only): called once per parameter at ``fully_shard``; ``None`` or ``param_dtype``
+    keeps ``param_dtype`` for it, the parameter's own dtype computes it in that dtype (e.g. a
+    norm kept in FP32 under a BF16 policy); parameters of different compute dtypes go to
+    different groups. Construction raises ``TypeError`` for a non-bool
+    ``persistent_param_shard`` or a non-callable override, ``ValueError`` for a dtype that is not
+    a floating ``torch.dtype`` (or None); :meth:`for_param` raises ``ValueError`` for an override
+    that returns another dtype. Non-floating parameters are never cast.
     """
 
     param_dtype: Optional[torch.dtype] = None
@@ -96,8 +104,17 @@ class MixedPrecisionPolicy:
     main_params_dtype: Optional[torch.dtype] = torch.float32
     main_grads_dtype: Optional[torch.dtype] = None
     persistent_param_shard: bool = True
+    param_dtype_override_fn: Optional[Callable[[torch.nn.Parameter], Optional[torch.dtype]]] = field(
+        default=None, kw_only=True
+    )
 
     def __post_init__(self) -> None:
+        fn = self.param_dtype_override_fn
+        if fn is not None and not callable(fn):
+            raise TypeError(
+                f"MixedPrecisionPolicy.param_dtype_override_fn must be a callable (nn.Parameter) -> torch.dtype | None, "
+                f"got {fn!r}"
+            )
         if not isinstance(self.persistent_param_shard, bool):
             raise TypeError(
                 f"MixedPrecisionPolicy.persistent_param_shard must be a bool (True: keep the param_dtype shard, "
@@ -108,6 +125,21 @@ class MixedPrecisionPolicy:
             if value is not None and (not isinstance(value, torch.dtype) or not value.is_floating_point):
                 raise ValueError(f"MixedPrecisionPolicy.{name} must be a floating torch.dtype or None, got {value!r}")
 
+    def for_param(self, param: torch.Tensor, name: str = "") -> "MixedPrecisionPolicy":
+        """This policy for one parameter: ``param_dtype_override_fn`` applied (and removed), as
+        FSDP2 resolves it at ``fully_shard``. Raises ``ValueError`` naming the parameter for an
+        override other than None, ``param_dtype`` or the parameter's own dtype."""
+        fn = self.param_dtype_override_fn
+        if fn is None:
+            return self
+        dtype = fn(param)
+        if dtype is not None and (not isinstance(dtype, torch.dtype) or dtype not in (self.param_dtype, param.dtype)):
+            raise ValueError(
+                f"param_dtype_override_fn must return None, param_dtype ({self.param_dtype}) or the parameter's "
+                f"original dtype ({param.dtype}) but got {dtype!r} for parameter {name!r}"
+            )
+        return replace(self, param_dtype=self.param_dtype if dtype is None else dtype, param_dtype_override_fn=None)
+
     @property
     def casts(self) -> bool:
         """Whether the policy changes any dtype of a parameter."""
@@ -115,13 +147,17 @@ class MixedPrecisionPolicy:
             d is not None for d in (self.param_dtype, self.reduce_dtype, self.main_params_dtype, self.main_grads_dtype)
         )
 
-    def dtypes_for(self, orig: torch.dtype) -> "Dtypes":
-        """The dtypes of a parameter built as ``orig`` (non-floating ones are never cast)."""
+    def dtypes_for(self, orig: torch.dtype, grad_dtype: Optional[torch.dtype] = None) -> "Dtypes":
+        """The dtypes of a parameter built as ``orig`` (non-floating ones are never cast);
+        ``grad_dtype``: its ``grad_dtype`` where set (torch 2.15), for ``reduce_dtype=None``."""
         if not orig.is_floating_point:
             return Dtypes(orig, orig, orig, orig)
         main = self.main_params_dtype or orig
         model = self.param_dtype or main
-        return Dtypes(main, model, self.main_grads_dtype or main, self.reduce_dtype or model)
+        reduce = self.reduce_dtype
+        if reduce is None:
+            reduce = torch.promote_types(model, grad_dtype or orig) if reduces_in_grad_dtype() else model
+        return Dtypes(main, model, self.main_grads_dtype or main, reduce)
 
 
 @dataclass(frozen=True)
@@ -130,3 +166,13 @@ class Dtypes:
     model: torch.dtype
     main_grad: torch.dtype
     reduce: torch.dtype
+
+
+def reduces_in_grad_dtype(fsdp2_param: Optional[type] = None) -> bool:
+    """Whether the installed torch's FSDP2 reduces ``reduce_dtype=None`` gradients in each
+    parameter's gradient dtype (torch 2.15: ``FSDPParam.unsharded_grad_dtype``) rather than in
+    the compute dtype (earlier). ``fsdp2_param``: the class to inspect (default torch's), so a
+    test drives both answers."""
+    if fsdp2_param is None:
+        from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam as fsdp2_param
+    return hasattr(fsdp2_param, "unsharded_grad_dtype")

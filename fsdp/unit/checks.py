@@ -19,9 +19,8 @@ from fsdp.group.members import ParamInfo
 from fsdp.group.policy import MixedPrecisionPolicy, Strategy
 
 __all__ = [
-    "MeshDimNamesError", "NonContiguousParameterError", "ShardPlacementError", "check_devices", "check_mesh",
+    "MeshDimNamesError", "NonContiguousParameterError", "check_devices", "check_mesh",
     "check_offloadable", "check_params", "check_ranks_agree", "check_reshard_after_forward", "post_forward_ranks",
-    "shard_dims",
 ]
 
 
@@ -33,39 +32,6 @@ class MeshDimNamesError(ValueError, AssertionError):
 class NonContiguousParameterError(ValueError, NotImplementedError):
     """A non-contiguous parameter (e.g. channels_last). A ``ValueError``; also a
     ``NotImplementedError``, which is what torch FSDP2 raises for it."""
-
-
-class ShardPlacementError(ValueError, AssertionError):
-    """``shard_placement_fn`` returned ``Shard(dim)`` for a dim the parameter lacks. A
-    ``ValueError``; also an ``AssertionError``, which is what torch FSDP2 raises for it."""
-
-
-def shard_dims(infos: list[ParamInfo], fn) -> Optional[list[Optional[int]]]:
-    """``shard_placement_fn``'s answer for every parameter: a dim (normalised) or None."""
-    if fn is None:
-        return None
-    if not callable(fn):
-        raise TypeError(f"shard_placement_fn must be a callable (nn.Parameter) -> Shard | None, got {fn!r}")
-    dims: list[Optional[int]] = []
-    for info in infos:
-        placement = fn(info.param)
-        if placement is None:
-            dims.append(None)
-            continue
-        if not isinstance(placement, Shard):
-            raise TypeError(
-                f"shard_placement_fn returned {placement!r} for parameter {info.fqn!r}; return Shard(dim) "
-                f"or None (the default layout)"
-            )
-        ndim, dim = info.param.dim(), placement.dim
-        if not -ndim <= dim < ndim:
-            raise ShardPlacementError(
-                f"Shard dim {dim} is invalid for {ndim}D tensor: shard_placement_fn returned {placement!r} "
-                f"for parameter {info.fqn!r} of shape {tuple(info.param.shape)}; return a dim in "
-                f"[{-ndim}, {ndim}) or None"
-            )
-        dims.append(dim % ndim)
-    return dims
 
 
 def check_ranks_agree(mesh: DeviceMesh, infos: list[ParamInfo], specs: list[GroupSpec], config) -> None:

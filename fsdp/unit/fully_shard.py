@@ -43,9 +43,10 @@ from fsdp.unit.checks import (
     check_ranks_agree,
     check_reshard_after_forward,
     post_forward_ranks,
-    shard_dims,
 )
 from fsdp.unit.module import FSDPModule, fsdp_class, state_of_module
+from fsdp.unit.shard_placement import ShardPlacementResult
+from fsdp.unit.shard_placement import resolve as resolve_shard_placements
 from fsdp.unit.state import FSDPState
 from fsdp.unit.surface import ArgumentTypeError, DataParallelMeshDims
 
@@ -68,7 +69,7 @@ def fully_shard(
     ignored_params: Optional[Iterable[nn.Parameter]] = None,
     buckets: Sequence[Bucket] = (),
     bucket_size: Optional[int] = None,
-    shard_placement_fn: Optional[Callable[[nn.Parameter], Optional[Shard]]] = None,
+    shard_placement_fn: Optional[Callable[[nn.Parameter], Union[Shard, ShardPlacementResult, None]]] = None,
     offload_policy: OffloadPolicy = OffloadPolicy(),
     dp_mesh_dims: Optional[DataParallelMeshDims] = None,
     outer_dp_sharding_strategy: str = "no_shard",
@@ -115,7 +116,9 @@ def fully_shard(
 
     ``shard_placement_fn`` (FSDP2's): called once per parameter; ``Shard(dim)`` (``dim`` may be
     negative) makes its local shard ``torch.chunk(full, W, dim)[rank]``, placement ``Shard(dim)``;
-    ``None`` leaves it to the default above. Any other return value raises ``TypeError``, a dim
+    ``None`` leaves it to the default above; torch 2.15's ``ShardPlacementResult(placement,
+    mesh_info)`` (also ``fsdp.ShardPlacementResult``) puts the parameter in a group of its own on
+    ``mesh_info.mesh`` (1-D, or 2-D ``(replicate, shard)``). Any other return value raises ``TypeError``, a dim
     the parameter lacks ``ValueError``, naming the parameter. With ``no_shard`` nothing is sharded
     and the function's answers have no effect.
 
@@ -167,7 +170,7 @@ def fully_shard(
     reshard_after_forward = check_reshard_after_forward(reshard_after_forward, mesh)
     if isinstance(buckets, Bucket):
         buckets = [buckets]
-    dims = shard_dims(infos, shard_placement_fn)
+    dims, param_meshes = resolve_shard_placements(infos, shard_placement_fn)
     specs = plan_buckets(
         [i.fqn for i in infos],
         [i.param for i in infos],
@@ -178,6 +181,7 @@ def fully_shard(
         bucket_size,
         dims,
         default_dim=0 if chunk_by_default() and outer_dp_sharding_strategy == "no_shard" else None,
+        param_meshes=param_meshes,
     )
     for spec in specs:
         if spec.mesh is not mesh:
@@ -295,7 +299,8 @@ def _build_groups(
                 kw["shard"] = spec.placement
                 if outer:  # HFSDP, validated by check_outer_sharding
                     mesh, kw["placements"] = outer_sharded(mesh, spec.placement)
-            dtypes = spec.policy.dtypes_for(first.dtype)
+            grad_dtype = first.grad_dtype if getattr(first, "_has_grad_dtype_override", False) else None
+            dtypes = spec.policy.dtypes_for(first.dtype, grad_dtype)
             groups.append(ParameterGroup(members, mesh, spec.strategy, dtypes, first.requires_grad, **kw))
     if log.isEnabledFor(logging.DEBUG):
         for group in groups:

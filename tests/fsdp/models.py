@@ -18,7 +18,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+        # type_as: a weight kept in FP32 under a BF16 policy returns the compute dtype (Llama's norm)
+        return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight).type_as(x)
 
 
 class Block(nn.Module):

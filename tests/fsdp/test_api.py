@@ -152,10 +152,24 @@ def test_misuse_raises_before_any_collective() -> None:
     assert set(results[0].values()) == {"ok"} and len(results[0]) == 12, results[0]
 
 
-def test_policy_dtypes() -> None:
+def test_policy_dtypes(monkeypatch) -> None:
+    from fsdp.group import policy as policy_module
+
     p = fsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    # reduce_dtype=None as the installed FSDP2 reads it: the compute dtype before torch 2.15 ...
+    monkeypatch.setattr(policy_module, "reduces_in_grad_dtype", lambda: False)
     d = p.dtypes_for(torch.float32)
     assert (d.main, d.model, d.main_grad, d.reduce) == (torch.float32, torch.bfloat16, torch.float32, torch.bfloat16)
+    # ... the gradient dtype from 2.15 (the original dtype, or grad_dtype), never below the compute dtype
+    monkeypatch.setattr(policy_module, "reduces_in_grad_dtype", lambda: True)
+    assert p.dtypes_for(torch.float32).reduce == torch.float32
+    assert p.dtypes_for(torch.bfloat16).reduce == torch.bfloat16
+    assert p.dtypes_for(torch.bfloat16, grad_dtype=torch.float32).reduce == torch.float32
+    assert fsdp.MixedPrecisionPolicy().dtypes_for(torch.bfloat16).reduce == torch.float32  # FP32 main and compute
+    assert fsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16).dtypes_for(torch.float32).reduce == torch.bfloat16
+    monkeypatch.undo()
+    assert not policy_module.reduces_in_grad_dtype(type("OldFSDPParam", (), {}))
+    assert policy_module.reduces_in_grad_dtype(type("NewFSDPParam", (), {"unsharded_grad_dtype": property(lambda s: None)}))
     d = fsdp.MixedPrecisionPolicy(main_params_dtype=None).dtypes_for(torch.float64)
     assert (d.main, d.model, d.main_grad, d.reduce) == (torch.float64,) * 4
     assert fsdp.MixedPrecisionPolicy().dtypes_for(torch.int64).main == torch.int64

@@ -7,6 +7,8 @@ misuse raises FSDP2's exception types."""
 from __future__ import annotations
 
 import copy
+import dataclasses
+import importlib
 import inspect
 
 import pytest
@@ -45,13 +47,18 @@ def _compatible(ours: inspect.Signature, theirs: inspect.Signature, where: str) 
 
 
 def test_every_public_fsdp2_name_method_and_argument_exists() -> None:
-    fsdp2_names = [
-        "FSDPModule", "fully_shard", "MixedPrecisionPolicy", "register_fsdp_forward_method",
-        "UnshardHandle", "share_comm_ctx", "DataParallelMeshDims", "OffloadPolicy", "CPUOffloadPolicy",
-    ]  # FSDP2's __all__ of torch.distributed.fsdp
-    assert set(fsdp2_names) <= set(torch_fsdp.__all__)
+    """Against the installed torch's surface: a torch that adds a name fails here, not a user."""
+    from torch.distributed.fsdp import _fully_shard
+
+    fsdp2_names = list(_fully_shard.__all__)  # FSDP2's exports (torch.distributed.fsdp re-exports them)
+    assert {"FSDPModule", "fully_shard", "MixedPrecisionPolicy", "UnshardHandle"} <= set(fsdp2_names) <= set(torch_fsdp.__all__)
     for name in fsdp2_names:
         assert hasattr(fsdp, name), name
+    theirs = {f.name for f in dataclasses.fields(torch_fsdp.MixedPrecisionPolicy)}
+    assert theirs <= {f.name for f in dataclasses.fields(fsdp.MixedPrecisionPolicy)}, theirs
+    common = importlib.import_module("torch.distributed.fsdp._fully_shard._fsdp_common")
+    if hasattr(common, "ShardPlacementResult"):  # what shard_placement_fn may return: torch's own class
+        assert fsdp.ShardPlacementResult is common.ShardPlacementResult
     methods = [n for n, v in vars(torch_fsdp.FSDPModule).items() if not n.startswith("_") and callable(v)]
     assert len(methods) >= 20, methods  # the test would pass vacuously if torch's class changed shape
     for name in methods:
