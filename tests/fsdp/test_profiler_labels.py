@@ -37,6 +37,9 @@ def _profiled_step(model, batches) -> dict:
         with torch.no_grad():
             loss_fn(m, x, y)  # the next forward refreshes the weights the optimizer changed
         m.reset_iter_state()  # between steps it resets nothing, but runs (and is labelled)
+        m.set_manual_backward_finalization(True)  # a pipeline schedule's end of backward
+        loss_fn(m, x, y).backward()
+        m.finalize_backward()
     names = {e.name for e in prof.events()}
     fsdp_names = sorted(n for n in names if n.startswith("fsdp::"))
     return {"phases": sorted({_UNIT_SUFFIX.sub("", n) for n in fsdp_names}), "names": fsdp_names}
