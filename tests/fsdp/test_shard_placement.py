@@ -193,7 +193,7 @@ def test_bad_placements_raise_naming_the_parameter_on_every_rank() -> None:
     assert results[0] == results[1]
     msgs = results[0]
     # 'scale' is registered on the root itself, so it comes first
-    assert "'scale'" in msgs["replicate"] and "Shard(dim) or None" in msgs["replicate"]
+    assert "'scale'" in msgs["replicate"] and "return Shard(dim)" in msgs["replicate"]
     assert "'scale'" in msgs["not a placement"]
     assert "Shard dim 2 is invalid for 2D tensor" in msgs["dim 2"] and "'embed.weight'" in msgs["dim 2"]
     assert "Shard dim -2 is invalid for 1D tensor" in msgs["dim -2 of a vector"] and "'scale'" in msgs["dim -2 of a vector"]
