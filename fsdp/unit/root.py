@@ -38,7 +38,7 @@ Unit = Any  # an fsdp.unit.state.FSDPState (not imported: that module imports th
 
 # One reduction in flight while the next unit computes its gradients: a unit's backward takes far
 # longer than reducing its shard, so a second one in flight buys no overlap and costs a whole
-# unsharded gradient buffer at the step's memory peak (measured: 13 MiB of 419 on the benchmark).
+# unsharded gradient buffer at the step's memory peak (tools/mem_timeline.py shows where).
 MAX_REDUCTIONS_IN_FLIGHT = 1
 
 

@@ -279,9 +279,7 @@ class FSDPState:
                 self._root_pre_forward(ctx)
             ctx.ran_forward(self)
             if self.root is not self:
-                for group in self.groups:
-                    if group.grads is not None:
-                        group.grads.release_dropped_grads()
+                self.release_dropped_grads()
             self.unshard()
             self._use_unsharded()
             for nxt in self._next_units(self.forward_prefetch, +1):
@@ -298,9 +296,13 @@ class FSDPState:
                 logger.debug("forward order of %s (prefetching follows it): %s", self.name(),
                              [unit.fqn or "<root>" for unit in ctx.forward_order])
             for unit in ctx.units:
-                for group in unit.groups:
-                    if group.grads is not None:
-                        group.grads.release_dropped_grads()
+                unit.release_dropped_grads()
+
+    def release_dropped_grads(self) -> None:
+        """Free the main grads of this unit's groups whose gradients the optimizer dropped."""
+        for group in self.groups:
+            if group.grads is not None:
+                group.grads.release_dropped_grads()
 
     def _cast_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if self.policy.param_dtype is not None and self.policy.cast_forward_inputs:
