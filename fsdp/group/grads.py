@@ -133,10 +133,11 @@ class GradReducer:
         else:
             self._pack(k, grad, on_group_start)
         if len(self._seen) == len(self.group.infos):
-            self._pack_held(on_group_start)
-            # Counted afresh: a unit run twice whose gradients arrive in two rounds of one
-            # backward (reentrant checkpointing: each recomputation has its own nested
-            # backward) completes the group once per round, not at every later gradient.
+            # The unit packs what is held (pack_held) once it freed the weights: FSDP2's order,
+            # the unsharded weights go before the gradient buffer comes. Counted afresh: a unit
+            # run twice whose gradients arrive in two rounds of one backward (reentrant
+            # checkpointing: each recomputation has its own nested backward) completes the
+            # group once per round, not at every later gradient.
             self._seen.clear()
             on_group_done(self.group)
 
@@ -156,7 +157,9 @@ class GradReducer:
         g.layout.write_grad(self.grad_in, k, g.kind.grad_local(k, grad), add)
 
     @torch.no_grad()
-    def _pack_held(self, on_group_start=None) -> None:
+    def pack_held(self, on_group_start=None) -> None:
+        """Copy the gradients held since the group's first one into ``grad_in`` (allocated now,
+        after ``on_group_start(group)`` if given) and drop autograd's tensors."""
         held, self._held = self._held, {}
         for k, grad in held.items():
             self._pack(k, grad, on_group_start)
@@ -180,7 +183,7 @@ class GradReducer:
                 self._held[k] = grad if held is None else held + grad
 
     def end_backward(self) -> None:
-        self._pack_held()  # gradients kept for a later (sync) backward live in grad_in
+        self.pack_held()  # gradients kept for a later (sync) backward live in grad_in
         self._seen.clear()
 
     def has_local_grads(self) -> bool:
@@ -201,7 +204,7 @@ class GradReducer:
             self.finish_reduce()
         g = self.group
         streams, reduce_dtype = g.streams, g.dtypes.reduce
-        self._pack_held()
+        self.pack_held()
         self._zero_unwritten()
         target_pl = self.main_grad.placements
         if self.defers_all_reduce():

@@ -400,11 +400,12 @@ class FSDPState:
                 self._enter(TrainingState.POST_BACKWARD)
             owner = self._owner()
             owner._queue_final_callback()
+            if self.reshard_after_backward:  # first, as FSDP2: the weights go before grad_in comes
+                group.reshard()
+            group.grads.pack_held(self._finish_reductions_in_flight)
             if self.requires_grad_sync:
                 group.grads.launch_reduce()
                 owner.root_ctx.launched(group.grads)
-            if self.reshard_after_backward:
-                group.reshard()
 
     def _queue_final_callback(self) -> None:
         ctx = self.root_ctx
