@@ -1,0 +1,306 @@
+"""What every gpu_check section shares: the run's device and sizes, the Llama and its text batches,
+the training loop, full weights, the comparisons, and the :class:`Context` that runs one row.
+
+Why these sizes and this data: agreement between two trainings means something only when the
+training itself is sane. On random tokens at lr 1e-3 the old bench configuration diverged above
+ln(vocab) on an H200 and amplified CUDA's nondeterminism; here the model learns byte-level text
+(``tools/text_data.py``, the demo's data) at the demo's lr, and every training row checks that its
+loss fell. On CUDA the model is big enough for real GEMM, attention and NCCL kernels while the
+whole tool stays within about 4 minutes; on CPU (``--cpu``) it is tiny.
+
+Tolerances (:data:`TOLERANCES`, printed in the table next to each figure) are on max|dW|, the
+largest elementwise difference of the trained weights. AdamW's update is about ``lr`` per element
+and step whatever the gradient's size, so an element whose gradient is nearly zero can move by
+``lr`` one way in one run and the other way in another: differences of a few ``lr`` are what mixed
+precision gives against fp32, and no max|dW| tolerance that loose can tell a bug from rounding.
+Mixed-precision rows are therefore held to the relative error of the whole update
+(``rel dW``: ``|W_a - W_b| / |W_b - W_0|``, 2-norms over all weights), which a bug pushes to ~1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import fnmatch
+import json
+import math
+import os
+import sys
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+
+from tools.gpu_checks.rows import FSDP2, PLAIN, Row
+
+# The model and batch of each kind of run: vocab 256 (bytes), lr as the demo's.
+SIZES = {
+    "cpu": dict(dim=64, layers=2, heads=4, hidden=128, seq=32, batch=8),
+    "cuda": dict(dim=512, layers=4, heads=8, hidden=1408, seq=256, batch=16),
+}
+STEPS, LR, WEIGHT_DECAY = 4, 3e-3, 0.1
+# (device, precision) -> (max|dW| vs plain, max|dW| vs FSDP2, rel dW vs plain). None: not held
+# to it. fp32 at world 1 computes the same numbers as the plain model (c10d over one rank is a
+# copy), up to CUDA kernels that may pick another algorithm for another memory layout.
+TOLERANCES = {
+    ("cpu", "fp32"): (1e-5, 1e-6, None),
+    ("cpu", "bf16"): (None, 1e-6, 0.1),
+    ("cpu", "loose"): (None, None, 0.1),
+    ("cpu", "compiled"): (1e-5, 1e-6, None),
+    ("cpu", "fp32 w>1"): (5e-5, 1e-6, None),
+    ("cpu", "bf16 w>1"): (None, 1e-6, 0.1),
+    ("cuda", "fp32"): (1e-4, 1e-5, None),
+    ("cuda", "bf16"): (None, 1e-3, 0.1),
+    ("cuda", "loose"): (None, None, 0.1),
+    ("cuda", "compiled"): (None, 1e-5, 0.05),
+    ("cuda", "fp32 w>1"): (1e-4, 1e-4, None),
+    ("cuda", "bf16 w>1"): (None, 1e-3, 0.1),
+}
+
+
+@dataclass
+class Setup:
+    """One run: ``device`` is ``"cuda"`` or ``"cpu"``; the sizes follow it."""
+
+    device: str
+    steps: int = STEPS
+    lr: float = LR
+    sizes: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.device not in SIZES:
+            raise ValueError(f"device must be one of {sorted(SIZES)}, got {self.device!r}")
+        self.sizes = {**SIZES[self.device], **self.sizes}
+
+    @property
+    def cuda(self) -> bool:
+        return self.device == "cuda"
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device("cuda", 0) if self.cuda else torch.device("cpu")
+
+    def tolerance(self, precision: str) -> tuple:
+        return TOLERANCES[(self.device, precision)]
+
+    def llama_config(self):
+        from tests.models.llama import LlamaConfig
+
+        s = self.sizes
+        return LlamaConfig(vocab_size=256, dim=s["dim"], n_layers=s["layers"], n_heads=s["heads"],
+                           hidden_dim=s["hidden"], max_seq_len=s["seq"])
+
+    def describe(self) -> str:
+        s = self.sizes
+        return (f"Llama dim {s['dim']} x {s['layers']} layers, {s['heads']} heads, SwiGLU {s['hidden']}, vocab 256 "
+                f"(bytes of text); global batch {s['batch']} x {s['seq']}; {self.steps} AdamW steps at lr {self.lr:g}")
+
+
+def base_model(setup: Setup, seed: int = 0) -> torch.nn.Module:
+    """The Llama every method of a row starts from (on the CPU: copies are moved by the caller)."""
+    from tests.models.llama import Llama
+
+    torch.manual_seed(seed)
+    return Llama(setup.llama_config())
+
+
+_TEXT: list = []  # the ByteText, read once per process
+
+
+def text_batches(setup: Setup, n: Optional[int] = None) -> list[torch.Tensor]:
+    """The global batches ``[batch, seq + 1]`` of steps ``0..n-1``, on the run's device."""
+    from tools.text_data import ByteText
+
+    if not _TEXT:
+        _TEXT.append(ByteText(max_bytes=1 << 20))
+    s = setup.sizes
+    return [_TEXT[0].batch(k, s["batch"], s["seq"]).to(setup.torch_device) for k in range(n or setup.steps)]
+
+
+def adamw(setup: Setup) -> Callable[[torch.nn.Module], torch.optim.Optimizer]:
+    """AdamW over a model's parameters; ``foreach=False``: the same per-tensor kernels for plain
+    tensors, DTensors and fsdp's flat-layout subclasses, so layouts do not change the rounding."""
+    return lambda model: torch.optim.AdamW(model.parameters(), lr=setup.lr, weight_decay=WEIGHT_DECAY, foreach=False)
+
+
+def train(model: torch.nn.Module, opt: torch.optim.Optimizer, batches: list[torch.Tensor], *, micro: int = 1,
+          rank: int = 0, world: int = 1) -> list[float]:
+    """This rank's slice of each global batch, ``micro`` micro-batches a step (each loss / micro);
+    returns this rank's loss per step."""
+    from tests.models.llama import loss_fn
+
+    losses = []
+    for tokens in batches:
+        per = tokens.shape[0] // world
+        tokens = tokens[rank * per:(rank + 1) * per]
+        total = torch.zeros((), device=tokens.device)
+        for part in tokens.chunk(micro):
+            loss = loss_fn(model(part[:, :-1]), part) / micro
+            loss.backward()
+            total += loss.detach()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(total))
+    return losses
+
+
+_WRAPPERS = ("_orig_mod.", "_checkpoint_wrapped_module.")
+
+
+def plain_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A parameter as a full plain fp32 tensor: a DTensor gathered, a weight subclass unwrapped."""
+    if hasattr(t, "full_tensor"):
+        t = t.full_tensor()
+    t = t.detach()
+    while type(t) is not torch.Tensor and hasattr(t, "_data"):  # Float8RowwiseWeight
+        t = t._data
+    return t.float().cpu().clone()
+
+
+def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter by name (without compile's and checkpoint_wrapper's prefixes), full, fp32, on the CPU."""
+    out = {}
+    for name, p in model.named_parameters():
+        for w in _WRAPPERS:
+            name = name.replace(w, "")
+        out[name] = plain_tensor(p)
+    return out
+
+
+def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    if a.keys() != b.keys():
+        raise KeyError(f"the two models' parameters differ: {sorted(a.keys() ^ b.keys())}")
+    return max(float((a[k] - b[k]).abs().max()) if a[k].numel() else 0.0 for k in a)
+
+
+def rel_update(a: dict, b: dict, start: dict) -> float:
+    """|a - b| / |b - start| over all weights: how far ``a``'s update is from ``b``'s, relatively."""
+    num = math.sqrt(sum(float((a[k] - b[k]).double().square().sum()) for k in b))
+    den = math.sqrt(sum(float((b[k] - start[k]).double().square().sum()) for k in b))
+    return num / den if den > 0 else float("inf")
+
+
+def compare(row: Row, setup: Setup, precision: str, got: dict, plain: Optional[dict], fsdp2: Optional[dict],
+            start: Optional[dict]) -> None:
+    """The checks of a training row: ``got`` against the plain model and against FSDP2 (each
+    where given), with the run's tolerances for ``precision``; max|dW| is always reported."""
+    tol_plain, tol_fsdp2, tol_rel = setup.tolerance(precision)
+    if plain is not None:
+        diff = max_diff(got, plain)
+        if tol_plain is not None:
+            row.check(PLAIN, diff, tol_plain, metric="max|dW|")
+        else:
+            row.figures["max|dW| vs plain"] = diff
+        if tol_rel is not None:
+            row.check("rel dW vs plain", rel_update(got, plain, start), tol_rel)
+    if fsdp2 is not None:
+        diff = max_diff(got, fsdp2)
+        if tol_fsdp2 is not None:
+            row.check(FSDP2, diff, tol_fsdp2, metric="max|dW|")
+        else:
+            row.figures["max|dW| vs FSDP2"] = diff
+            if tol_rel is not None:
+                row.check("rel dW vs FSDP2", rel_update(got, fsdp2, start), tol_rel)
+
+
+def loss_checks(row: Row, losses: dict[str, list[float]]) -> None:
+    """Record each method's first and last loss; the training is sane only if every one fell
+    (a check counting the methods whose last loss is below their first)."""
+    for name, values in losses.items():
+        row.losses[name] = [values[0], values[-1]]
+    fell = sum(1 for values in losses.values() if values[-1] < values[0])
+    row.check("losses fell", fell, len(losses), op="==")
+
+
+@contextlib.contextmanager
+def world_one(setup: Setup) -> Iterator[Any]:
+    """A default process group of one rank in this process (NCCL on cuda:0, gloo on the CPU),
+    yields its 1-D mesh; ends through dbuffer's teardown so no group outlives the section."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from dbuffer.teardown import shutdown
+
+    if setup.cuda:
+        torch.cuda.set_device(0)
+    dist.init_process_group("nccl" if setup.cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield init_device_mesh(setup.device, (1,))
+    finally:
+        shutdown(barrier=False)
+
+
+def deterministic(setup: Setup) -> None:
+    """On CUDA, deterministic kernels where torch has them (a warning, not an error, where it has
+    none): comparisons of two trainings then see the library's differences, not atomics' order.
+    ``CUBLAS_WORKSPACE_CONFIG`` must be set before CUDA starts (the driver sets it)."""
+    if setup.cuda:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        warnings.filterwarnings("once")
+
+
+class Context:
+    """A section's run: which rows to run (``only``: fnmatch patterns or substrings of
+    ``section/name``, comma separated) and where each finished row goes (one JSON line per row in
+    ``rows_file``; a ``{"started": ...}`` line first, so the driver can name a row that crashed or
+    hung the process)."""
+
+    def __init__(self, setup: Setup, section: str, only: str = "", rows_file: Optional[str] = None) -> None:
+        self.setup, self.section = setup, section
+        self.patterns = [p for p in only.split(",") if p]
+        self.rows_file = rows_file
+        self.rows: list[Row] = []
+
+    def wants(self, name: str) -> bool:
+        return selected(f"{self.section}/{name}", self.patterns)
+
+    def _write(self, obj: dict) -> None:
+        if self.rows_file:
+            with open(self.rows_file, "a") as f:
+                f.write(json.dumps(obj) + "\n")
+
+    def row(self, name: str, body: Callable[[Row], None]) -> Optional[Row]:
+        """Run ``body(row)`` as row ``name`` if selected: it fills the row's checks; an exception
+        becomes the row's error. Returns the row (None when not selected)."""
+        if not self.wants(name):
+            return None
+        row = Row(self.section, name)
+        self._write({"started": row.full_name})
+        print(f"[gpu_check] {row.full_name} ...", file=sys.stderr, flush=True)
+        start = time.perf_counter()
+        try:
+            body(row)
+        except Exception as exc:  # noqa: BLE001 - every failure is a row's verdict, the others still run
+            row.fail_with(exc)
+        finally:
+            if self.setup.cuda:
+                with contextlib.suppress(Exception):
+                    torch.cuda.synchronize()
+        row.seconds = time.perf_counter() - start
+        self.rows.append(row)
+        self._write({"row": row.to_dict()})
+        problems = "; ".join(row.problems())
+        print(f"[gpu_check] {row.full_name} {row.verdict} in {row.seconds:.1f} s {problems}", file=sys.stderr, flush=True)
+        if row.traceback:
+            print(row.traceback, file=sys.stderr, flush=True)
+        return row
+
+
+def selected(full_name: str, patterns: list[str]) -> bool:
+    """Whether ``full_name`` is selected by ``patterns`` (none: everything): an fnmatch pattern
+    or a substring."""
+    if not patterns:
+        return True
+    return any(fnmatch.fnmatchcase(full_name, p) or p in full_name for p in patterns)
+
+
+def cuda_env() -> dict[str, str]:
+    """The environment a CUDA section process starts with: cuBLAS's deterministic workspace."""
+    return {**os.environ, "CUBLAS_WORKSPACE_CONFIG": os.environ.get("CUBLAS_WORKSPACE_CONFIG", ":4096:8")}
+
+
+def move(model: torch.nn.Module, setup: Setup) -> torch.nn.Module:
+    """A copy of ``model`` on the run's device."""
+    return copy.deepcopy(model).to(setup.torch_device)
