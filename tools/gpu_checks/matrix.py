@@ -29,7 +29,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from tools.gpu_checks import common
-from tools.gpu_checks.common import Context, Setup, compare, full_state, loss_checks, move, train
+from tools.gpu_checks.common import Context, Setup, Trained, compare, full_state, loss_checks, move, train
 from tools.gpu_checks.rows import Row
 
 
@@ -119,10 +119,10 @@ class Matrix:
         self.base = common.base_model(setup)
         self.start = full_state(self.base)
         self.batches = common.text_batches(setup)
-        self._runs: dict[tuple, tuple[dict, list[float]]] = {}
+        self._runs: dict[tuple, Trained] = {}
 
     def run(self, shard: Optional[Callable], *, wrap: str = "", micro: int = 1, make_opt=None,
-            model: Optional[torch.nn.Module] = None, inspect: Optional[Callable] = None) -> tuple[dict, list[float]]:
+            model: Optional[torch.nn.Module] = None, inspect: Optional[Callable] = None) -> Trained:
         """Train a copy of the base model (or ``model``) sharded by ``shard`` (None: plain)."""
         import torch._dynamo
 
@@ -140,31 +140,32 @@ class Matrix:
                 block.compile(backend=_compile_backend(self.setup))
         try:
             opt = (make_opt or common.adamw(self.setup))(model)
-            losses = train(model, opt, self.batches, micro=micro)
+            norms: list = []
+            losses = train(model, opt, self.batches, micro=micro, norms=norms)
             if inspect is not None:
                 inspect(model, opt)
-            return full_state(model), losses
+            return Trained(full_state(model), losses, norms)
         finally:
             if wrap == "compile":
                 torch._dynamo.reset()
 
-    def cached(self, key: tuple, make: Callable[[], tuple[dict, list[float]]]) -> tuple[dict, list[float]]:
+    def cached(self, key: tuple, make: Callable[[], Trained]) -> Trained:
         if key not in self._runs:
             self._runs[key] = make()
         return self._runs[key]
 
-    def plain(self, micro: int = 1) -> tuple[dict, list[float]]:
+    def plain(self, micro: int = 1) -> Trained:
         """The reference: the plain model on the global batch (no wrap: eager, no checkpointing)."""
         return self.cached(("plain", micro), lambda: self.run(None, micro=micro))
 
-    def fsdp2(self, key: str) -> tuple[dict, list[float]]:
+    def fsdp2(self, key: str) -> Trained:
         from torch.distributed.fsdp import fully_shard
 
         kw, micro, wrap = _fsdp2_kwargs(key, self.setup)
         return self.cached(("fsdp2", key), lambda: self.run(lambda m: fully_shard(m, mesh=self.mesh, **kw),
                                                             wrap=wrap, micro=micro))
 
-    def ours(self, case: Case, inspect=None) -> tuple[dict, list[float]]:
+    def ours(self, case: Case, inspect=None) -> Trained:
         import fsdp
 
         kw = case.ours()
@@ -182,10 +183,8 @@ class Matrix:
 def _training_row(m: Matrix, case: Case, row: Row) -> None:
     from tools.kit.comm import CommCounter
 
-    plain, plain_losses = m.plain(case.micro)
-    fsdp2 = fsdp2_losses = None
-    if case.fsdp2:
-        fsdp2, fsdp2_losses = m.fsdp2(case.fsdp2)
+    plain = m.plain(case.micro)
+    fsdp2 = m.fsdp2(case.fsdp2) if case.fsdp2 else None
     inspect, stand_ins = None, contextlib.nullcontext([])
     if case.offload_pin is not None:
         stand_ins = _offload_stand_ins(m.setup)
@@ -198,7 +197,7 @@ def _training_row(m: Matrix, case: Case, row: Row) -> None:
             counter.install()
         try:
             with counter.counting("fsdp") if counter else contextlib.nullcontext():
-                got, losses = m.ours(case, inspect)
+                got = m.ours(case, inspect)
         finally:
             if counter is not None:
                 counter.uninstall()
@@ -207,7 +206,7 @@ def _training_row(m: Matrix, case: Case, row: Row) -> None:
     if counter is not None:  # world 1 really communicates: the switch is on
         row.check("c10d calls/step", counter.stats.get("fsdp", {}).get("calls", 0) / m.setup.steps, 0, op=">")
     compare(row, m.setup, case.precision, got, plain, fsdp2, m.start)
-    loss_checks(row, {"plain": plain_losses, **({"FSDP2": fsdp2_losses} if fsdp2_losses else {}), "fsdp": losses})
+    loss_checks(row, {"plain": plain, **({"FSDP2": fsdp2} if fsdp2 else {}), "fsdp": got})
 
 
 def _graph_breaks() -> int:
@@ -282,9 +281,10 @@ def _dcp_row(m: Matrix, row: Row) -> None:
         resumed = full_state(fresh)
     row.check("resumed vs uninterrupted", common.max_diff(resumed, uninterrupted), 0.0, metric="max|dW|")
     row.check("resumed losses == uninterrupted", resumed_losses == rest, True, op="==")
-    plain, plain_losses = m.plain()
-    compare(row, m.setup, "fp32", uninterrupted, plain, None, m.start)
-    loss_checks(row, {"plain": plain_losses, "fsdp": first + rest})
+    plain = m.plain()
+    compare(row, m.setup, "fp32", Trained(uninterrupted, first + rest, []), Trained(plain.state, plain.losses, []),
+            None, m.start)
+    loss_checks(row, {"plain": plain, "fsdp": first + rest})
 
 
 def _float8_row(m: Matrix, row: Row) -> None:
@@ -295,21 +295,21 @@ def _float8_row(m: Matrix, row: Row) -> None:
 
     from tests.models.float8_weight import Float8RowwiseWeight, cast_count, float8_weights, reference_float8_model
 
-    ref, ref_losses = m.cached(("float8 ref",), lambda: m.run(None, model=reference_float8_model(m.base)))
+    ref = m.cached(("float8 ref",), lambda: m.run(None, model=reference_float8_model(m.base)))
     model = float8_weights(m.base)
     weights = sum(1 for p in model.parameters() if type(p.data) is Float8RowwiseWeight)
     before = cast_count()
-    got, losses = m.run(lambda x: fsdp.fully_shard(x, mesh=m.mesh), model=model)
+    got = m.run(lambda x: fsdp.fully_shard(x, mesh=m.mesh), model=model)
     row.check("fsdp casts / (weights x steps)", (cast_count() - before) / (weights * m.setup.steps), 1.0, op="==")
-    all_losses = {"plain": ref_losses, "fsdp": losses}
+    runs = {"plain": ref, "fsdp": got}
     fsdp2 = None
     try:
-        fsdp2, all_losses["FSDP2"] = m.run(lambda x: fully_shard(x, mesh=m.mesh), model=float8_weights(m.base))
+        fsdp2 = runs["FSDP2"] = m.run(lambda x: fully_shard(x, mesh=m.mesh), model=float8_weights(m.base))
     except Exception as exc:  # noqa: BLE001 - torch's bug, not fsdp's: said in the row, compared at world 2
         row.note = (f"FSDP2 not compared at world 1 ({type(exc).__name__}: {exc}; its world-1 shortcut hands "
                     f"fsdp_post_all_gather only the first all-gather input): see multirank/w2 float8")
     compare(row, m.setup, "fp32", got, ref, fsdp2, m.start)
-    loss_checks(row, all_losses)
+    loss_checks(row, runs)
     row.figures["plain"] = "straight-through float8 reference"
 
 
@@ -329,10 +329,10 @@ def _muon_row(m: Matrix, row: Row) -> None:
         patterns = ["lm_head.weight"] if hasattr(x, "layers") else ["attention.w*.weight", "mlp.w*.weight"]
         fsdp.fully_shard(x, mesh=m.mesh, buckets=[fsdp.Bucket(patterns, placement=Owned())])
 
-    plain, plain_losses = m.cached(("muon plain",), lambda: m.run(None, make_opt=make_muon))
-    got, losses = m.run(shard, make_opt=make_muon)
+    plain = m.cached(("muon plain",), lambda: m.run(None, make_opt=make_muon))
+    got = m.run(shard, make_opt=make_muon)
     compare(row, m.setup, "fp32", got, plain, None, m.start)
-    loss_checks(row, {"plain": plain_losses, "fsdp": losses})
+    loss_checks(row, {"plain": plain, "fsdp": got})
 
 
 def run(ctx: Context) -> None:

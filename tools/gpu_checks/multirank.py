@@ -23,7 +23,7 @@ from typing import Any, Optional
 import torch
 
 from tools.gpu_checks import common
-from tools.gpu_checks.common import Context, Setup, compare, full_state, loss_checks, move, train
+from tools.gpu_checks.common import Context, Setup, Trained, compare, full_state, loss_checks, move, train
 from tools.gpu_checks.rows import Row
 
 
@@ -69,7 +69,7 @@ def _kwargs(lib: str, case: Case) -> dict:
     return kw
 
 
-def _rank(lib: str, case: Case, setup: Setup, base: torch.nn.Module, batches: list) -> tuple[dict, list[float]]:
+def _rank(lib: str, case: Case, setup: Setup, base: torch.nn.Module, batches: list) -> Trained:
     """One threaded rank: shard a copy of ``base`` with ``lib``, train on this rank's slices."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -88,20 +88,21 @@ def _rank(lib: str, case: Case, setup: Setup, base: torch.nn.Module, batches: li
     for block in model.layers:
         fully_shard(block, mesh=mesh, **kw)
     fully_shard(model, mesh=mesh, **kw)
-    losses = train(model, common.adamw(setup)(model), batches, rank=rank, world=world)
-    return full_state(model), losses
+    norms: list = []
+    losses = train(model, common.adamw(setup)(model), batches, rank=rank, world=world, norms=norms)
+    return Trained(full_state(model), losses, norms)
 
 
-def _run_world(lib: str, case: Case, setup: Setup, base, batches) -> tuple[dict, list[float], bool]:
-    """``lib`` on ``case.world`` threaded ranks: rank 0's full weights, the global loss per step
-    (the mean of the ranks' losses on equal slices) and whether every rank saw the same weights."""
+def _run_world(lib: str, case: Case, setup: Setup, base, batches) -> tuple[Trained, bool]:
+    """``lib`` on ``case.world`` threaded ranks: rank 0's weights and gradient norms with the
+    global loss per step (the mean of the ranks' losses on equal slices), and whether every rank
+    saw the same weights."""
     from tools.kit.threads import run_threaded
 
     results = run_threaded(_rank, case.world, lib, case, setup, base, batches, timeout=240.0)
-    states = [s for s, _ in results]
-    agree = all(common.max_diff(s, states[0]) == 0.0 for s in states[1:])
-    losses = [sum(per_rank) / case.world for per_rank in zip(*(l for _, l in results))]
-    return states[0], losses, agree
+    agree = all(common.max_diff(r.state, results[0].state) == 0.0 for r in results[1:])
+    losses = [sum(per_rank) / case.world for per_rank in zip(*(r.losses for r in results))]
+    return Trained(results[0].state, losses, results[0].norms), agree
 
 
 class Worlds:
@@ -112,7 +113,7 @@ class Worlds:
         self.base = common.base_model(setup)
         self.start = full_state(self.base)
         self.batches = common.text_batches(setup)
-        self._refs: dict[str, tuple[dict, list[float]]] = {}
+        self._refs: dict[str, Trained] = {}
 
     def model(self, case: Case) -> torch.nn.Module:
         if case.precision == "float8":
@@ -121,7 +122,7 @@ class Worlds:
             return float8_weights(self.base)
         return self.base
 
-    def reference(self, case: Case) -> tuple[dict, list[float]]:
+    def reference(self, case: Case) -> Trained:
         """The plain model on the global batch (straight-through float8 for the float8 rows)."""
         key = "float8" if case.precision == "float8" else "plain"
         if key not in self._refs:
@@ -131,26 +132,29 @@ class Worlds:
 
                 model = reference_float8_model(self.base)
             model = move(model, self.setup)
-            losses = train(model, common.adamw(self.setup)(model), self.batches)
-            self._refs[key] = (full_state(model), losses)
+            norms: list = []
+            losses = train(model, common.adamw(self.setup)(model), self.batches, norms=norms)
+            self._refs[key] = Trained(full_state(model), losses, norms)
         return self._refs[key]
 
 
 def _row(w: Worlds, case: Case, row: Row) -> None:
-    plain, plain_losses = w.reference(case)
-    losses = {"plain": plain_losses}
-    fsdp2: Optional[dict] = None
+    plain = w.reference(case)
+    runs = {"plain": plain}
+    fsdp2: Optional[Trained] = None
     try:
-        fsdp2, losses["FSDP2"], fsdp2_agree = _run_world("fsdp2", case, w.setup, w.model(case), w.batches)
+        fsdp2, fsdp2_agree = _run_world("fsdp2", case, w.setup, w.model(case), w.batches)
+        runs["FSDP2"] = fsdp2
     except Exception as exc:  # noqa: BLE001 - the control's failure is this row's finding, fsdp still runs
         row.figures["FSDP2 error"] = str(exc)
         row.traceback = getattr(exc, "details", "") or str(exc)
     row.check("FSDP2 control ran", fsdp2 is not None, True, op="==")
-    got, losses["fsdp"], agree = _run_world("fsdp", case, w.setup, w.model(case), w.batches)
+    got, agree = _run_world("fsdp", case, w.setup, w.model(case), w.batches)
+    runs["fsdp"] = got
     row.check("ranks agree", agree and (fsdp2 is None or fsdp2_agree), True, op="==")
     precision = "fp32" if case.precision == "float8" else case.precision
     compare(row, w.setup, f"{precision} w>1", got, plain, fsdp2, w.start)
-    loss_checks(row, losses)
+    loss_checks(row, runs)
 
 
 def run(ctx: Context) -> None:

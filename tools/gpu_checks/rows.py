@@ -143,8 +143,13 @@ def _losses(row: Row) -> str:
 
 
 def _cell(row: Row, name: str) -> str:
-    found = [c for c in row.checks if c.name == name]
-    return "; ".join(c.text(with_name=False) for c in found) if found else "-"
+    """The max|dW| column against ``name``'s reference: the check, or the figure and the check of
+    another metric (rel dW) that holds the row instead."""
+    parts = [fmt(row.figures[f"max|dW| {name}"])] if f"max|dW| {name}" in row.figures else []
+    for c in row.checks:
+        if c.name == name:
+            parts.append(c.text(with_name=False) if c.metric == "max|dW|" else f"{c.metric} {c.text(with_name=False)}")
+    return "; ".join(parts) or "-"
 
 
 def _other(row: Row) -> str:
@@ -152,7 +157,7 @@ def _other(row: Row) -> str:
     if not row.checks and row.error is None:
         parts.append("FAILED: no check ran")
     parts += [c.text() for c in row.checks if c.name not in (PLAIN, FSDP2)]
-    parts += [f"{k} {fmt(v)}" for k, v in row.figures.items()]
+    parts += [f"{k} {fmt(v)}" for k, v in row.figures.items() if k not in (f"max|dW| {PLAIN}", f"max|dW| {FSDP2}")]
     if row.note:
         parts.append(row.note)
     return "; ".join(parts)
