@@ -211,15 +211,19 @@ def main(argv: Optional[list[str]] = None) -> int:
         parser.error("no CUDA device here: use --cpu for the CPU run")
     if args.section:
         run_section(args.section, setup, args.only, args.rows_file)
-    start = time.perf_counter()
-    total = args.timeout or TOTAL_SECONDS[setup.device]
     lines = header(setup)
     print("\n".join(lines), flush=True)
+    start = time.perf_counter()
+    total = args.timeout or TOTAL_SECONDS[setup.device]
     rows: list[Row] = []
     for name, (names, _, budget) in SECTIONS.items():
         if not any(common.selected(f"{name}/{n}", _patterns(args.only)) for n in names(setup)):
             continue
         left = total - (time.perf_counter() - start)
+        if left <= 0:
+            wanted = [n for n in names(setup) if common.selected(f"{name}/{n}", _patterns(args.only))]
+            rows += _collect(name, wanted, [], f"--timeout {total:g} s was used up before this section")
+            continue
         rows += _section_process(name, setup, args.only, min(budget[setup.device], left))
     seconds = time.perf_counter() - start
     text = table(rows) + [summary(rows) + f"; {seconds:.0f} s"]
