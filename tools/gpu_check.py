@@ -27,11 +27,14 @@ how the process ended, and the rest of the section as not run):
 2. ``multirank`` (:mod:`tools.gpu_checks.multirank`): worlds of 2 and 4 as threads on one device
    (torch's threaded group), fsdp against FSDP2 in the same harness and the plain model: fp32,
    bf16, float8, reshard_after_forward=2, HSDP 2x2.
-3. ``memory`` (:mod:`tools.gpu_checks.bench`): peak memory per rank on a fake world of 8, ours and
+3. ``profile`` (:mod:`tools.gpu_checks.profiling`): the ``fsdp::`` ranges of two training steps,
+   and on CUDA the streams the collectives', copy and compute kernels ran on.
+4. ``memory`` (:mod:`tools.gpu_checks.bench`): peak memory per rank on a fake world of 8, ours and
    row against FSDP2 (``tools/bench_gpu.py``'s measurement).
-4. ``bench``: ``tools/bench_gpu.py``'s world-1 step time and peak of ours, row, FSDP2, floor.
-5. ``profile`` (:mod:`tools.gpu_checks.profiling`): the ``fsdp::`` ranges of two training steps,
-   and on CUDA the streams the NCCL, copy and compute kernels ran on.
+5. ``bench``: ``tools/bench_gpu.py``'s world-1 step time and peak of ours, row, FSDP2, floor.
+
+Time: at most ``--timeout`` seconds in all (240 on CUDA), each section at most its own limit
+(:data:`SECTIONS`); a section past it is killed and its unfinished rows fail, saying so.
 
 Output: a header (device, torch, CUDA and NCCL versions, or the CPU and its flags; the sizes),
 the table (per row: verdict, max|dW| against the plain model and against FSDP2 with their
@@ -66,14 +69,17 @@ from tools.gpu_checks.rows import FAIL, Row, summary, table  # noqa: E402
 from tools.kit import results  # noqa: E402
 
 # name -> (row names of a setup, the section's body, seconds it may take on cuda / cpu)
+# name -> (row names of a setup, the section's body, seconds it may take on cuda / cpu). In the order
+# they run: correctness first, timings last, so that a slow run loses the least important rows.
 SECTIONS = {
-    "matrix": (matrix.names, matrix.run, {"cuda": 150, "cpu": 600}),
-    "multirank": (multirank.names, multirank.run, {"cuda": 90, "cpu": 600}),
-    "memory": (lambda s: bench.names(s, "memory"), bench.run_memory, {"cuda": 60, "cpu": 300}),
-    "bench": (lambda s: bench.names(s, "bench"), bench.run_bench, {"cuda": 90, "cpu": 300}),
-    "profile": (profiling.names, profiling.run, {"cuda": 60, "cpu": 300}),
+    "matrix": (matrix.names, matrix.run, {"cuda": 120, "cpu": 600}),
+    "multirank": (multirank.names, multirank.run, {"cuda": 60, "cpu": 600}),
+    "profile": (profiling.names, profiling.run, {"cuda": 40, "cpu": 300}),
+    "memory": (lambda s: bench.names(s, "memory"), bench.run_memory, {"cuda": 40, "cpu": 300}),
+    "bench": (lambda s: bench.names(s, "bench"), bench.run_bench, {"cuda": 60, "cpu": 300}),
 }
-TOTAL_SECONDS = {"cuda": 290, "cpu": 1500}  # the whole run; each section gets what is left, at most its own
+DETERMINISTIC = ("matrix", "multirank")  # on CUDA: deterministic kernels, cuBLAS's workspace setting
+TOTAL_SECONDS = {"cuda": 240, "cpu": 1500}  # the whole run; each section gets what is left, at most its own
 
 
 def header(setup: common.Setup) -> list[str]:
@@ -82,7 +88,7 @@ def header(setup: common.Setup) -> list[str]:
     lines = []
     if setup.cuda:
         props = torch.cuda.get_device_properties(0)
-        nccl = ".".join(str(v) for v in torch.cuda.nccl.version()) if hasattr(torch.cuda, "nccl") else "?"
+        nccl = _nccl_version()
         lines.append(f"device: {props.name} ({props.total_memory / 2**30:.0f} GiB, sm_{props.major}{props.minor}, "
                      f"{torch.cuda.device_count()} visible); torch {torch.__version__}, CUDA {torch.version.cuda}, "
                      f"NCCL {nccl}; host {info['cpu']}, {info['usable_cores']} cores")
@@ -91,10 +97,20 @@ def header(setup: common.Setup) -> list[str]:
         lines.append(f"device: CPU {info['cpu']}, {info['usable_cores']} usable cores ({flags}); "
                      f"torch {torch.__version__}; gloo")
     lines.append(f"python {info['python']}; commit {_commit()}")
-    lines.append(f"matrix, multirank, profile: {setup.describe()}; deterministic algorithms "
-                 f"{'on (warn only), CUBLAS_WORKSPACE_CONFIG=' + common.cuda_env()['CUBLAS_WORKSPACE_CONFIG'] if setup.cuda else 'n/a on CPU'}")
+    cublas = common.cuda_env()["CUBLAS_WORKSPACE_CONFIG"]
+    lines.append(f"matrix, multirank, profile: {setup.describe()}; "
+                 + (f"matrix and multirank with deterministic algorithms (warn only), CUBLAS_WORKSPACE_CONFIG={cublas}"
+                    if setup.cuda else "gloo, deterministic on the CPU"))
     lines.append(f"memory, bench: {bench.describe(setup)}")
     return lines
+
+
+def _nccl_version() -> str:
+    try:
+        v = torch.cuda.nccl.version()
+    except Exception as exc:  # noqa: BLE001 - a header figure, never a reason to stop
+        return f"? ({type(exc).__name__})"
+    return ".".join(str(x) for x in v) if isinstance(v, tuple) else str(v)
 
 
 def _commit() -> str:
@@ -115,7 +131,7 @@ def _section_process(name: str, setup: common.Setup, only: str, timeout: float) 
         cmd = [sys.executable, str(Path(__file__).resolve()), "--section", name, "--rows-file", rows_file, "--only", only]
         if not setup.cuda:
             cmd.append("--cpu")
-        env = common.cuda_env() if setup.cuda else dict(os.environ)
+        env = common.cuda_env() if setup.cuda and name in DETERMINISTIC else dict(os.environ)
         try:
             out = sys.stderr.fileno()  # the child's progress goes where ours does; stdout stays the table's
         except (AttributeError, OSError, ValueError):

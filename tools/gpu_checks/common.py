@@ -349,5 +349,17 @@ def cuda_env() -> dict[str, str]:
 
 
 def move(model: torch.nn.Module, setup: Setup) -> torch.nn.Module:
-    """A copy of ``model`` on the run's device."""
-    return copy.deepcopy(model).to(setup.torch_device)
+    """A copy of ``model`` on the run's device (``.to`` only when something is elsewhere: a
+    model with tensor-subclass weights is built from a copy already there, see :func:`float8`)."""
+    model = copy.deepcopy(model)
+    if any(t.device != setup.torch_device for t in list(model.parameters()) + list(model.buffers())):
+        model = model.to(setup.torch_device)
+    return model
+
+
+def float8(model: torch.nn.Module, setup: Setup) -> torch.nn.Module:
+    """``model`` with Float8RowwiseWeight linear weights (tests/models/float8_weight.py), made on
+    the run's device (no ``.to`` of a module holding tensor subclasses)."""
+    from tests.models.float8_weight import float8_weights
+
+    return float8_weights(move(model, setup))

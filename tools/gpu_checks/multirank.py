@@ -117,9 +117,7 @@ class Worlds:
 
     def model(self, case: Case) -> torch.nn.Module:
         if case.precision == "float8":
-            from tests.models.float8_weight import float8_weights
-
-            return float8_weights(self.base)
+            return common.float8(self.base, self.setup)
         return self.base
 
     def reference(self, case: Case) -> Trained:

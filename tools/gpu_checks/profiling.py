@@ -93,7 +93,9 @@ def _profiled(setup: Setup, mesh) -> tuple[dict, dict]:
         common.train(model, opt, batches[1:])
         if setup.cuda:
             torch.cuda.synchronize()
-    phases = Counter(_UNIT_SUFFIX.sub("", e.name) for e in prof.events() if e.name.startswith("fsdp::"))
+    cpu = torch.autograd.DeviceType.CPU  # not the device-side copies of the same annotations
+    phases = Counter(_UNIT_SUFFIX.sub("", e.name) for e in prof.events()
+                     if e.name.startswith("fsdp::") and getattr(e, "device_type", cpu) == cpu)
     trace: dict = {}
     if setup.cuda:
         with tempfile.TemporaryDirectory() as tmp:

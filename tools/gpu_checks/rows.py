@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
 PASS, FAIL = "PASS", "FAIL"
+ERROR_CHARS = 400  # of an error in the table (the JSON keeps it whole, and the traceback)
 _OPS = {
     "<=": lambda v, lim: v <= lim,
     "<": lambda v, lim: v < lim,
@@ -153,7 +154,8 @@ def _cell(row: Row, name: str) -> str:
 
 
 def _other(row: Row) -> str:
-    parts = [f"ERROR {row.error}"] if row.error is not None else []
+    error = row.error if row.error is None or len(row.error) <= ERROR_CHARS else row.error[:ERROR_CHARS] + "..."
+    parts = [f"ERROR {error}"] if error is not None else []
     if not row.checks and row.error is None:
         parts.append("FAILED: no check ran")
     parts += [c.text() for c in row.checks if c.name not in (PLAIN, FSDP2)]
