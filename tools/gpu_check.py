@@ -68,7 +68,6 @@ from tools.gpu_checks import bench, common, matrix, multirank, profiling  # noqa
 from tools.gpu_checks.rows import FAIL, Row, summary, table  # noqa: E402
 from tools.kit import results  # noqa: E402
 
-# name -> (row names of a setup, the section's body, seconds it may take on cuda / cpu)
 # name -> (row names of a setup, the section's body, seconds it may take on cuda / cpu). In the order
 # they run: correctness first, timings last, so that a slow run loses the least important rows.
 SECTIONS = {
@@ -144,6 +143,10 @@ def _section_process(name: str, setup: common.Setup, only: str, timeout: float) 
             os.killpg(proc.pid, signal.SIGKILL)  # the section's own process group
             proc.wait()
             ended = f"the section process was killed after {timeout:.0f} s (a hang or too slow)"
+        except BaseException:  # Ctrl-C: its own session does not get the signal, so end it here
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise
         entries = []
         if os.path.exists(rows_file):
             with open(rows_file) as f:
