@@ -39,7 +39,7 @@ Time: at most ``--timeout`` seconds in all (240 on CUDA), each section at most i
 Output: a header (device, torch, CUDA and NCCL versions, or the CPU and its flags; the sizes),
 the table (per row: verdict, max|dW| against the plain model and against FSDP2 with their
 tolerances, first and last losses, seconds, the other checks and figures; a row that raised shows
-its exception's last line), a summary line, and the same as data in ``--out`` (default
+its exception, type and message), a summary line, and the same as data in ``--out`` (default
 ``tools/results/``): ``gpu_check-cuda.json`` or ``gpu_check-cpu.json`` (``tools/kit/results.py``'s
 format: date, command, host, every row with its checks and tracebacks) and the printed text as
 ``gpu_check-<mode>.txt``. Exit code 1 when any row failed.

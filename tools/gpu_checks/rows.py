@@ -89,10 +89,11 @@ class Row:
         return c
 
     def fail_with(self, exc: BaseException) -> None:
-        """Record ``exc``: its last line (type and message) in ``error``, the traceback aside."""
-        lines = traceback.format_exception_only(type(exc), exc)
-        self.error = " ".join(lines[-1].split()) if lines else type(exc).__name__
-        self.traceback = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        """Record ``exc``: ``Type: message`` on one line in ``error`` (what the table shows), the
+        traceback aside (the JSON's)."""
+        self.error = " ".join(f"{type(exc).__name__}: {exc}".split())
+        earlier = f"{self.traceback}\n" if self.traceback else ""  # e.g. the control's failure, kept
+        self.traceback = earlier + "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
         details = getattr(exc, "details", "")  # e.g. every failed rank's own traceback
         if details:
             self.traceback += f"\n{details}"
