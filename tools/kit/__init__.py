@@ -3,6 +3,8 @@
 * ``launch.py``: N ranks on this host (a free port, spawned processes, gloo over loopback), or
   this process as one of torchrun's ranks; every rank leaves through
   ``dbuffer.teardown.shutdown`` (CONTRIBUTING.md, "One way out");
+* ``threads.py``: N ranks as threads of this process on torch's threaded process group (real
+  data, one device for all: tools/gpu_check.py's worlds of 2 and 4 on one GPU);
 * ``comm.py``: ``CommCounter``, the c10d calls a step makes (calls, operations, bytes sent) and
   the collectives it asks for (all-gathers, reduce-scatters, ...);
 * ``comm_replay.py``: those calls recorded and replayed alone (bench_fsdp's raw-c10d reference);
