@@ -143,10 +143,12 @@ def grad_norm(model: torch.nn.Module) -> float:
 
 
 def train(model: torch.nn.Module, opt: torch.optim.Optimizer, batches: list[torch.Tensor], *, micro: int = 1,
-          rank: int = 0, world: int = 1, norms: Optional[list] = None) -> list[float]:
+          rank: int = 0, world: int = 1, norms: Optional[list] = None,
+          finalize: Optional[Callable[[], object]] = None) -> list[float]:
     """This rank's slice of each global batch, ``micro`` micro-batches a step (each loss / micro);
     returns this rank's loss per step. ``norms``: gets each step's :func:`grad_norm` (a
-    collective on sharded models: every rank must ask)."""
+    collective on sharded models: every rank must ask). ``finalize``: called after the last
+    backward of each step (``finalize_backward`` under manual backward finalization)."""
     from tests.models.llama import loss_fn
 
     losses = []
@@ -158,6 +160,8 @@ def train(model: torch.nn.Module, opt: torch.optim.Optimizer, batches: list[torc
             loss = loss_fn(model(part[:, :-1]), part) / micro
             loss.backward()
             total += loss.detach()
+        if finalize is not None:
+            finalize()
         if norms is not None:
             norms.append(grad_norm(model))
         opt.step()

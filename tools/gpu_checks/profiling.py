@@ -2,7 +2,8 @@
 
 Two steps of the matrix's Llama (``fully_shard`` per block and root, world 1 with
 ``singleton_groups_communicate`` on, so the NCCL kernels run) under ``torch.profiler``: the first
-with lazy initialisation, then ``reset_iter_state()``, then a steady one. Reported: every ``fsdp::``
+with lazy initialisation, then ``reset_iter_state()``, then a steady one ended by
+``finalize_backward()`` (manual backward finalization, as a pipeline schedule ends a step). Reported: every ``fsdp::``
 ``record_function`` range seen, by phase (the unit's name dropped) with its count; checked: every
 phase label fsdp defines (``fsdp.unit.state.LABELS`` and the parameter groups' labels) appears,
 as tests/fsdp/test_profiler_labels.py requires on gloo.
@@ -90,7 +91,9 @@ def _profiled(setup: Setup, mesh) -> tuple[dict, dict]:
     with profile(activities=activities) as prof:
         common.train(model, opt, batches[:1])
         model.reset_iter_state()
-        common.train(model, opt, batches[1:])
+        model.set_manual_backward_finalization(True)  # a pipeline schedule's end of backward
+        common.train(model, opt, batches[1:], finalize=model.finalize_backward)
+        model.set_manual_backward_finalization(False)
         if setup.cuda:
             torch.cuda.synchronize()
     cpu = torch.autograd.DeviceType.CPU  # not the device-side copies of the same annotations
