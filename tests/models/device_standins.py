@@ -14,6 +14,9 @@ through a seam, and these drive the seams on the CPU:
   synchronized, that the host did not write its source meanwhile. Code that reads a host buffer
   before waiting for the copy into it, or writes one a copy may still read, then fails on the
   CPU as it would (silently, at random) on a GPU.
+* :class:`SyncCounter`: a dispatch mode counting the aten ops that need a device tensor's value on
+  the host (``item``, ``nonzero``, ...): each one would stall the host on a GPU, where
+  ``torch.cuda.set_sync_debug_mode("error")`` raises instead.
 
 Imported by tests and by ``tools/gpu_check.py --cpu``.
 """
@@ -21,15 +24,17 @@ Imported by tests and by ``tools/gpu_check.py --cpu``.
 from __future__ import annotations
 
 import contextlib
+import traceback
 from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from fsdp.compose import offload as offload_module
 from fsdp.group.streams import CommStreams
 
-__all__ = ["DeferredTransfers", "deferred_transfers", "moving_from_local"]
+__all__ = ["DeferredTransfers", "SYNCING", "SyncCounter", "deferred_transfers", "moving_from_local"]
 
 
 @contextlib.contextmanager
@@ -134,3 +139,32 @@ def deferred_transfers() -> Iterator[list[DeferredTransfers]]:
 def _storage_key(t: torch.Tensor) -> int:
     """The storage's identity (stable across resizes: a released buffer keeps its storage object)."""
     return t.untyped_storage()._cdata
+
+
+# aten ops whose result on the host depends on a device tensor's values: each one waits for the device.
+SYNCING = {
+    "aten._local_scalar_dense.default", "aten.nonzero.default", "aten.masked_select.default",
+    "aten.is_nonzero.default", "aten.equal.default", "aten._assert_async.msg", "aten.unique_dim.default",
+    "aten._unique2.default", "aten.allclose.default",
+}
+
+
+class SyncCounter(TorchDispatchMode):
+    """Counts the syncing aten ops run under it, by name and the innermost project frame that
+    made them. torch.optim's own ``step.item()`` is skipped: its step counter is a host tensor
+    on every device (not ``capturable``), so it never waits for one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func)
+        if name in SYNCING:
+            stack = traceback.extract_stack()
+            if not any("torch/optim/" in f.filename for f in stack[-6:]):
+                where = next((f"{'/'.join(f.filename.split('/')[-2:])}:{f.lineno}" for f in reversed(stack)
+                              if "/fsdp/" in f.filename or "/dbuffer/" in f.filename or "/tests/" in f.filename), "?")
+                key = f"{name} at {where}"
+                self.calls[key] = self.calls.get(key, 0) + 1
+        return func(*args, **(kwargs or {}))

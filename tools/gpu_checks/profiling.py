@@ -36,7 +36,7 @@ _COMM_OP = re.compile(r"c10d::|nccl:|gloo:|record_param_comms")
 
 
 def names(setup: Setup) -> list[str]:
-    return ["fsdp:: ranges"] + (["cuda streams"] if setup.cuda else [])
+    return ["fsdp:: ranges"] + (["cuda streams"] if setup.cuda else []) + ["no host sync in a step"]
 
 
 def kernel_streams(trace: dict) -> dict[str, dict[str, int]]:
@@ -143,3 +143,46 @@ def run(ctx: Context) -> None:
         ctx.row("fsdp:: ranges", ranges)
         if setup.cuda:
             ctx.row("cuda streams", streams)
+        ctx.row("no host sync in a step", lambda row: _no_host_sync(row, setup, mesh))
+
+
+def _no_host_sync(row: Row, setup: Setup, mesh) -> None:
+    """Two steady ZeRO-3 bf16 steps (micro-batches, AdamW) with nothing on the host waiting for
+    the device: under ``torch.cuda.set_sync_debug_mode("error")`` on CUDA (any synchronising
+    call raises), under the CPU seam ``tests/models/device_standins.py``'s ``SyncCounter``
+    (every aten op that needs a device value on the host counted) with ``--cpu``."""
+    import fsdp
+    from tests.models.device_standins import SyncCounter
+    from tests.models.llama import loss_fn
+
+    model = move(common.base_model(setup), setup)
+    policy = fsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in model.layers:
+        fsdp.fully_shard(block, mesh=mesh, mp_policy=policy)
+    fsdp.fully_shard(model, mesh=mesh, mp_policy=policy)
+    opt = common.adamw(setup)(model)
+    batches = common.text_batches(setup, 3)
+
+    def step(tokens):
+        for part in tokens.chunk(2):
+            (loss_fn(model(part[:, :-1]), part) / 2).backward()
+        opt.step()
+        opt.zero_grad()
+
+    step(batches[0])  # lazy initialisation first
+    if setup.cuda:
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for tokens in batches[1:]:
+                step(tokens)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        row.check("steps under set_sync_debug_mode('error')", len(batches) - 1, len(batches) - 1, op="==")
+        return
+    counter = SyncCounter()
+    with counter:
+        for tokens in batches[1:]:
+            step(tokens)
+    row.figures["syncing calls"] = counter.calls
+    row.check("syncing calls in 2 steps", sum(counter.calls.values()), 0, op="==")
