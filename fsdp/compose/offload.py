@@ -1,5 +1,9 @@
 """CPU offload: the main weights, main gradients and optimizer state of a unit live in host memory.
 
+(This module also defines :class:`OptimizerStateOffloadPolicy`, fsdp's choice of offloading the
+optimizer state only; its group part is :mod:`fsdp.compose.optim_state`, which reuses the
+:class:`HostTransfers` seam below for every copy.)
+
 ``fully_shard(module, offload_policy=CPUOffloadPolicy(pin_memory=True))`` takes torch FSDP2's own
 policy classes (re-exported here and from :mod:`fsdp`: the same objects, so FSDP2 code runs
 unchanged). With :class:`CPUOffloadPolicy` each :class:`~fsdp.group.param_group.ParameterGroup` keeps
@@ -42,7 +46,7 @@ the events that end them) is a :class:`HostTransfers` part, made by :data:`TRANS
 compute device: :class:`DeviceTransfers` (torch's own) unless a test replaces the factory with a
 stand-in that pins on the CPU and defers every non-blocking copy until its completion is
 synchronized, so that a host read that skipped :meth:`HostOffload.settle` reads garbage there
-as it would on a GPU (``tests/standins.py``).
+as it would on a GPU (``tests/models/device_standins.py``).
 """
 
 from __future__ import annotations

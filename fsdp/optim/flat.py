@@ -13,7 +13,9 @@ exists at the step and the BF16 main grads save nothing there. :class:`FlatOptim
   copy of the shard; ``param.grad`` stays None for such groups);
 * a kept compute-dtype model shard (host offload, ``Owned`` buckets: where a gather cannot cast
   into its own row) is written from each updated chunk in the same pass;
-* the state is one flat tensor per state name and group, laid out like the main weights.
+* the state is one flat tensor per state name and group, laid out like the main weights; under
+  ``fsdp.OptimizerStateOffloadPolicy`` a host tensor, streamed through the device (or the
+  weights and grads through the host) chunk by chunk (:mod:`fsdp.optim.offloaded`).
 
 Per-parameter step counts are kept (a parameter without a gradient is skipped, as in torch), so
 runs of parameters with equal counts are stepped together. Limits (checked): param groups hold
@@ -60,7 +62,9 @@ class FlatOptimizer(torch.optim.Optimizer):
     (``lr``, ``betas``, ``weight_decay``, ``foreach``, ...) are ``optimizer_class``'s, validated and
     defaulted by it. ``chunk_numel``: elements per kernel call, which bounds the temporaries of a
     step (the upcast gradient and the kernel's own, e.g. Adam's denominator); default: the largest
-    local piece of one parameter, so they never exceed what torch.optim's per-parameter step makes.
+    local piece of one parameter, so they never exceed what torch.optim's per-parameter step makes;
+    under ``fsdp.OptimizerStateOffloadPolicy`` also the piece of state (or of weights and grads)
+    streamed between host and device at a time.
     ``param_groups`` are one per dict, with ``params`` the groups' flat main-weight buffers, so LR
     schedulers work unchanged. Build it after ``fully_shard`` and after any ``module.to(dtype)``.
 

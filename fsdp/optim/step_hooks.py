@@ -4,7 +4,9 @@ Two global hooks (``register_optimizer_step_pre_hook`` / ``_post_hook``): after 
 ``torch.optim`` step the groups whose parameters it updated refresh their compute weights
 before the next gather; before an optimizer's first step (and again whenever fsdp registered
 new parameters since) it must not hold parameters fsdp no longer trains, which would make its
-steps silently change nothing the model uses.
+steps silently change nothing the model uses. For groups whose optimizer state is offloaded
+(``fsdp.OptimizerStateOffloadPolicy``) they also bring the state to where the step runs and back
+(:mod:`fsdp.optim.offloaded`); with the hooks off such state stays where torch puts it.
 
 They are installed by intent, not as a side effect of importing a module: ``import fsdp`` (the
 package's entry point) calls :func:`optimizer_step_hooks` once, so any optimizer works
