@@ -98,6 +98,7 @@ class _Entry:
         self.device: dict[tuple, tuple[Any, list]] = {}  # during a device step: device DBuffer, its views
         self.weights = self.grads = None  # host step: host DBuffers of the weights and gradients
         self.shadows: dict[int, nn.Parameter] = {}  # host step: the host parameter of each member
+        self.index: dict[int, int] = {}  # id(sharded parameter) -> its index in the group
 
     def home_views(self, name: str, dtype: torch.dtype) -> list:
         key = (name, dtype)
@@ -127,9 +128,11 @@ class TorchStateOffload:
                 group = ref() if ref is not None else None
                 if group is None or group.offload.optim_state is None:
                     continue
-                entry = entries.setdefault(id(group), _Entry(group))
-                k = next(k for k, q in enumerate(group.sharded_params) if q is p)
-                entry.members.append((k, i, pos, p))
+                entry = entries.get(id(group))
+                if entry is None:
+                    entry = entries[id(group)] = _Entry(group)
+                    entry.index = {id(q): k for k, q in enumerate(group.sharded_params)}
+                entry.members.append((entry.index[id(p)], i, pos, p))
         if not entries:
             return None
         _watch_loads(optimizer)

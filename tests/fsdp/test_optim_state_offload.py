@@ -16,7 +16,7 @@ not written meanwhile), so a copy read before its completion or a view that beca
   and ``.grad`` views of its ``main_grad`` (the same storages, not host memory); a device step
   with ``FlatAdamW`` never uploads more than one chunk of one state at once; every non-blocking
   copy was waited for.
-* A ``Bucket`` with its own offload policy; DCP save / load of offloaded ``torch.optim`` state
+* HSDP (2 x 2) with micro-batches, bit for bit. A ``Bucket`` with its own offload policy; DCP save / load of offloaded ``torch.optim`` state
   and ``FlatAdamW``'s ``state_dict`` round trip continue bit for bit, the loaded state back in
   host memory at once.
 * Bad arguments raise naming the argument and the fix, before any collective.
@@ -214,6 +214,30 @@ def test_state_offload_equals_no_offload_bitwise_and_lives_on_the_host(pin: bool
                 assert r["largest_upload"] <= (CHUNK if optimizer == "flat" else r["largest_state"]), key
         else:
             assert r["copies"] == 0, key  # pageable: synchronous copies, nothing deferred
+
+
+def _hsdp(model, batches) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    out = {}
+    for optimizer in ("flat", "torch"):
+        states = {}
+        for step in (None, "device", "host"):
+            policy = TorchOffloadPolicy() if step is None else fsdp.OptimizerStateOffloadPolicy(step=step)
+            m = shard(copy.deepcopy(model), True, mesh=mesh, offload_policy=policy)
+            make = (lambda params, m=m: fsdp.FlatAdamW(m, lr=1e-2, chunk_numel=CHUNK)) if optimizer == "flat" else None
+            train(m, batches, rank=rank, world=world, micro=2, make_opt=make)
+            states[step] = full_state(m)
+        out[optimizer] = (_bitwise(states["device"], states[None]), _bitwise(states["host"], states[None]))
+    return out
+
+
+def test_hsdp_2x2_state_offload_equals_no_offload() -> None:
+    with moving_from_local(), deferred_transfers():
+        results = run_ranks(_hsdp, 4, make_model(), make_batches(2), backend="threaded", timeout=180)
+    assert results == [{"flat": (True, True), "torch": (True, True)}] * 4, results
 
 
 # ----------------------------------------------------------------------------- buckets, errors
