@@ -83,9 +83,11 @@ class OptimizerStateOffloadPolicy(OffloadPolicy):
       (``FlatAdamW``, ...) streams each group's flat state in chunks of its ``chunk_numel``
       elements: host-to-device, step, device-to-host, the next chunk's upload overlapping the
       current chunk's step, so the device holds two chunks of state, never all of it. A
-      ``torch.optim`` optimizer needs every state tensor at once: fsdp's step hooks upload the
-      states of its offloaded groups before its step and download them after, so forward and
-      backward run without them but the step's own peak holds them all.
+      ``torch.optim`` optimizer is driven by fsdp's step hooks: torch's own per-parameter ones
+      (every class but ``LBFGS``) are stepped one fsdp group at a time with only that group's
+      state uploaded, then downloaded (the device holds one group's state); any other class
+      (a subclass, a third-party optimizer) or a step with a ``closure`` gets all its offloaded
+      state uploaded before its step and downloaded after (the step's peak holds all of it).
     * ``step="host"``: the optimizer steps on the host, where only the state lives. FlatOptimizer
       streams chunks the other way: each chunk of main weights and main grads is copied
       device-to-host, stepped on the host, and the weights copied back (two chunks of host

@@ -11,8 +11,11 @@ optimizers use it:
 * any ``torch.optim`` optimizer (:class:`TorchStateOffload`, driven by the global step hooks of
   :mod:`fsdp.optim.step_hooks`): its state tensors shaped like a parameter (``exp_avg`` ...) are
   DTensor views of one host buffer per state name and group, laid out like ``main``. For a device
-  step the hooks upload each buffer whole before the step (the state entries then point at
-  device views) and download it after; for a host step they download the group's main weights
+  step the hooks upload a group's buffers whole (the state entries then point at device views),
+  step and download them: one group at a time for torch's own per-parameter optimizers (the
+  pre-hook runs the optimizer's step without hooks on param groups holding only that group's
+  parameters, and leaves the real step the rest), all groups around the real step otherwise; for
+  a host step they download the group's main weights
   and gradients into host buffers, give the optimizer host parameters (views of them) in place
   of the device ones for the step, and upload the weights after. State the optimizer creates or
   a ``load_state_dict`` puts in is copied into the host buffers (its tensors dropped) after the
@@ -117,6 +120,8 @@ class TorchStateOffload:
     def __init__(self, entries: list[_Entry]) -> None:
         self.entries = entries
         self._swapped: list[tuple[int, int, nn.Parameter, nn.Parameter]] = []  # (param group, position, param, host param)
+        self._lists: Optional[list[list]] = None  # the param groups' own lists while the step sees fewer
+        self._alone = False  # this step's device groups were stepped one at a time, in before_step
 
     @staticmethod
     def of(optimizer: torch.optim.Optimizer) -> Optional["TorchStateOffload"]:
@@ -141,18 +146,46 @@ class TorchStateOffload:
     # ------------------------------------------------------------------ the hooks
 
     def before_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
-        """Bring the state to where the step runs (see the module docstring)."""
+        """Bring the state to where the step runs (see the module docstring); for torch's own
+        per-parameter optimizers step the device groups here, one at a time (:meth:`_step_alone`)."""
         self.restore(optimizer)  # a step that raised left the host parameters in place
         on_host = [e for e in self.entries if e.home.step_on == "host"]
         if on_host:
             _check_host_step(optimizer, args, kwargs)
+        on_device = [e for e in self.entries if e.home.step_on == "device"]
+        inner = getattr(type(optimizer).step, "__wrapped__", None)  # the step without the hooks
+        closure = args[1] if len(args) > 1 else kwargs.get("closure")
+        alone = bool(on_device) and type(optimizer) in _PER_PARAMETER and inner is not None and closure is None
+        self._alone = alone
         for e in self.entries:
             e.home.settle()
             self._rehome(optimizer, e)
-            if e.home.step_on == "device":
-                self._upload_states(optimizer, e)
-            else:
+            if e.home.step_on == "host":
                 self._download_weights(e)
+            elif not alone:
+                self._upload_states(optimizer, e)
+        self._swap_in(optimizer, on_host)
+        if alone:
+            self._step_alone(optimizer, on_device, inner)
+
+    def _step_alone(self, optimizer: torch.optim.Optimizer, entries: list[_Entry], inner: Callable) -> None:
+        """Step each group of ``entries`` by itself, with only its state on the device (the param
+        groups hold only its parameters meanwhile), then leave the optimizer's own step the
+        other parameters (their lists restored by :meth:`restore`)."""
+        self._lists = [param_group["params"] for param_group in optimizer.param_groups]
+        for e in entries:
+            mine = {(i, pos) for _, i, pos, _ in e.members}
+            for i, param_group in enumerate(optimizer.param_groups):
+                param_group["params"] = [p for pos, p in enumerate(self._lists[i]) if (i, pos) in mine]
+            self._upload_states(optimizer, e)
+            inner(optimizer)
+            self._send_back(optimizer, e)
+        done = {(i, pos) for e in entries for _, i, pos, _ in e.members}
+        for i, param_group in enumerate(optimizer.param_groups):
+            param_group["params"] = [p for pos, p in enumerate(self._lists[i]) if (i, pos) not in done]
+
+    def _swap_in(self, optimizer: torch.optim.Optimizer, on_host: list[_Entry]) -> None:
+        """Host step: the host parameters in place of the device ones, in the param groups' lists."""
         for e in on_host:
             e.home.settle()  # the host reads the weights and gradients now
             for k, i, pos, p in e.members:
@@ -166,20 +199,32 @@ class TorchStateOffload:
         """Send the state back to the host (device step) or the weights to the device (host step)."""
         self.restore(optimizer)
         for e in self.entries:
-            e.home.settle()  # the uploads are done before the host buffers are written
-            if e.home.step_on == "device":
-                self._download_states(optimizer, e)
-            else:
+            if e.home.step_on == "host":
+                e.home.settle()
                 e.home.copy(e.group.main.local_buffer, e.weights.local_buffer)
-            self._rehome(optimizer, e)  # what the step created (its first), or a load put there
+                self._rehome(optimizer, e)  # what the step created (its first)
+            elif not self._alone:  # stepped by the optimizer's own step (not already by _step_alone)
+                self._send_back(optimizer, e)
         for e in self.entries:
             e.home.settle()
-            for buf, _ in e.device.values():
-                buf.release_storage()
-            e.device.clear()
+
+    def _send_back(self, optimizer: torch.optim.Optimizer, e: _Entry) -> None:
+        """After a device step of ``e``: its state back into the host buffers, the device's freed."""
+        e.home.settle()  # the uploads are done before the host buffers are written
+        self._download_states(optimizer, e)
+        self._rehome(optimizer, e)  # what the step created (its first)
+        e.home.settle()
+        for buf, _ in e.device.values():
+            buf.release_storage()
+        e.device.clear()
 
     def restore(self, optimizer: torch.optim.Optimizer) -> None:
-        """Put the device parameters back in ``optimizer`` in place of the host ones."""
+        """Give ``optimizer`` its own parameter lists back, the device parameters in place of the
+        host ones."""
+        lists, self._lists = self._lists, None
+        if lists is not None:
+            for param_group, params in zip(optimizer.param_groups, lists):
+                param_group["params"] = params
         swapped, self._swapped = self._swapped, []
         for i, pos, p, shadow in swapped:
             optimizer.param_groups[i]["params"][pos] = p
@@ -263,6 +308,15 @@ def _check_host_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict
                 f"with capturable=False, or use step='device'"
             )
 
+
+# torch.optim's optimizers whose step treats each parameter alone (all but LBFGS), exactly these
+# classes (a subclass may add a step over all parameters): stepped one fsdp group at a time.
+_PER_PARAMETER = {
+    getattr(torch.optim, name) for name in (
+        "Adadelta", "Adafactor", "Adagrad", "Adam", "Adamax", "AdamW", "ASGD", "NAdam", "RAdam", "RMSprop",
+        "Rprop", "SGD", "SparseAdam",
+    ) if hasattr(torch.optim, name)
+}
 
 # Optimizers whose load_state_dict already puts loaded state into the host buffers.
 _WATCHED: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()

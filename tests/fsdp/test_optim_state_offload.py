@@ -240,6 +240,49 @@ def test_hsdp_2x2_state_offload_equals_no_offload() -> None:
     assert results == [{"flat": (True, True), "torch": (True, True)}] * 4, results
 
 
+class _OwnAdamW(torch.optim.AdamW):
+    """A subclass: fsdp cannot know its step treats each parameter alone, so it gets the whole step."""
+
+
+def _device_state_at_once(model, batches) -> dict:
+    """``step="device"`` with torch.optim: the most offloaded state buffers on the device at once
+    (counted as the groups make them), and the weights against no offload."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    base = shard(copy.deepcopy(model), True)
+    train(base, batches, rank=rank, world=world)
+    out = {}
+    for cls in (torch.optim.AdamW, _OwnAdamW):
+        m = shard(copy.deepcopy(model), True, offload_policy=fsdp.OptimizerStateOffloadPolicy(step="device"))
+        made: list = []
+        peak = [0]
+        for g in _groups(m):
+            def sibling(*args, _make=g.sibling, **kwargs):
+                buf = _make(*args, **kwargs)
+                made.append(buf)
+                peak[0] = max(peak[0], sum(not b.is_storage_released() for b in made if b.dtype == torch.float32))
+                return buf
+            g.sibling = sibling
+        opt = cls(m.parameters(), lr=1e-2, weight_decay=0.1)
+
+        def counted(model, made=made):
+            made.clear()  # count within the step only (grad_in and reduction temporaries are gone by now)
+
+        train(m, batches, rank=rank, world=world, make_opt=lambda params: opt, before_step=counted)
+        out[cls.__name__] = (peak[0], _bitwise(full_state(m), full_state(base)), len(_groups(m)))
+    return out
+
+
+def test_torch_optim_device_step_holds_one_groups_state_at_once() -> None:
+    """torch's own AdamW is stepped one fsdp group at a time: its two states of one group on the
+    device at once; an unknown subclass gets the whole step (all groups' states at once). Both
+    train exactly as without offload."""
+    with moving_from_local(), deferred_transfers():
+        results = run_ranks(_device_state_at_once, 2, make_model(), make_batches(3), backend="threaded")
+    (alone, same_alone, groups), (whole, same_whole, _) = results[0]["AdamW"], results[0]["_OwnAdamW"]
+    assert same_alone and same_whole, results[0]
+    assert groups >= 3 and alone == 2 and whole == 2 * groups, results[0]
+
+
 # ----------------------------------------------------------------------------- buckets, errors
 
 
