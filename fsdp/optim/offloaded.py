@@ -166,9 +166,9 @@ class TorchStateOffload:
                 self._upload_states(optimizer, e)
         self._swap_in(optimizer, on_host)
         if alone:
-            self._step_alone(optimizer, on_device, inner)
+            self._step_alone(optimizer, on_device, lambda: inner(*args, **kwargs))
 
-    def _step_alone(self, optimizer: torch.optim.Optimizer, entries: list[_Entry], inner: Callable) -> None:
+    def _step_alone(self, optimizer: torch.optim.Optimizer, entries: list[_Entry], inner: Callable[[], Any]) -> None:
         """Step each group of ``entries`` by itself, with only its state on the device (the param
         groups hold only its parameters meanwhile), then leave the optimizer's own step the
         other parameters (their lists restored by :meth:`restore`)."""
@@ -178,7 +178,7 @@ class TorchStateOffload:
             for i, param_group in enumerate(optimizer.param_groups):
                 param_group["params"] = [p for pos, p in enumerate(self._lists[i]) if (i, pos) in mine]
             self._upload_states(optimizer, e)
-            inner(optimizer)
+            inner()  # the step's own arguments (a GradScaler's), no hooks
             self._send_back(optimizer, e)
         done = {(i, pos) for e in entries for _, i, pos, _ in e.members}
         for i, param_group in enumerate(optimizer.param_groups):
