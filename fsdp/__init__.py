@@ -21,7 +21,7 @@ from fsdp.group.bucket import Bucket
 from fsdp.group.layout_choice import layout_policy
 from fsdp.optim.muon import Muon
 from fsdp.optim import FlatAdam, FlatAdamW, FlatOptimizer, FlatSGD, flat_optimizer
-from fsdp.compose.offload import CPUOffloadPolicy, OffloadPolicy
+from fsdp.compose.offload import CPUOffloadPolicy, OffloadPolicy, OptimizerStateOffloadPolicy
 from fsdp.group.param_group import ParameterGroup
 from fsdp.group.policy import MixedPrecisionPolicy, Strategy
 from fsdp.compose.tensor_parallel import clip_grad_norm_
@@ -44,6 +44,7 @@ __all__ = [
     "MixedPrecisionPolicy",
     "Muon",
     "OffloadPolicy",
+    "OptimizerStateOffloadPolicy",
     "ParameterGroup",
     "ShardPlacementResult",
     "Strategy",

@@ -1,5 +1,9 @@
 """CPU offload: the main weights, main gradients and optimizer state of a unit live in host memory.
 
+(This module also defines :class:`OptimizerStateOffloadPolicy`, fsdp's choice of offloading the
+optimizer state only; its group part is :mod:`fsdp.compose.optim_state`, which reuses the
+:class:`HostTransfers` seam below for every copy.)
+
 ``fully_shard(module, offload_policy=CPUOffloadPolicy(pin_memory=True))`` takes torch FSDP2's own
 policy classes (re-exported here and from :mod:`fsdp`: the same objects, so FSDP2 code runs
 unchanged). With :class:`CPUOffloadPolicy` each :class:`~fsdp.group.param_group.ParameterGroup` keeps
@@ -42,12 +46,13 @@ the events that end them) is a :class:`HostTransfers` part, made by :data:`TRANS
 compute device: :class:`DeviceTransfers` (torch's own) unless a test replaces the factory with a
 stand-in that pins on the CPU and defers every non-blocking copy until its completion is
 synchronized, so that a host read that skipped :meth:`HostOffload.settle` reads garbage there
-as it would on a GPU (``tests/standins.py``).
+as it would on a GPU (``tests/models/device_standins.py``).
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Protocol, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Protocol, Sequence, Union
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -59,21 +64,87 @@ from fsdp.group.streams import CommStreams
 
 __all__ = [
     "CPUOffloadPolicy", "Completion", "DeviceTransfers", "HostOffload", "HostTransfers", "OffloadPolicy",
-    "TRANSFERS", "check_offload_policy", "has_pinned_memory",
+    "OptimizerStateOffloadPolicy", "TRANSFERS", "check_offload_policy", "has_pinned_memory", "host_dbuffer",
 ]
 
+STEPS = ("device", "host")
 
-def check_offload_policy(policy: object) -> Optional[CPUOffloadPolicy]:
-    """The policy to offload with (None: no offload), or a ``TypeError`` naming the fix."""
+
+@dataclass
+class OptimizerStateOffloadPolicy(OffloadPolicy):
+    """Offload only the optimizer state to host memory; the main weights and main gradients stay on
+    the compute device, as without offload (``CPUOffloadPolicy`` keeps all three on the host).
+
+    ``fully_shard(module, offload_policy=fsdp.OptimizerStateOffloadPolicy(step="device"))``, or a
+    :class:`fsdp.Bucket`'s ``offload_policy`` for some parameters only. A subclass of torch's
+    ``OffloadPolicy`` (not of ``CPUOffloadPolicy``: torch FSDP2 given it offloads nothing).
+
+    * ``step="device"`` (default): the optimizer steps on the device. :class:`fsdp.FlatOptimizer`
+      (``FlatAdamW``, ...) streams each group's flat state in chunks of its ``chunk_numel``
+      elements: host-to-device, step, device-to-host, the next chunk's upload overlapping the
+      current chunk's step, so the device holds two chunks of state, never all of it. A
+      ``torch.optim`` optimizer is driven by fsdp's step hooks: torch's own per-parameter ones
+      (every class but ``LBFGS``) are stepped one fsdp group at a time with only that group's
+      state uploaded, then downloaded (the device holds one group's state); any other class
+      (a subclass, a third-party optimizer) or a step with a ``closure`` gets all its offloaded
+      state uploaded before its step and downloaded after (the step's peak holds all of it).
+    * ``step="host"``: the optimizer steps on the host, where only the state lives. FlatOptimizer
+      streams chunks the other way: each chunk of main weights and main grads is copied
+      device-to-host, stepped on the host, and the weights copied back (two chunks of host
+      scratch). A ``torch.optim`` optimizer steps host copies of its offloaded parameters (all of
+      the group's weights and gradients are downloaded before, the weights uploaded after; host
+      scratch the size of the weights and gradients, kept); the device holds no state ever. It
+      moves 4 + 4 + grad bytes per element and step against 16 (Adam's two states both ways) but
+      computes on the host's cores; results equal the device step's where the host's kernels
+      round alike (the CPU) and to rounding otherwise.
+
+    ``pin_memory``: host memory is page-locked and every copy non-blocking (on a mesh whose
+    device is the CPU there is nothing to pin: ordinary memory, copies between distinct host
+    buffers). The host waits for the last copies at the end of each step, so after ``step()``
+    returns the state may be read and written freely (``state_dict()``, checkpoints, logging).
+
+    Raises ``ValueError`` for a ``step`` other than ``"device"`` / ``"host"`` and ``TypeError``
+    for a non-bool ``pin_memory``, when built (again in ``fully_shard``, before any collective).
+    With ``step="host"`` a ``torch.optim`` step refuses a ``closure`` and ``capturable=True``
+    (``RuntimeError``). Guarantee: training equals training without offload bit for bit where the
+    step runs on the same kernels (always for ``step="device"``)."""
+
+    pin_memory: bool = True
+    step: str = "device"
+
+    def __post_init__(self) -> None:
+        _check_state_policy(self, "OptimizerStateOffloadPolicy")
+
+
+def _check_state_policy(policy: OptimizerStateOffloadPolicy, what: str) -> None:
+    if not isinstance(policy.pin_memory, bool):
+        raise TypeError(f"{what}(pin_memory=...) must be a bool, got {policy.pin_memory!r}")
+    if policy.step not in STEPS:
+        raise ValueError(
+            f"{what}(step=...) must be 'device' (the optimizer steps on the device, the states streamed "
+            f"in and out) or 'host' (it steps on the host, where the states live), got {policy.step!r}"
+        )
+
+
+AnyOffload = Union[CPUOffloadPolicy, OptimizerStateOffloadPolicy]
+
+
+def check_offload_policy(policy: object, what: str = "offload_policy") -> Optional[AnyOffload]:
+    """The policy to offload with (None: no offload), or a ``TypeError`` / ``ValueError`` naming
+    ``what`` (the argument) and the fix."""
     if isinstance(policy, CPUOffloadPolicy):
         if not isinstance(policy.pin_memory, bool):
             raise TypeError(f"CPUOffloadPolicy.pin_memory must be a bool, got {policy.pin_memory!r}")
         return policy
+    if isinstance(policy, OptimizerStateOffloadPolicy):
+        _check_state_policy(policy, f"{what}=OptimizerStateOffloadPolicy")
+        return policy
     if type(policy) is OffloadPolicy:
         return None
     raise TypeError(
-        f"offload_policy must be torch.distributed.fsdp.OffloadPolicy() (no offload) or "
-        f"CPUOffloadPolicy(pin_memory=...) (also exported by fsdp), got {policy!r}"
+        f"{what} must be torch.distributed.fsdp.OffloadPolicy() (no offload), CPUOffloadPolicy(pin_memory=...) "
+        f"(everything on the host) or fsdp.OptimizerStateOffloadPolicy(pin_memory=..., step='device' | 'host') "
+        f"(only the optimizer state on the host), got {policy!r}"
     )
 
 
@@ -142,13 +213,28 @@ class DeviceTransfers:
 TRANSFERS: Callable[[torch.device, bool], HostTransfers] = DeviceTransfers
 
 
+def host_dbuffer(
+    transfers: HostTransfers, mesh: DeviceMesh, placements: Sequence, shapes: Sequence[Sequence[int]],
+    dtype: torch.dtype, layout: Optional[Layout], zero_fill: bool = True,
+) -> DBuffer:
+    """A host DBuffer whose local buffer is ``transfers``' memory (pinned where they pin)."""
+    host = torch.device("cpu")
+    plain = DBuffer(
+        mesh, placements, shapes, dtype, host, layout=layout, zero_fill=False,
+        check_ranks=False,  # a sibling of a buffer fully_shard checked
+    )
+    local = transfers.host_tensor(plain.local_buffer.numel(), dtype, zero_fill)
+    return DBuffer(mesh, placements, shapes, dtype, host, layout=plain.layout, local_buffer=local, check_ranks=False)
+
+
 class HostOffload:
     """The host side of one parameter group: allocation of its host buffers and the copies
     between them and the compute device (through its :class:`HostTransfers`), with the
-    completions that order those copies."""
+    completions that order those copies. A :class:`fsdp.group.residence.HostResidence`."""
 
     device = torch.device("cpu")
-    on_host = True  # the group's other offload part is fsdp.group.residence.NoOffload
+    on_host = True  # the group's other offload parts: fsdp.group.residence
+    optim_state = None  # the optimizer state lives with the main weights, on the host
 
     def __init__(self, policy: CPUOffloadPolicy, compute_device: torch.device) -> None:
         self.compute_device = compute_device
@@ -175,14 +261,7 @@ class HostOffload:
     ) -> DBuffer:
         """A host DBuffer in the transfers' memory (pinned where they pin), zero-filled unless
         ``zero_fill=False``."""
-        plain = DBuffer(
-            mesh, placements, shapes, dtype, self.device, layout=layout, zero_fill=False,
-            check_ranks=False,  # a sibling of a buffer fully_shard checked
-        )
-        local = self.transfers.host_tensor(plain.local_buffer.numel(), dtype, zero_fill)
-        return DBuffer(
-            mesh, placements, shapes, dtype, self.device, layout=plain.layout, local_buffer=local, check_ranks=False
-        )
+        return host_dbuffer(self.transfers, mesh, placements, shapes, dtype, layout, zero_fill)
 
     def adopt(self, buf: DBuffer) -> DBuffer:
         """``buf`` itself, or (``pin`` and it is not pinned: a buffer rebuilt by a dtype change)

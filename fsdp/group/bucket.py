@@ -24,6 +24,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import OffloadPolicy
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import Placement
 
@@ -47,15 +48,18 @@ class Bucket:
     * ``gradient_divide_factor``: sum the gradients over the mesh and divide by this instead of
       averaging over it (expert parallelism: an expert's gradient already sums the tokens of its
       whole expert-parallel group, so divide by the data-parallel world, not the mesh size).
-    * ``sharding_strategy`` and ``mp_policy``: as ``fully_shard``'s, for this bucket only (None:
-      the unit's).
+    * ``sharding_strategy``, ``mp_policy`` and ``offload_policy``: as ``fully_shard``'s, for this
+      bucket only (None: the unit's); e.g. ``offload_policy=fsdp.OptimizerStateOffloadPolicy()``
+      keeps only the optimizer state of the bucket's parameters (the embedding's) on the host,
+      ``OffloadPolicy()`` offloads nothing of it in a unit that offloads.
 
     A bucket is a plain value; ``fully_shard`` checks it before any buffer or collective exists
     and raises ``ValueError`` naming the bucket for: a pattern that matches no parameter, a
     parameter matched by two buckets, a placement other than ``Shard(0)`` / ``Owned()``,
     ``Owned()`` on a 2-D mesh, ``per_tensor`` with a dim 0 the shard count does not divide, a
     non-positive ``gradient_divide_factor``, or a ``shard_placement_fn`` dim for one of its
-    parameters; ``TypeError`` for a ``mesh`` or ``mp_policy`` of the wrong type. Guarantee: the
+    parameters; ``TypeError`` for a ``mesh``, ``mp_policy`` or ``offload_policy`` of the wrong
+    type (``ValueError`` for a bad ``OptimizerStateOffloadPolicy.step``). Guarantee: the
     bucket's payload keeps registration order, so results are bitwise those without buckets.
     """
 
@@ -66,6 +70,7 @@ class Bucket:
     mp_policy: Optional[MixedPrecisionPolicy] = None
     per_tensor: bool = False
     gradient_divide_factor: Optional[float] = None
+    offload_policy: Optional[OffloadPolicy] = None
 
     @property
     def patterns(self) -> tuple[str, ...]:
@@ -91,6 +96,7 @@ class GroupSpec:
     # An explicit Bucket or a bucket_size split: its all-gather stays its own, never one shared
     # with the unit's other groups (fsdp.group.shared_gather), as the user asked for.
     own_collectives: bool = False
+    offload_policy: Optional[OffloadPolicy] = None  # an explicit bucket's (None: the unit's)
 
 
 def plan_buckets(
@@ -192,7 +198,11 @@ def _explicit(b, bucket, members, names, params, mesh, strategy, policy) -> list
     resolved = {k: policy.for_param(params[k], names[k]) for k in members}
     if not bucket.per_tensor:
         groups = [g for g, _ in _by_dtype(members, params, resolved, {})]
-    return [GroupSpec(g, mesh, bucket.placement, strategy, resolved[g[0]], factor, own_collectives=True) for g in groups]
+    return [
+        GroupSpec(g, mesh, bucket.placement, strategy, resolved[g[0]], factor, own_collectives=True,
+                  offload_policy=bucket.offload_policy)
+        for g in groups
+    ]
 
 
 def _default(members, params, mesh, meshes, strategy, policies, bucket_size) -> list[GroupSpec]:

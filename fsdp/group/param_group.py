@@ -15,7 +15,8 @@ A group *has* its parts, each chosen by ``fully_shard`` and handed in:
 * ``weights`` (:mod:`fsdp.group.weights`): how the model weights are made from ``main``,
   gathered and freed: DBuffers (default), or tensor subclasses (:mod:`fsdp.compose.extensions`);
 * ``grads`` (:class:`~fsdp.group.grads.GradReducer`): autograd's gradients to ``param.grad``;
-* ``offload`` (:mod:`fsdp.group.residence`), ``comms`` (:mod:`fsdp.group.comms`) and
+* ``offload`` (a :class:`~fsdp.group.residence.Residence`: where the main weights, grads and
+  optimizer state live), ``comms`` (:mod:`fsdp.group.comms`) and
   ``post_forward`` (:mod:`fsdp.compose.post_forward`): optional parts, called without asking
   which they are.
 
@@ -28,7 +29,7 @@ group are :mod:`fsdp.group.convert` and :mod:`fsdp.group.meta_init`.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional, Union, cast
 
 import torch
 import torch.nn as nn
@@ -45,7 +46,7 @@ from fsdp.group.policy import Dtypes, MixedPrecisionPolicy, Strategy
 from fsdp.group.profiling import label
 from fsdp.group.reduction import ReduceSettings
 from fsdp.group.registration import note_registration
-from fsdp.group.residence import NO_OFFLOAD
+from fsdp.group.residence import NO_OFFLOAD, HostResidence, Residence
 from fsdp.group.streams import CommStreams
 from fsdp.group.weights import BufferWeights
 
@@ -75,7 +76,7 @@ class ParameterGroup:
         shard: Placement = Shard(0),
         gradient_divide_factor: Optional[float] = None,
         policy: Optional[MixedPrecisionPolicy] = None,
-        offload: Optional[Any] = None,
+        offload: Optional[Residence] = None,
         layout: Optional[Union[FlatLayout, ChunkedLayout]] = None,
         kind: ParamKind = PLAIN,
         placements: Optional[GroupPlacements] = None,
@@ -87,9 +88,10 @@ class ParameterGroup:
         gradients by this instead of averaging over the mesh (e.g. expert weights, whose
         gradients already hold the contributions of a whole expert-parallel group). ``policy``:
         the policy ``dtypes`` came from; ``module.to(dtype)`` keeps the dtypes it set explicitly
-        (None: every dtype follows). ``offload``: a host-offload part (:mod:`fsdp.compose.offload`)
-        keeping the main weights, main grads and optimizer state on the host; compute buffers
-        live on the mesh's device. ``layout``: default :func:`~fsdp.group.layouts.flat_layout`.
+        (None: every dtype follows). ``offload``: the group's offload part (a
+        :class:`~fsdp.group.residence.Residence`; default none): :mod:`fsdp.compose.offload`'s
+        keeps the main weights, main grads and optimizer state on the host (compute buffers on
+        the mesh's device), :mod:`fsdp.compose.optim_state`'s the optimizer state only. ``layout``: default :func:`~fsdp.group.layouts.flat_layout`.
         ``kind``: how parameters are wrapped (:class:`~fsdp.group.layouts.ParamKind`).
         ``placements``: default :meth:`GroupPlacements.for_mesh` (HFSDP passes its own).
         ``weights``: builds the group's weights part (:mod:`fsdp.group.weights`). ``own_gather``:
@@ -106,7 +108,7 @@ class ParameterGroup:
         self.reduction = ReduceSettings(divide_factor=gradient_divide_factor)  # FSDP2's reduction knobs
         op = self.reduction.op
         self.placements = placements.with_reduce_op(op) if placements else GroupPlacements.for_mesh(mesh.ndim, shard, op)
-        self.offload = offload if offload is not None else NO_OFFLOAD
+        self.offload: Residence = offload if offload is not None else NO_OFFLOAD
         tensors = [kind.local(i.param) for i in infos]
         shapes = [tuple(t.shape) for t in tensors]
         self.layout = layout if layout is not None else flat_layout(shapes, mesh, strategy.shard_optim, shard)
@@ -142,8 +144,9 @@ class ParameterGroup:
             self.main = DBuffer(self.mesh, placements, shapes, dtype, device, layout=layout, check_ranks=False)
             self.compute_device = self.main.device
         else:
-            self.main = self.offload.buffer(self.mesh, placements, shapes, dtype, layout)
-            self.compute_device = self.offload.compute_device
+            host = cast(HostResidence, self.offload)  # on_host
+            self.main = host.buffer(self.mesh, placements, shapes, dtype, layout)
+            self.compute_device = host.compute_device
         self.streams = CommStreams.for_device(self.compute_device)
 
     @property
@@ -168,7 +171,8 @@ class ParameterGroup:
         """A sibling of ``main`` where ``main`` lives: on the host (pinned) under offload."""
         if not self.offload.on_host or self.is_meta:
             return self.sibling(placements, dtype, zero_fill)
-        return self.offload.buffer(self.mesh, placements, self.main.shapes, dtype, self.main.layout, zero_fill)
+        host = cast(HostResidence, self.offload)  # on_host
+        return host.buffer(self.mesh, placements, self.main.shapes, dtype, self.main.layout, zero_fill)
 
     def sharded_views(self, buf: DBuffer) -> list[torch.Tensor]:
         """The DTensor view of every parameter in a buffer at the sharded placements."""

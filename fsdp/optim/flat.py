@@ -13,7 +13,9 @@ exists at the step and the BF16 main grads save nothing there. :class:`FlatOptim
   copy of the shard; ``param.grad`` stays None for such groups);
 * a kept compute-dtype model shard (host offload, ``Owned`` buckets: where a gather cannot cast
   into its own row) is written from each updated chunk in the same pass;
-* the state is one flat tensor per state name and group, laid out like the main weights.
+* the state is one flat tensor per state name and group, laid out like the main weights; under
+  ``fsdp.OptimizerStateOffloadPolicy`` a host tensor, streamed through the device (or the
+  weights and grads through the host) chunk by chunk (:mod:`fsdp.optim.offloaded`).
 
 Per-parameter step counts are kept (a parameter without a gradient is skipped, as in torch), so
 runs of parameters with equal counts are stepped together. Limits (checked): param groups hold
@@ -33,20 +35,12 @@ from torch.optim.optimizer import _get_scalar_dtype
 from torch.optim.sgd import sgd as _sgd
 
 from fsdp.group.param_group import ParameterGroup
-from fsdp.group.weights import BufferWeights
+from fsdp.group.residence import Chunk
+from fsdp.optim.flat_groups import Span, param_specs, reduce_over_mesh, spans
+from fsdp.optim.offloaded import flat_offloaded_step, rehome_flat
 
 __all__ = ["FlatAdam", "FlatAdamW", "FlatOptimizer", "FlatSGD", "flat_optimizer"]
 
-
-
-@dataclass(frozen=True)
-class _Span:
-    """Parameter ``k``'s elements in the group's local buffers."""
-
-    k: int
-    start: int  # in main (and model) local buffers
-    numel: int
-    grad_start: int  # in main_grad's local buffer
 
 
 @dataclass(frozen=True)
@@ -68,7 +62,9 @@ class FlatOptimizer(torch.optim.Optimizer):
     (``lr``, ``betas``, ``weight_decay``, ``foreach``, ...) are ``optimizer_class``'s, validated and
     defaulted by it. ``chunk_numel``: elements per kernel call, which bounds the temporaries of a
     step (the upcast gradient and the kernel's own, e.g. Adam's denominator); default: the largest
-    local piece of one parameter, so they never exceed what torch.optim's per-parameter step makes.
+    local piece of one parameter, so they never exceed what torch.optim's per-parameter step makes;
+    under ``fsdp.OptimizerStateOffloadPolicy`` also the piece of state (or of weights and grads)
+    streamed between host and device at a time.
     ``param_groups`` are one per dict, with ``params`` the groups' flat main-weight buffers, so LR
     schedulers work unchanged. Build it after ``fully_shard`` and after any ``module.to(dtype)``.
 
@@ -108,25 +104,28 @@ class FlatOptimizer(torch.optim.Optimizer):
         # optimizer_class validates the options and fills in its defaults
         probe = optimizer_class([torch.zeros(1)], **options)
         defaults = dict(probe.defaults)
-        specs = _param_specs(params)
+        specs = param_specs(params)
         self._kernel = kernel
         self._groups: dict[int, ParameterGroup] = {}  # id(flat main buffer) -> its group
-        self._layouts: dict[int, list[_Span]] = {}  # id(flat) -> where each parameter lies in it
+        self._layouts: dict[int, list[Span]] = {}  # id(flat) -> where each parameter lies in it
         flat_groups = []
         for options_of_dict, fsdp_groups in specs:
             flats = []
             for g in fsdp_groups:
                 flat = g.main.local_buffer
                 self._groups[id(flat)] = g
-                self._layouts[id(flat)] = _spans(g)
+                self._layouts[id(flat)] = spans(g)
                 flats.append(flat)
             flat_groups.append({**options_of_dict, "params": flats})
         super().__init__(flat_groups, defaults)
         if chunk_numel is None:
             chunk_numel = max((span.numel for spans in self._layouts.values() for span in spans), default=1)
         self._chunk_numel = max(chunk_numel, 1)
+        self._homes: dict[int, dict] = {}  # id(flat) -> its host state tensors (OptimizerStateOffloadPolicy)
         for g in self._groups.values():
             g.grads.cast_grads = False  # no full-size cast copy in param.grad: step() upcasts by chunks
+        if any(g.offload.optim_state is not None for g in self._groups.values()):
+            self.register_load_state_dict_post_hook(FlatOptimizer._rehome_loaded)
 
     # ------------------------------------------------------------------ step
 
@@ -153,11 +152,25 @@ class FlatOptimizer(torch.optim.Optimizer):
             weights = group.weights
             if weights.step_writes_model and not weights.model.is_storage_released():
                 model = weights.model.local_buffer
-            for run in runs:
-                self._step_run(flat, grads, model, state, run, opts, workspace)
+            chunks = self._chunks(runs)
+            home = group.offload.optim_state
+            if home is None:
+                for c in chunks:
+                    states = {name: state[name][c.start : c.end] for name in self._kernel.state_names(opts)}
+                    self._step_chunk(flat[c.start : c.end], grads[c.grad_start : c.grad_start + c.numel], states, c, opts, workspace)
+                    if model is not None:
+                        model[c.start : c.end].copy_(flat[c.start : c.end])
+            else:  # the state on the host: streamed through the device, or stepped there
+                written = flat_offloaded_step(
+                    home, self._kernel.state_names(opts), flat, grads, model, state, chunks,
+                    lambda w, g, states, c, opts=opts: self._step_chunk(w, g, states, c, opts, workspace),
+                )
+                model = model if written else None
             for k in group.grads.params_with_grads():
                 state["steps"][k] += 1
             group.mark_stale(model_written=model is not None)
+        for _, (_, group, _) in plans:
+            group.offload.settle()  # no copy of an offloaded state is in flight once step() returns
         return loss
 
     def _plan(self, flat: torch.Tensor) -> tuple[torch.Tensor, ParameterGroup, list[_Run]]:
@@ -191,25 +204,35 @@ class FlatOptimizer(torch.optim.Optimizer):
         return flat, group, runs
 
     def _state_for(self, flat: torch.Tensor, group: ParameterGroup, opts: dict) -> dict:
-        state = self.state[flat]
+        state, home = self.state[flat], group.offload.optim_state
         if not state:
             state["steps"] = [0] * len(group.infos)
-            for name in self._kernel.state_names(opts):
-                state[name] = torch.zeros_like(flat)
+            if home is None:
+                for name in self._kernel.state_names(opts):
+                    state[name] = torch.zeros_like(flat)
+        if home is not None:  # host tensors (made here, or a loaded state dict's copied in)
+            rehome_flat(home, state, self._kernel.state_names(opts), flat, self._homes.setdefault(id(flat), {}))
         return state
 
-    def _step_run(self, flat, grads, model, state, run: _Run, opts: dict, workspace: "_Workspace") -> None:
-        chunk = self._chunk_numel
-        for pos in range(run.start, run.end, chunk):
-            end = min(pos + chunk, run.end)
-            weights = flat[pos:end]
-            grad = grads[run.grad_start + (pos - run.start) : run.grad_start + (end - run.start)]
-            if grad.dtype != weights.dtype:
-                grad = workspace.upcast(grad, weights.dtype)
-            states = {name: state[name][pos:end] for name in self._kernel.state_names(opts)}
-            self._kernel.step(weights, grad, states, run.count, opts)
-            if model is not None:
-                model[pos:end].copy_(weights)
+    def _rehome_loaded(self) -> None:
+        """After ``load_state_dict``: offloaded groups' loaded state into their host tensors."""
+        for opts in self.param_groups:
+            for flat in opts["params"]:
+                if self.state.get(flat):
+                    self._state_for(flat, self._groups[id(flat)], opts)
+
+    def _chunks(self, runs: list[_Run]) -> list[Chunk]:
+        """Each run cut into ``chunk_numel`` pieces, tagged with the run's step count."""
+        c = self._chunk_numel
+        return [
+            Chunk(pos, min(pos + c, run.end), run.grad_start + pos - run.start, run.count)
+            for run in runs for pos in range(run.start, run.end, c)
+        ]
+
+    def _step_chunk(self, weights, grad, states: dict, chunk: Chunk, opts: dict, workspace: "_Workspace") -> None:
+        if grad.dtype != weights.dtype:
+            grad = workspace.upcast(grad, weights.dtype)
+        self._kernel.step(weights, grad, states, chunk.tag, opts)
 
     # ------------------------------------------------------------------ gradients
 
@@ -235,7 +258,7 @@ class FlatOptimizer(torch.optim.Optimizer):
                         end = min(pos + self._chunk_numel, run.grad_start + run.end - run.start)
                         piece = grads[pos:end].float()
                         local = torch.maximum(local, piece.abs().max()) if inf else local + piece.pow(2).sum()
-                reduced = _reduce_over_mesh(local, group, "max" if inf else "sum")
+                reduced = reduce_over_mesh(local, group, "max" if inf else "sum")
                 total = reduced if total is None else (torch.maximum(total, reduced) if inf else total + reduced)
         if total is None:
             return torch.zeros(())
@@ -346,110 +369,6 @@ class _SGDKernel:
 
 
 _KERNELS = {torch.optim.AdamW: _AdamKernel, torch.optim.Adam: _AdamKernel, torch.optim.SGD: _SGDKernel}
-
-
-# ---------------------------------------------------------------------- parameters -> groups
-
-
-def _param_specs(params) -> list[tuple[dict, list[ParameterGroup]]]:
-    """(options, fsdp groups) per param-group dict; every group whole, in one dict only."""
-    if isinstance(params, nn.Module):
-        params = params.parameters()
-    if isinstance(params, torch.Tensor):
-        raise TypeError("FlatOptimizer: params must be a module or an iterable of parameters, got a single tensor")
-    items = list(params)
-    if not items:
-        raise ValueError("FlatOptimizer: got no parameters; pass a module sharded by fsdp.fully_shard or its parameters")
-    dicts = items if isinstance(items[0], dict) else [{"params": items}]
-    specs, seen = [], {}
-    for i, spec in enumerate(dicts):
-        if not isinstance(spec, dict) or "params" not in spec:
-            raise TypeError(f"FlatOptimizer: param group {i} must be a dict with 'params' (or pass parameters only)")
-        given = spec["params"]
-        given = [given] if isinstance(given, torch.Tensor) else list(given)
-        groups: list[ParameterGroup] = []
-        chosen: set[int] = set()
-        for p in given:
-            group = _group_of(p)
-            if group is None:  # frozen or plain: nothing for this optimizer to do, unless it trains
-                if getattr(p, "_fsdp_unsharded", False):
-                    raise TypeError(
-                        "FlatOptimizer: got an unsharded (gathered) parameter, registered between a unit's forward "
-                        "and the end of its backward; build the optimizer while the model is resharded "
-                        "(model.reshard() first, or right after fully_shard)"
-                    )
-                if p.requires_grad:
-                    raise TypeError(
-                        f"FlatOptimizer: a parameter of shape {tuple(p.shape)} was not sharded by fsdp.fully_shard; "
-                        f"the flat optimizer steps fsdp groups only (use torch.optim for other parameters)"
-                    )
-                continue
-            if not group.requires_grad:
-                continue
-            if id(group) in seen and seen[id(group)] != i:
-                raise ValueError(
-                    f"FlatOptimizer: parameters {group.names()} form one fsdp group but are split across param "
-                    f"groups {seen[id(group)]} and {i}; give each param group whole fsdp groups (put them in their "
-                    f"own fsdp.Bucket)"
-                )
-            seen[id(group)] = i
-            chosen.add(id(p))
-            if group not in groups:
-                groups.append(group)
-        specs.append(({k: v for k, v in spec.items() if k != "params"}, groups, chosen))
-    for i, (_, groups, chosen) in enumerate(specs):
-        for group in groups:
-            missing = [info.fqn for info, p in zip(group.infos, group.sharded_params) if id(p) not in chosen]
-            if missing:
-                raise ValueError(
-                    f"FlatOptimizer: param group {i} holds part of an fsdp group; missing {missing[:3]}. The flat "
-                    f"step updates whole groups: pass all their parameters (or separate them with fsdp.Bucket)"
-                )
-    if not any(groups for _, groups, _ in specs):
-        raise ValueError(
-            "FlatOptimizer: none of the parameters is trainable and sharded by fsdp.fully_shard; shard the module "
-            "first and pass model.parameters()"
-        )
-    return [(opts, groups) for opts, groups, _ in specs if groups]
-
-
-def _reduce_over_mesh(local: torch.Tensor, group: ParameterGroup, op: str) -> torch.Tensor:
-    """``local`` (this rank's share) combined over the axes where ``group``'s main weights are
-    sharded (replicated axes hold copies: counted once), as DTensor does for a Partial."""
-    from torch.distributed.tensor import DTensor, Partial, Replicate
-
-    placements = [Replicate() if isinstance(p, Replicate) else Partial(op) for p in group.main.placements]
-    if all(isinstance(p, Replicate) for p in placements):
-        return local
-    return DTensor.from_local(local, group.mesh, placements, run_check=False).full_tensor()
-
-
-def _group_of(p: torch.Tensor) -> Optional[ParameterGroup]:
-    ref = getattr(p, "_fsdp_group", None)
-    return ref() if ref is not None else None
-
-
-def _spans(group: ParameterGroup) -> list[_Span]:
-    """Each parameter's range in the main (model) and main-grad local buffers, found from the
-    DTensor views fsdp registered (so every layout, chunked or owned, is handled alike)."""
-    if not isinstance(group.weights, BufferWeights):
-        raise ValueError(
-            f"FlatOptimizer: parameters {group.names()} are tensor subclasses (all-gather extensions), "
-            f"whose shards are not views of a flat buffer; step them with a torch.optim optimizer"
-        )
-    main_base = group.main.local_buffer
-    grad_base = group.grads.main_grad.local_buffer
-    spans = []
-    for k, (p, g) in enumerate(zip(group.sharded_params, group.grads.main_grad_views)):
-        local, glocal = p._local_tensor, g._local_tensor
-        if not (local.is_contiguous() and glocal.is_contiguous()):
-            raise ValueError(f"FlatOptimizer: parameter {group.infos[k].fqn!r} is not contiguous in its buffers")
-        if local.untyped_storage().data_ptr() != main_base.untyped_storage().data_ptr():
-            raise ValueError(f"FlatOptimizer: parameter {group.infos[k].fqn!r} is not a view of its group's buffer")
-        start = local.storage_offset() - main_base.storage_offset()
-        gstart = glocal.storage_offset() - grad_base.storage_offset()
-        spans.append(_Span(k, start, local.numel(), gstart))
-    return spans
 
 
 def flat_optimizer(params, optimizer_class: type = torch.optim.AdamW, **options: Any) -> FlatOptimizer:

@@ -4,7 +4,9 @@ Two global hooks (``register_optimizer_step_pre_hook`` / ``_post_hook``): after 
 ``torch.optim`` step the groups whose parameters it updated refresh their compute weights
 before the next gather; before an optimizer's first step (and again whenever fsdp registered
 new parameters since) it must not hold parameters fsdp no longer trains, which would make its
-steps silently change nothing the model uses.
+steps silently change nothing the model uses. For groups whose optimizer state is offloaded
+(``fsdp.OptimizerStateOffloadPolicy``) they also bring the state to where the step runs and back
+(:mod:`fsdp.optim.offloaded`); with the hooks off such state stays where torch puts it.
 
 They are installed by intent, not as a side effect of importing a module: ``import fsdp`` (the
 package's entry point) calls :func:`optimizer_step_hooks` once, so any optimizer works
@@ -21,14 +23,19 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from fsdp.group.registration import registrations
+from fsdp.optim.offloaded import PLANS, TorchStateOffload
 
 __all__ = ["optimizer_step_hooks"]
 
 
 def _after_optimizer_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
-    """Mark the groups whose parameters a torch.optim optimizer just updated as stale. (State it
-    made like a row-sharded parameter, ``exp_avg = zeros_like(p)``, already carries the
-    parameter's true rows: see :mod:`dbuffer.row_sharded`.)"""
+    """Send offloaded state back to the host (:mod:`fsdp.optim.offloaded`), then mark the groups
+    whose parameters a torch.optim optimizer just updated as stale. (State it made like a
+    row-sharded parameter, ``exp_avg = zeros_like(p)``, already carries the parameter's true rows:
+    see :mod:`dbuffer.row_sharded`.)"""
+    plan = PLANS.get(optimizer)
+    if plan is not None:
+        plan.after_step(optimizer)
     for param_group in optimizer.param_groups:
         for p in param_group["params"]:
             ref = getattr(p, "_fsdp_group", None)
@@ -46,10 +53,22 @@ def _before_optimizer_step(optimizer: torch.optim.Optimizer, args, kwargs) -> No
     ``fully_shard`` replaced (an optimizer built before it), or the unsharded views registered
     between a forward and the end of its backward. Its steps would change nothing the model
     uses, silently. Checked once per optimizer (again if its param groups change size or a
-    module is sharded since), not on every step."""
+    module is sharded since), not on every step; the optimizer's offloaded groups are found
+    then too, and their state brought to where the step runs."""
     key = (registrations(), tuple(len(g["params"]) for g in optimizer.param_groups))
-    if _CHECKED.get(optimizer) == key:
-        return
+    if _CHECKED.get(optimizer) != key:
+        _check(optimizer)
+        plan = PLANS.get(optimizer)
+        if plan is not None:
+            plan.restore(optimizer)
+        PLANS[optimizer] = TorchStateOffload.of(optimizer)
+        _CHECKED[optimizer] = key
+    plan = PLANS.get(optimizer)
+    if plan is not None:  # offloaded state: to where the step runs
+        plan.before_step(optimizer, args, kwargs)
+
+
+def _check(optimizer: torch.optim.Optimizer) -> None:
     for i, param_group in enumerate(optimizer.param_groups):
         for p in param_group["params"]:
             if getattr(p, "_fsdp_unsharded", False):
@@ -67,7 +86,6 @@ def _before_optimizer_step(optimizer: torch.optim.Optimizer, args, kwargs) -> No
                     f"as a sharded DTensor now), so its steps would change nothing the model uses. "
                     f"Build the optimizer after fully_shard, from model.parameters()"
                 )
-    _CHECKED[optimizer] = key
 
 
 _HANDLES: list = []  # the installed hooks' removable handles; empty: not installed

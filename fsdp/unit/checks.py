@@ -142,12 +142,12 @@ def check_mesh(
     return mesh
 
 
-def check_offloadable(infos: list[ParamInfo]) -> None:
+def check_offloadable(infos: list[ParamInfo], policy: str = "CPUOffloadPolicy") -> None:
     for info in infos:
         kind = type(info.param.detach())
         if kind is not torch.Tensor:
             raise NotImplementedError(
-                f"offload_policy=CPUOffloadPolicy(): parameter {info.fqn!r} is a {kind.__name__} (tensor "
+                f"offload_policy={policy}(): parameter {info.fqn!r} is a {kind.__name__} (tensor "
                 f"parallelism or an all-gather extension), which fsdp does not offload yet; shard the "
                 f"modules holding such parameters without offload_policy (in their own fully_shard call)"
             )

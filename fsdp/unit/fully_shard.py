@@ -24,7 +24,8 @@ from torch.distributed.tensor import DTensor, Shard
 from dbuffer import mesh_device
 from fsdp.compose.extension_protocol import check_extension_params, split_extension_members
 from fsdp.compose.extensions import SUBCLASS, SubclassWeights
-from fsdp.compose.offload import CPUOffloadPolicy, HostOffload, OffloadPolicy, check_offload_policy
+from fsdp.compose.offload import AnyOffload, CPUOffloadPolicy, HostOffload, OffloadPolicy, check_offload_policy
+from fsdp.compose.optim_state import OptimStateOffload
 from fsdp.compose.outer_shard import check_outer_sharding, outer_sharded
 from fsdp.compose.post_forward import enable_post_forward_slices
 from fsdp.compose.tensor_parallel import DataParallelDims, TensorParallelKind, check_params as _check_tensor_parallel
@@ -133,6 +134,10 @@ def fully_shard(
     there; each gather uploads the shard, each reduction downloads its result (see
     :mod:`fsdp.compose.offload`). Parameters may then be on the CPU or the mesh's device; every strategy
     works. ``pin_memory`` on a CPU mesh has nothing to speed up and is ignored.
+    :class:`fsdp.OptimizerStateOffloadPolicy` (fsdp's) keeps only the optimizer state on the host,
+    the main weights and gradients on the device, the step on the device (states streamed in and
+    out) or on the host (see :mod:`fsdp.compose.optim_state`); a :class:`fsdp.Bucket` may set
+    its own ``offload_policy``. Anything else raises ``TypeError`` naming the fix.
 
     ``dp_mesh_dims`` (FSDP2's :class:`DataParallelMeshDims`): ``mesh`` is the full named mesh and
     these of its dims are the data-parallel ones (``shard``, optionally ``replicate`` for HSDP;
@@ -161,15 +166,19 @@ def fully_shard(
             raise TypeError(f"fully_shard expects nn.Module(s), got {type(m).__name__}")
         if isinstance(m, FSDPModule):
             raise ValueError(f"{type(m).__name__} is already sharded; fully_shard each module once")
+    if isinstance(buckets, Bucket):
+        buckets = [buckets]
+    for b, bucket in enumerate(buckets):
+        if isinstance(bucket, Bucket) and bucket.offload_policy is not None:
+            check_offload_policy(bucket.offload_policy, f"buckets[{b}].offload_policy")
     ignored = set(map(id, ignored_params or ()))
     infos, shared_with_other_units = _collect_params(modules, ignored)
     check_devices(infos)
-    mesh = check_mesh(mesh, infos, host_ok=offload is not None)
+    host_ok = isinstance(offload, CPUOffloadPolicy)  # parameters on the CPU stay there
+    mesh = check_mesh(mesh, infos, host_ok=host_ok)
     config = (strategy, reshard_after_forward, mp_policy, buckets, bucket_size, offload, outer_dp_sharding_strategy)
     slice_ranks = post_forward_ranks(reshard_after_forward, mesh)
     reshard_after_forward = check_reshard_after_forward(reshard_after_forward, mesh)
-    if isinstance(buckets, Bucket):
-        buckets = [buckets]
     dims, param_meshes = resolve_shard_placements(infos, shard_placement_fn)
     specs = plan_buckets(
         [i.fqn for i in infos],
@@ -185,13 +194,17 @@ def fully_shard(
     )
     for spec in specs:
         if spec.mesh is not mesh:
-            check_mesh(spec.mesh, infos, what="a bucket's mesh", host_ok=offload is not None)
+            check_mesh(spec.mesh, infos, what="a bucket's mesh", host_ok=host_ok)
         check_params([infos[k] for k in spec.members], spec.strategy, spec.policy)
         _check_tensor_parallel([infos[k] for k in spec.members], spec.mesh, spec.dims, spec.strategy, spmd)
     check_extension_params([i.fqn for i in infos], [i.param for i in infos], specs)
-    if offload is not None:
-        check_offloadable(infos)
-    outer = check_outer_sharding(outer_dp_sharding_strategy, mesh, specs, [i.param for i in infos], offload)
+    offloads = [_offload_of(spec, offload) for spec in specs]
+    for spec, policy in zip(specs, offloads):
+        if policy is not None:
+            check_offloadable([infos[k] for k in spec.members], type(policy).__name__)
+    outer = check_outer_sharding(
+        outer_dp_sharding_strategy, mesh, specs, [i.param for i in infos], next((p for p in offloads if p), None)
+    )
     # The arguments are valid here; now the one collective: do all ranks shard the same thing?
     check_ranks_agree(mesh, infos, specs, config)
 
@@ -266,7 +279,7 @@ def _collect_params(modules: list[nn.Module], ignored: set[int]) -> tuple[list[P
 
 
 def _build_groups(
-    infos: list[ParamInfo], specs: list[GroupSpec], offload: Optional[CPUOffloadPolicy] = None, outer: bool = False,
+    infos: list[ParamInfo], specs: list[GroupSpec], offload: Optional[AnyOffload] = None, outer: bool = False,
     spmd: Optional[DataParallelDims] = None,
 ) -> list[ParameterGroup]:
     """One group per spec (tensor-subclass members, with the plain ones that can join them, in
@@ -285,8 +298,11 @@ def _build_groups(
             members = [infos[k] for k in spec.members]
             first, mesh = members[0].param, spec.mesh
             kw = dict(gradient_divide_factor=spec.gradient_divide_factor, policy=spec.policy, own_gather=spec.own_collectives)
-            if offload is not None:
-                kw["offload"] = HostOffload(offload, mesh_device(mesh))
+            policy = _offload_of(spec, offload)
+            if isinstance(policy, CPUOffloadPolicy):  # everything on the host
+                kw["offload"] = HostOffload(policy, mesh_device(mesh))
+            elif policy is not None:  # the optimizer state only
+                kw["offload"] = OptimStateOffload(policy, mesh_device(mesh))
             if is_subclass:  # validated by check_extension_params: dim 0, a sharded strategy
                 kw.update(kind=SUBCLASS, weights=SubclassWeights)
                 spec.dims = [0] * len(members)  # FSDP2's pieces, whatever the layout policy
@@ -310,6 +326,11 @@ def _build_groups(
                 type(group.weights).__name__, group.strategy.name, group.dtypes, group.mesh,
             )
     return groups
+
+
+def _offload_of(spec: GroupSpec, offload: Optional[AnyOffload]) -> Optional[AnyOffload]:
+    """The offload policy of a spec's groups: its bucket's (checked by fully_shard), else the unit's."""
+    return offload if spec.offload_policy is None else check_offload_policy(spec.offload_policy)
 
 
 def _dims_of(spec: GroupSpec, members: list[int]) -> Optional[list[int]]:

@@ -77,13 +77,14 @@ class _Deferred:
 class DeferredTransfers:
     """:class:`~fsdp.compose.offload.HostTransfers` as a GPU with ``pin_memory=True`` behaves,
     on the CPU (see the module docstring). Counts what it did: ``uploads``, ``downloads``
-    (non-blocking copies of each direction) and ``synchronized``."""
+    (non-blocking copies of each direction), ``synchronized``, and ``largest_upload`` (the most
+    elements one host-to-device copy moved)."""
 
     def __init__(self, compute_device: torch.device, pin_memory: bool) -> None:
         self.pinned = pin_memory
         self.streams = CommStreams.for_device(compute_device)
         self._host: dict[int, torch.Tensor] = {}  # storage -> a tensor on it (kept: no reuse of the key)
-        self.uploads = self.downloads = self.synchronized = 0
+        self.uploads = self.downloads = self.synchronized = self.largest_upload = 0
 
     def host_tensor(self, numel: int, dtype: torch.dtype, zero: bool) -> torch.Tensor:
         t = (torch.zeros if zero else torch.empty)(numel, dtype=dtype)
@@ -107,6 +108,7 @@ class DeferredTransfers:
         dst.copy_(src)  # host -> device: the device reads it in stream order
         before = src.detach().clone()
         self.uploads += 1
+        self.largest_upload = max(self.largest_upload, src.numel())
 
         def check_source_untouched() -> None:
             if not torch.equal(src, before):

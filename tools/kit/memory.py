@@ -5,8 +5,9 @@ counts the live bytes of the untyped storages it is given or that an operator ru
 or writes (DTensors and other wrapper subclasses by their inner tensors, c10d operators included)
 and their peak. :func:`live_storages` finds every storage a Python-visible tensor of the process
 holds (through ``gc``), so a step's account can start from everything a method created since it
-was built (:meth:`StorageTracker.track_new`). Memory a c10d backend allocates inside a collective
-(gloo's staging buffers) is not a torch storage and is not seen.
+was built (:meth:`StorageTracker.track_new`). :class:`DeviceTracker` also keeps the peak of what is not
+in host memory (an offloading method's device peak, on a CPU run). Memory a c10d backend
+allocates inside a collective (gloo's staging buffers) is not a torch storage and is not seen.
 """
 
 from __future__ import annotations
@@ -59,6 +60,10 @@ class StorageTracker(TorchDispatchMode):
     def track_storages(self, storages) -> None:
         for st in storages:
             self._account(st)
+        self._note_peak()
+
+    def _note_peak(self) -> None:
+        """After a change of the account: keep the peak."""
         self.peak = max(self.peak, self.current)
 
     def track_new(self, before: dict[int, torch.UntypedStorage]) -> None:
@@ -93,8 +98,7 @@ class StorageTracker(TorchDispatchMode):
             if isinstance(t, torch.Tensor):
                 for local in local_tensors(t):
                     self._account(local.untyped_storage())
-        if self.current > self.peak:
-            self.peak = self.current
+        self._note_peak()
         return out
 
     def __enter__(self):
@@ -104,7 +108,7 @@ class StorageTracker(TorchDispatchMode):
         def resize_(st, size):
             result = orig(st, size)
             tracker._account(st)
-            tracker.peak = max(tracker.peak, tracker.current)
+            tracker._note_peak()
             return result
 
         torch.UntypedStorage.resize_ = resize_
@@ -113,6 +117,27 @@ class StorageTracker(TorchDispatchMode):
     def __exit__(self, *exc):
         torch.UntypedStorage.resize_ = self._orig_resize
         return super().__exit__(*exc)
+
+
+class DeviceTracker(StorageTracker):
+    """A :class:`StorageTracker` that also keeps ``device_peak``: the largest total of the
+    storages that ``on_host()`` (asked after every operator and resize: the set of storage
+    identities, ``UntypedStorage._cdata``, living in host memory at that moment) does not name.
+    On a CPU run, where host and "device" memory are one, this separates what an offloading
+    method keeps on the host from what a GPU would hold; a storage that moves between the two
+    (FSDP2's gradient, a reduction's output until it is ``param.grad`` on the host) is counted
+    where ``on_host`` says it is at each moment."""
+
+    def __init__(self, on_host: Callable[[], set]) -> None:
+        super().__init__()
+        self._on_host = on_host
+        self.device_peak = 0
+
+    def _note_peak(self) -> None:
+        super()._note_peak()
+        host = self._on_host()
+        host_bytes = sum(entry[1] for key, entry in self._live.items() if key in host)
+        self.device_peak = max(self.device_peak, self.current - host_bytes)
 
 
 def live_storages() -> dict[int, torch.UntypedStorage]:
