@@ -24,10 +24,10 @@ from tests.harness import run_ranks
 from tests.models.device_standins import SyncCounter
 
 class _CountingEvent:
-    waits = 0
+    waits = records = 0
 
     def record(self, stream=None) -> None:
-        pass
+        _CountingEvent.records += 1
 
     def synchronize(self) -> None:
         _CountingEvent.waits += 1
@@ -77,28 +77,19 @@ def test_the_counter_sees_a_syncing_call() -> None:
     assert sorted(k.split(" at ")[0] for k in counter.calls) == ["aten._local_scalar_dense.default", "aten.nonzero.default"]
 
 
-def _host_waits(model, batches) -> int:
-    module = streams_module.torch.cpu
+def test_a_step_never_waits_for_an_event_on_the_host(monkeypatch) -> None:
+    cpu = torch.cpu
 
-    class Module:  # the CPU's stand-ins, with events that count host waits
-        Stream, current_stream, stream = module.Stream, module.current_stream, module.stream
+    class Module:  # the CPU's stand-in streams, with events that count host waits
+        Stream, current_stream, stream = cpu.Stream, cpu.current_stream, cpu.stream
 
         @staticmethod
         def Event():  # noqa: N802 (torch's name)
             return _CountingEvent()
 
-    original = streams_module._device_module
-    streams_module._device_module = lambda device: Module
-    streams_module._CACHE.clear()
-    try:
-        _steady_steps(model, batches, {})
-    finally:
-        streams_module._device_module = original
-        streams_module._CACHE.clear()
-    return _CountingEvent.waits
-
-
-def test_a_step_never_waits_for_an_event_on_the_host() -> None:
-    _CountingEvent.waits = 0
-    run_ranks(_host_waits, 2, make_model(), make_batches(3), backend="threaded")
-    assert _CountingEvent.waits == 0
+    # Set here, around all the ranks (threads of this process), and undone by monkeypatch.
+    monkeypatch.setattr(streams_module, "_device_module", lambda device: Module)
+    monkeypatch.setattr(streams_module, "_CACHE", {})
+    _CountingEvent.waits = _CountingEvent.records = 0
+    run_ranks(_steady_steps, 2, make_model(), make_batches(3), {}, backend="threaded")
+    assert _CountingEvent.records > 0 and _CountingEvent.waits == 0, (_CountingEvent.records, _CountingEvent.waits)
