@@ -348,6 +348,24 @@ def _restore_autograd_threads(module: Any) -> None:
         module._ctx_manager = None
 
 
+_THREAD_CACHES_LOCK = threading.Lock()
+
+
+def _drop_thread_caches() -> None:
+    """Empty this rank thread's DTensor fast-path sharding cache (thread-local) before the
+    thread ends, one rank at a time.
+
+    Otherwise each thread's cache is destroyed as the thread exits, under a process-wide C++
+    mutex, and destroying a cached tensor releases the GIL: with torch 2.11, two rank threads
+    ending together deadlock (one holds the mutex and waits for the GIL, the other holds the GIL
+    and waits for the mutex). Emptied here, under a lock that serialises the ranks, nothing is
+    left to destroy at exit."""
+    clear = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    if clear is not None:
+        with _THREAD_CACHES_LOCK:
+            clear()
+
+
 def _set_cuda_guard_once() -> None:
     """Install the no-op CUDA device guard once, here, before the rank threads start.
 
@@ -394,6 +412,7 @@ def _run_threaded(fn: Callable[..., Any], world_size: int, args: tuple, timeout:
             # ranks' feet, and its barrier would wait for a rank that failed).
             if not abandoned.is_set():  # a thread released after a timeout must not touch
                 dist.destroy_process_group()  # whatever process group exists by then
+            _drop_thread_caches()
 
     torch._C._distributed_c10d._set_thread_isolation_mode(True)
     _install_threaded_pg()

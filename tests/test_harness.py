@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from dbuffer import compat
 from tests import harness
 from tests.harness import RankDied, RankError, RankTimeout, WorkerExit, run_ranks, shutdown_pools
 
@@ -55,7 +56,7 @@ def _abort_rank_one_after_returning() -> int:
 
 def _gather_shapes() -> tuple[tuple[int, ...], int]:
     out = torch.empty(dist.get_world_size() * 3)
-    dist.all_gather_single(out, torch.full((3,), float(dist.get_rank())))
+    getattr(dist, compat.all_gather_name())(out, torch.full((3,), float(dist.get_rank())))
     return tuple(out.shape), dist.get_rank()
 
 
