@@ -1,10 +1,11 @@
 """Every difference between the torch releases dbuffer and fsdp support (2.11 to 2.15), each
 behind one small named function, so that no other module asks which torch it runs on.
 
-Each function detects the *feature* (a name torch has or lacks), not a version number, so a
-torch in between (a nightly, a backport) gets whatever it actually has; the version numbers
-appear only in error messages (:mod:`dbuffer.torch_version`). Each takes what it inspects as an
-argument with torch's as the default, so that a test on any torch can drive the other branch.
+Where torch has a name to look for, a function detects the *feature* (a name torch has or
+lacks), so a torch in between (a nightly, a backport) gets whatever it actually has; only a fix
+with no name to look for is told by version (:func:`dtensor_subclass_dispatch_bypassed`). Each
+takes what it inspects as an argument with torch's as the default, or can be switched on, so
+that a test on any torch drives the other branch (``tests/dbuffer/test_compat.py``).
 
 The differences:
 
@@ -22,6 +23,10 @@ The differences:
   Where :func:`dtensor_subclass_dispatch_bypassed`, :func:`route_subclass_dispatch` gives their
   base a ``__torch_function__`` that runs each op under a dispatch mode handing the aten op to
   the subclass's ``__torch_dispatch__``: the same calls, with the same arguments, as on 2.12.
+* DTensors on a ``"meta"`` mesh (``tools/plan_memory.py`` plans a fake world there): torch
+  2.15's sharding propagation of ``detach`` prices redistributions from the mesh device's
+  ``device_count()``, and ``"meta"`` has no device module, so ``nn.Parameter(dtensor)`` raises.
+  :func:`meta_mesh_device_count` gives ``"meta"`` the CPU's count while a planner shards there.
 * FSDP2's ``DataParallelMeshDims`` (fully_shard's ``dp_mesh_dims``; torch 2.12+):
   :func:`data_parallel_mesh_dims` gives torch's class, or a stand-in that raises
   :class:`~dbuffer.torch_version.TorchVersionError` naming the torch it needs when constructed;
@@ -30,8 +35,9 @@ The differences:
 
 from __future__ import annotations
 
+import contextlib
 from types import ModuleType
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -44,6 +50,7 @@ __all__ = [
     "all_gather_name",
     "data_parallel_mesh_dims",
     "dtensor_subclass_dispatch_bypassed",
+    "meta_mesh_device_count",
     "reduce_scatter_name",
     "require_data_parallel_mesh_dims",
     "route_subclass_dispatch",
@@ -115,6 +122,32 @@ def route_subclass_dispatch(base: type, on: bool) -> None:
     base.__torch_function__ = classmethod(__torch_function__)
 
 
+@contextlib.contextmanager
+def meta_mesh_device_count() -> Iterator[None]:
+    """While active, DTensor's sharding propagation works on a ``"meta"`` mesh on every torch.
+
+    torch 2.15 prices the redistributions of an op's candidate placements (``detach`` among
+    them, so ``nn.Parameter(dtensor)``; torch's own ``parallelize_module`` does that) from
+    ``_mesh_resources.num_devices_per_host(mesh.device_type)``, i.e. the device module's
+    ``device_count()``, and ``"meta"`` has no device module: every such op raises. Here
+    ``"meta"`` counts one device per host, as ``"cpu"`` does (the price only ranks placements
+    that give the same values). Other device types are asked as before; on exit the method is
+    put back. For planners that shard on a fake world's meta mesh (``tools/plan_memory.py``)."""
+    from torch.distributed.device_mesh import _mesh_resources
+
+    env = type(_mesh_resources)
+    original = env.__dict__["num_devices_per_host"]
+
+    def num_devices_per_host(device_type: str) -> int:
+        return 1 if device_type == "meta" else original.__func__(device_type)
+
+    env.num_devices_per_host = staticmethod(num_devices_per_host)
+    try:
+        yield
+    finally:
+        env.num_devices_per_host = original
+
+
 # ---------------------------------------------------------------- FSDP2's public names
 
 
@@ -128,11 +161,14 @@ def _dp_mesh_dims_missing() -> None:
 
 
 class _DataParallelMeshDimsMissing:
-    """Stands for FSDP2's ``DataParallelMeshDims`` on a torch without it (before 2.12):
-    constructing one raises :class:`~dbuffer.torch_version.TorchVersionError`, naming the
-    torch it needs and what to pass ``fully_shard`` instead."""
+    """Stands for FSDP2's ``DataParallelMeshDims`` on a torch without it (before 2.12), so that
+    ``fsdp.DataParallelMeshDims`` exists on every supported torch and using it says why it
+    cannot work: constructing one raises :class:`~dbuffer.torch_version.TorchVersionError`,
+    naming the torch it needs and what to pass ``fully_shard`` instead."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, shard: Any = None, replicate: Any = None) -> None:
+        """``shard`` / ``replicate``: FSDP2's mesh dim names (unused: this always raises
+        ``TorchVersionError``)."""
         _dp_mesh_dims_missing()
 
 

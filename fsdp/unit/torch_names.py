@@ -16,7 +16,8 @@ names at import, keep torch's. So switch it on before the framework imports thos
 module level, and keep one implementation per process: the switch is process-wide, as the names are.
 
 ``CPUOffloadPolicy``, ``OffloadPolicy`` and ``DataParallelMeshDims`` are torch's own classes in
-fsdp too (the same objects), so they need no rebinding and work either way.
+fsdp too (the same objects), so they need no rebinding and work either way (torch 2.11 has no
+``DataParallelMeshDims``: fsdp's is then a stand-in that raises, :mod:`dbuffer.compat`).
 """
 
 from __future__ import annotations

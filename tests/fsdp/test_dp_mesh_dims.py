@@ -1,4 +1,4 @@
-"""fully_shard with torch 2.13's ``dp_mesh_dims`` contract, as torchtitan's ``full_dtensor`` and
+"""fully_shard with torch's ``dp_mesh_dims`` (2.12+) contract, as torchtitan's ``full_dtensor`` and
 ``spmd_types`` backends use it.
 
 ``full_dtensor``: every parameter is a DTensor on the *full* SPMD mesh, ``Replicate`` on the
@@ -29,6 +29,9 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 import fsdp
 from tests.fsdp.models import VOCAB, make_batches, make_model
 from tests.harness import run_ranks
+
+# torch 2.12+ (DataParallelMeshDims); on 2.11 each test checks the clear refusal instead (tests/versions.py)
+pytestmark = pytest.mark.dp_mesh_dims
 
 # tensor-parallel placements on the tp dim, by parameter name suffix (Megatron's plan on TinyLM's
 # blocks and head); every other parameter, and every parameter on a mesh without tp, is Replicate
