@@ -15,7 +15,6 @@ from dbuffer.torch_version import check as _check_torch_version
 
 _check_torch_version()  # before anything that would fail on an old torch with a less clear error
 
-
 from dbuffer.buffer import DBuffer, distribute_tensors
 from dbuffer.collectives import Pending, mesh_device
 from dbuffer.element_sharded import ElementShardedDTensor

@@ -84,6 +84,7 @@ def _c10d(name: str) -> Callable:
     tools that wrap c10d functions see the calls)."""
     return getattr(dist, name)
 
+
 # From this many bytes per shard (per message) up, gloo all-gather and reduce-scatter go
 # point-to-point; see the module docstring.
 _P2P_MIN_SHARD_BYTES = 2 << 20

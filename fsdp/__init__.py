@@ -19,7 +19,6 @@ from dbuffer.torch_version import check as _check_torch_version
 
 _check_torch_version()  # before the imports below, which would fail less clearly on an old torch
 
-
 from fsdp.unit.fully_shard import fully_shard
 from fsdp.unit.init_weights import init_weights
 from fsdp.unit.module import FSDPModule, UnshardHandle, register_fsdp_forward_method
