@@ -16,7 +16,7 @@ import torch.nn as nn
 from dbuffer import compat
 from dbuffer.torch_version import TorchVersionError
 
-__all__ = ["check_dp_mesh_dims_refused", "has_dp_mesh_dims"]
+__all__ = ["check_dp_mesh_dims_refused", "fsdp2_flattens_shard_dims", "has_dp_mesh_dims"]
 
 
 def has_dp_mesh_dims() -> bool:
@@ -24,6 +24,16 @@ def has_dp_mesh_dims() -> bool:
     import torch.distributed.fsdp as torch_fsdp
 
     return hasattr(torch_fsdp, "DataParallelMeshDims")
+
+
+def fsdp2_flattens_shard_dims() -> bool:
+    """Whether torch's FSDP2 puts a parameter sharded over several ``dp_mesh_dims`` shard dims on
+    the flattened mesh with ``Shard(0)`` (2.13+, what fsdp does on every torch) rather than on
+    the full mesh with ``Shard(0)`` on each of those dims (2.12). By version: FSDP2's behaviour
+    has no name to look for."""
+    from dbuffer.torch_version import parse
+
+    return parse(torch.__version__) >= (2, 13)
 
 
 def check_dp_mesh_dims_refused() -> None:
