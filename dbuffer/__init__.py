@@ -6,7 +6,14 @@ The layout math (:mod:`dbuffer.layout`, :mod:`dbuffer.placements`) is pure; the 
 Importing it wraps two private functions of torch's full-state-dict loaders so that they load
 dbuffer's DTensors (whose pieces are not ``torch.chunk``'s) exactly; every other tensor goes to
 torch's code unchanged (:mod:`dbuffer.full_load` says why and how).
+
+It needs torch 2.11 or newer: an older torch raises ``ImportError`` here, naming the version
+(:mod:`dbuffer.torch_version`).
 """
+
+from dbuffer.torch_version import check as _check_torch_version
+
+_check_torch_version()  # before anything that would fail on an old torch with a less clear error
 
 from dbuffer.buffer import DBuffer, distribute_tensors
 from dbuffer.collectives import Pending, mesh_device

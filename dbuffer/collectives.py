@@ -3,7 +3,9 @@
 This is the only module of the toolkit that calls torch.distributed collectives.
 
 * NCCL, torch's threaded test group and anything else not named below: the one-call c10d
-  collective (``all_gather_single``, ``reduce_scatter_single``, ``all_reduce``).
+  collective (``all_gather_single``, ``reduce_scatter_single``, ``all_reduce``; before torch
+  2.13 the first two are ``all_gather_into_tensor`` and ``reduce_scatter_tensor``, same
+  arguments: :mod:`dbuffer.compat`).
 * Gloo, all-gather: ``all_gather_single`` for shards under 2 MiB; from 2 MiB per shard up,
   point-to-point (``isend``/``irecv``) straight into ``out``. Gloo's ``all_gather_single`` stages
   through a fresh output-sized buffer and two extra copies, and a fresh large buffer is faulted in
@@ -46,6 +48,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from dbuffer import compat
 from dbuffer import debug as _debug
 
 __all__ = [
@@ -99,6 +102,19 @@ def singleton_groups_communicate(enabled: bool = True) -> Iterator[None]:
 def _alone(size: int) -> bool:
     """Whether a group of ``size`` takes the no-call shortcut."""
     return size == 1 and not _SINGLETON_C10D
+
+
+# c10d's one-call all-gather and reduce-scatter under this torch's names (``*_single`` from 2.13,
+# ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` before: :mod:`dbuffer.compat`).
+_ALL_GATHER = compat.all_gather_name()
+_REDUCE_SCATTER = compat.reduce_scatter_name()
+
+
+def _c10d(name: str) -> Callable:
+    """``torch.distributed``'s function ``name``, looked up at each call (so that tests and
+    tools that wrap c10d functions see the calls)."""
+    return getattr(dist, name)
+
 
 # From this many bytes per shard (per message) up, gloo all-gather and reduce-scatter go
 # point-to-point; see the module docstring.
@@ -253,7 +269,7 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup, a
         if chunks[rank].data_ptr() != inp.data_ptr():  # else already in place
             chunks[rank].copy_(inp)  # overlaps the transfers
         return _maybe_wait(Pending(works, lambda: out), async_op)
-    work = dist.all_gather_single(out, inp, group=group, async_op=async_op)
+    work = _c10d(_ALL_GATHER)(out, inp, group=group, async_op=async_op)
     return _maybe_wait(Pending([work], lambda: out), async_op)
 
 
@@ -312,7 +328,7 @@ def reduce_scatter(
             return out.div_(size) if divide else out
 
         return _maybe_wait(Pending(works, finish), async_op)
-    work = dist.reduce_scatter_single(out, inp, op=c10d_op, group=group, async_op=async_op)
+    work = _c10d(_REDUCE_SCATTER)(out, inp, op=c10d_op, group=group, async_op=async_op)
     return _maybe_wait(Pending([work], _div_by(size, out) if divide else (lambda: out)), async_op)
 
 

@@ -20,7 +20,7 @@ import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.utils._pytree import tree_unflatten
 
-from dbuffer import collectives
+from dbuffer import collectives, compat
 from dbuffer.placements import sharded_axes
 
 __all__ = ["PieceShardedDTensor", "exact_full", "exact_piece", "run_on_full"]
@@ -87,6 +87,11 @@ class PieceShardedDTensor(DTensor):
 
     def __coerce_same_metadata_as_tangent__(self, flatten_spec, expected_type=None):
         return super().__coerce_same_metadata_as_tangent__(flatten_spec[0], expected_type)
+
+
+# torch 2.11 runs DTensor subclasses' ops in its C++ fast path, never calling their
+# __torch_dispatch__: route them to it there (dbuffer.compat says how).
+compat.route_subclass_dispatch(PieceShardedDTensor, compat.dtensor_subclass_dispatch_bypassed())
 
 
 # ----------------------------------------------------------------------------- ops on full tensors

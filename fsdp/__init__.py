@@ -10,7 +10,14 @@ weights after any optimizer step (:func:`optimizer_step_hooks`).
 
 User guide: fsdp/README.md. Reference: each public name's docstring. Layout of the code and one
 training step file by file: CONTRIBUTING.md.
+
+It needs torch 2.11 or newer (checked first: an older torch raises ``ImportError`` naming the
+version, :mod:`dbuffer.torch_version`); ``dp_mesh_dims`` needs 2.12.
 """
+
+from dbuffer.torch_version import check as _check_torch_version
+
+_check_torch_version()  # before the imports below, which would fail less clearly on an old torch
 
 from fsdp.unit.fully_shard import fully_shard
 from fsdp.unit.init_weights import init_weights

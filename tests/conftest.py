@@ -16,6 +16,29 @@ settings.register_profile(
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "dp_mesh_dims: the test needs torch's DataParallelMeshDims (torch 2.12+); on an older torch it "
+        "checks instead that using dp_mesh_dims raises the error naming the torch needed",
+    )
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem: pytest.Function):
+    """A ``dp_mesh_dims`` test on a torch without ``DataParallelMeshDims`` cannot run (the API
+    it exercises does not exist there); what holds there instead is checked:
+    :func:`tests.versions.check_dp_mesh_dims_refused`."""
+    if pyfuncitem.get_closest_marker("dp_mesh_dims") is None:
+        return None
+    from tests.versions import check_dp_mesh_dims_refused, has_dp_mesh_dims
+
+    if has_dp_mesh_dims():
+        return None
+    check_dp_mesh_dims_refused()
+    return True
+
+
 @pytest.fixture
 def ranks():
     """``ranks(fn, world_size, *args, backend=..., timeout=...)``: see :func:`tests.harness.run_ranks`."""

@@ -224,11 +224,11 @@ def tool_commands() -> list[tuple[str, str, list[str]]]:
             for match in COMMAND.finditer(line):
                 tool, args = match.group(1), match.group(2).split()
                 if tool == "tools/dev.py":
-                    if args[:1] == ["demo"]:
-                        tool, args = "tools/demo.py", args[1:]
-                    else:
-                        assert args[:1] == ["test"], f"{path}:{n}: tools/dev.py takes demo or test, got {args}"
-                        args = []
+                    assert args[:1] in (["demo"], ["test"]), f"{path}:{n}: tools/dev.py takes demo or test, got {args}"
+                    if args[1:2] == ["--torch"]:  # dev.py's own flag, then the command's
+                        assert re.fullmatch(r"\d+\.\d+\.\d+", args[2]), f"{path}:{n}: --torch takes a release, got {args}"
+                        args = args[:1] + args[3:]
+                    tool, args = ("tools/demo.py", args[1:]) if args[0] == "demo" else (tool, [])
                 flags = [a.split("=")[0] for a in args if a.startswith("--")]
                 out.append((f"{path}:{n}", tool, flags))
     return out

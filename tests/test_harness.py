@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from dbuffer import compat
 from tests import harness
 from tests.harness import RankDied, RankError, RankTimeout, WorkerExit, run_ranks, shutdown_pools
 
@@ -55,7 +56,7 @@ def _abort_rank_one_after_returning() -> int:
 
 def _gather_shapes() -> tuple[tuple[int, ...], int]:
     out = torch.empty(dist.get_world_size() * 3)
-    dist.all_gather_single(out, torch.full((3,), float(dist.get_rank())))
+    getattr(dist, compat.all_gather_name())(out, torch.full((3,), float(dist.get_rank())))
     return tuple(out.shape), dist.get_rank()
 
 
@@ -115,3 +116,43 @@ def test_fake_backend_gives_shapes_of_a_huge_world() -> None:
 def test_bad_backend_is_rejected() -> None:
     with pytest.raises(ValueError, match="backend must be"):
         run_ranks(_rank_and_sum, 2, backend="mpi")
+
+
+# ----------------------------------------------------------------------------- torch versions
+
+
+def test_threaded_world_compat_gives_each_thread_its_own_comms_where_torch_has_none() -> None:
+    """torch 2.11's threaded world lacks ``comms`` (its destroy_process_group reads it): the
+    harness adds one list per thread; a world that has it (2.13+) is left alone."""
+    import types
+
+    class OldWorld:  # torch 2.11's shape: a thread-local store, no comms
+        _world = threading.local()
+
+    class NewWorld:
+        comms = property(lambda self: ["torch's own"])
+
+    old, new = types.SimpleNamespace(ThreadLocalWorld=OldWorld), types.SimpleNamespace(ThreadLocalWorld=NewWorld)
+    harness.threaded_world_compat(old)
+    harness.threaded_world_compat(new)
+    assert NewWorld().comms == ["torch's own"]
+    world = OldWorld()
+    world.comms.append("main")
+    seen = []
+    thread = threading.Thread(target=lambda: seen.append(list(world.comms)))
+    thread.start()
+    thread.join()
+    assert seen == [[]] and world.comms == ["main"] and world.comms is world.comms
+
+
+def test_restore_autograd_threads_exits_what_an_old_uninstall_left() -> None:
+    import types
+
+    entered = torch.autograd.set_multithreading_enabled(False)  # what _install_threaded_pg does
+    old = types.SimpleNamespace(_ctx_manager=entered)  # torch 2.11's uninstall leaves it set
+    harness._restore_autograd_threads(old)
+    assert old._ctx_manager is None
+    assert torch._C._is_multithreading_enabled()
+    new = types.SimpleNamespace(_ctx_manager=None)  # torch 2.13's uninstall already restored it
+    harness._restore_autograd_threads(new)
+    assert new._ctx_manager is None and torch._C._is_multithreading_enabled()

@@ -81,8 +81,10 @@ def _setup(size_mib: float, world: int):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-    from dbuffer import DBuffer
+    from dbuffer import DBuffer, compat
 
+    all_gather_single = getattr(dist, compat.all_gather_name())  # its name before torch 2.13
+    reduce_scatter_single = getattr(dist, compat.reduce_scatter_name())
     rank = dist.get_rank()
     mesh = init_device_mesh("cpu", (world,))
     group = mesh.get_group(0)
@@ -160,7 +162,7 @@ def _setup(size_mib: float, world: int):
         return replicated.local_buffer
 
     def c10d_ag():
-        dist.all_gather_single(raw_full, raw_shard, group=group)
+        all_gather_single(raw_full, raw_shard, group=group)
         return raw_full
 
     def p2p_ag():
@@ -176,7 +178,7 @@ def _setup(size_mib: float, world: int):
 
     def c10d_rs(divide):
         def run():
-            dist.reduce_scatter_single(raw_out, raw_in, op=dist.ReduceOp.SUM, group=group)
+            reduce_scatter_single(raw_out, raw_in, op=dist.ReduceOp.SUM, group=group)
             return raw_out.div_(world) if divide else raw_out
 
         return run
@@ -210,7 +212,7 @@ def _setup(size_mib: float, world: int):
     def a2a_ar():
         a2a_sum(raw_ar, ar_shard)
         ar_shard.div_(world)
-        dist.all_gather_single(raw_ar, ar_shard, group=group)
+        all_gather_single(raw_ar, ar_shard, group=group)
         return raw_ar
 
     def p2p_ar():

@@ -28,9 +28,8 @@ from typing import Any, Callable, Literal, Optional
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import DataParallelMeshDims
 
-from dbuffer import mesh_device
+from dbuffer import compat, mesh_device
 from fsdp.compose import custom_comm
 from fsdp.compose.tensor_parallel import DataParallelDims
 from fsdp.group.reduction import check_divide_factor
@@ -42,6 +41,11 @@ __all__ = [
     "data_parallel_mesh",
     "share_comm_ctx",
 ]
+
+
+# FSDP2's class (torch 2.12+); on an older torch a stand-in whose constructor raises, naming the
+# torch it needs (dbuffer.compat).
+DataParallelMeshDims = compat.data_parallel_mesh_dims()
 
 
 class ArgumentTypeError(TypeError, ValueError):
@@ -283,9 +287,12 @@ def data_parallel_mesh(
     sharded as FSDP2 shards them (:mod:`fsdp.compose.tensor_parallel`); plain parameters (which
     FSDP2 refuses here) are sharded over the dp sub-mesh, each group of ranks along the other
     dims keeping its own values (spmd_types' tensor-parallel-local tensors). ``replicate`` alone
-    (FSDP2's DDP) is refused: use ``sharding_strategy='no_shard'`` with ``shard=``."""
+    (FSDP2's DDP) is refused: use ``sharding_strategy='no_shard'`` with ``shard=``. On a torch
+    without ``DataParallelMeshDims`` (before 2.12) any ``dp_mesh_dims`` raises
+    ``dbuffer.torch_version.TorchVersionError`` naming the version needed."""
     if dp_mesh_dims is None:
         return mesh, None
+    compat.require_data_parallel_mesh_dims()  # torch before 2.12: raises, naming the version
     if not isinstance(dp_mesh_dims, DataParallelMeshDims):
         raise ArgumentTypeError(
             f"dp_mesh_dims must be a torch.distributed.fsdp.DataParallelMeshDims, got {type(dp_mesh_dims).__name__}"

@@ -23,7 +23,8 @@ So its modules, if already imported, are rebound too, and a pipeline of fsdp sta
 whichever was imported first.
 
 ``CPUOffloadPolicy``, ``OffloadPolicy`` and ``DataParallelMeshDims`` are torch's own classes in
-fsdp too (the same objects), so they need no rebinding and work either way.
+fsdp too (the same objects), so they need no rebinding and work either way (torch 2.11 has no
+``DataParallelMeshDims``: fsdp's is then a stand-in that raises, :mod:`dbuffer.compat`).
 """
 
 from __future__ import annotations

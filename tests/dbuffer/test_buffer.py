@@ -16,6 +16,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from dbuffer import DBuffer, RowShardedDTensor, distribute_tensors
+from dbuffer import compat
 from tests.harness import run_ranks
 
 SHAPES = [(7, 3), (), (0, 4), (5,), (2, 3, 2), (1,), (11, 2), (3, 0)]
@@ -360,7 +361,7 @@ def _world_one_makes_no_c10d_call() -> bool:
 
     mesh = init_device_mesh("cpu", (1,))
     tensors = [torch.arange(6.0).reshape(3, 2), torch.ones(4)]
-    names = ("all_gather_single", "reduce_scatter_single", "all_reduce", "all_to_all_single", "isend", "irecv")
+    names = (compat.all_gather_name(), compat.reduce_scatter_name(), "all_reduce", "all_to_all_single", "isend", "irecv")
     real = {n: getattr(coll.dist, n) for n in names}
 
     def refuse(*args, **kwargs):

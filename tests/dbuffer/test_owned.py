@@ -20,6 +20,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from dbuffer import DBuffer, Owned, OwnedLayout, RowShardedDTensor, distribute_tensors
+from dbuffer import compat
 from dbuffer.layout import assign_owners, compute_layout, compute_owned_layout
 from dbuffer.placements import check_layout_kind, check_placements, plan_redistribute
 from tests.dbuffer.test_buffer import SHAPES
@@ -396,7 +397,7 @@ def _owned_gather_calls(shapes) -> dict:
     tensors = [torch.randn(s, generator=g) for s in shapes]
     owned = distribute_tensors(tensors, mesh, [Owned()])
     calls: list[tuple[str, int]] = []
-    real = {n: getattr(coll.dist, n) for n in ("broadcast", "all_gather_single", "isend")}
+    real = {n: getattr(coll.dist, n) for n in ("broadcast", compat.all_gather_name(), "isend")}
 
     def spy(name):
         def run(tensor, *args, **kwargs):
@@ -427,7 +428,7 @@ def test_sparse_owned_gather_broadcasts_only_what_owners_hold() -> None:
         assert sorted(n for _, n in out["calls"]) == sorted(x for x in out["loads"] if x)  # no padding sent
         assert out["shard"] * 4 > 1.25 * sum(out["loads"])
     for out in dense:  # no padding: the one all-gather
-        assert out["exact"] and [name for name, _ in out["calls"]] == ["all_gather_single"]
+        assert out["exact"] and [name for name, _ in out["calls"]] == [compat.all_gather_name()]
 
 
 def _owned_reduce_calls(shapes, op: str) -> dict:
@@ -444,7 +445,7 @@ def _owned_reduce_calls(shapes, op: str) -> dict:
     for k, t in enumerate(base):
         partial.get_local_tensor(k).copy_(t * (rank + 1))
     calls: list[str] = []
-    real = {n: getattr(coll.dist, n) for n in ("all_to_all_single", "reduce_scatter_single", "isend")}
+    real = {n: getattr(coll.dist, n) for n in ("all_to_all_single", compat.reduce_scatter_name(), "isend")}
 
     def spy(name):
         def run(*args, **kwargs):

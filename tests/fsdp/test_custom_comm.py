@@ -14,6 +14,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGath
 from torch.distributed.tensor import Shard
 
 import fsdp
+from dbuffer import compat
 from fsdp.compose import custom_comm
 from tests.fsdp.models import make_batches, make_model, max_diff, reference, full_state, train
 from tests.harness import run_ranks
@@ -32,7 +33,7 @@ class CountingAllGather:
     def __call__(self, output_tensor, input_tensor, group, async_op=False):
         self.calls += 1
         assert output_tensor.numel() == input_tensor.numel() * dist.get_world_size(group)
-        return dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
+        return getattr(dist, compat.all_gather_name())(output_tensor, input_tensor, group=group, async_op=async_op)
 
 
 class CountingReduceScatter:
@@ -47,7 +48,7 @@ class CountingReduceScatter:
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
         self.calls += 1
         self.ops.add(str(op))
-        return dist.reduce_scatter_single(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+        return getattr(dist, compat.reduce_scatter_name())(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
 
 
 class DirectAllGather(DefaultAllGather):  # FSDP2's default allocator: handed fsdp's own buffers

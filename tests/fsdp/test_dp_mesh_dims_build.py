@@ -1,4 +1,4 @@
-"""fully_shard with torch 2.13's ``dp_mesh_dims``: what is refused (before any collective, with
+"""fully_shard with torch's ``dp_mesh_dims`` (2.12+): what is refused (before any collective, with
 the fix), tensor parallelism on a sub-mesh next to it, DCP and full state dicts of the full-mesh
 parameters, and a meta-device build (tests/fsdp/test_dp_mesh_dims.py trains them)."""
 
@@ -18,6 +18,9 @@ import fsdp
 from tests.fsdp.models import VOCAB, make_batches, make_model
 from tests.fsdp.test_dp_mesh_dims import LR, _dp_rank, _full, _local_loss, _max_diff, _shard, distribute_full
 from tests.harness import run_ranks
+
+# torch 2.12+ (DataParallelMeshDims); on 2.11 each test checks the clear refusal instead (tests/versions.py)
+pytestmark = pytest.mark.dp_mesh_dims
 
 
 # ----------------------------------------------------------------------------- misuse

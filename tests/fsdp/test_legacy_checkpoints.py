@@ -61,14 +61,30 @@ def test_a_checkpoint_saved_before_the_restructuring_loads_bit_for_bit(saved, in
     assert results[0]["steps"] == [2]  # the optimizer state came along (two steps taken)
 
 
-def _unpickle(_: None) -> bool:
+def _unpickle(_: None):
     rank = dist.get_rank()
-    params = torch.load(os.path.join(DATA, f"row_params_rank{rank}.pt"), weights_only=False)
+    try:
+        params = torch.load(os.path.join(DATA, f"row_params_rank{rank}.pt"), weights_only=False)
+    except AttributeError as exc:  # what an older torch says of the newer torch's DeviceMesh
+        return str(exc)
     want = torch.load(os.path.join(DATA, "row_full.pt"))
     kinds = {type(p) for p in params.values()}
     full = {k: p.full_tensor() for k, p in params.items()}  # every rank, in the same order
     return RowShardedDTensor in kinds and all(torch.equal(full[k], want[k]) for k in want)
 
 
+def _torch_reads_the_pickled_meshes() -> bool:
+    """The pickles were written under torch 2.13, whose DeviceMesh pickles name its
+    ``torch.distributed._mesh_layout._FlatLayout``; torch reads a DeviceMesh only where it has
+    that class (2.13+): pickles of torch's objects do not load into an older torch."""
+    from torch.distributed import _mesh_layout
+
+    return hasattr(_mesh_layout, "_FlatLayout")
+
+
 def test_pickled_row_sharded_parameters_unpickle_and_are_exact() -> None:
-    assert run_ranks(_unpickle, 2, None, backend="gloo") == [True, True]
+    results = run_ranks(_unpickle, 2, None, backend="gloo")
+    if _torch_reads_the_pickled_meshes():
+        assert results == [True, True]
+    else:  # torch 2.11 / 2.12: torch's own unpickling of the mesh fails, before any of ours runs
+        assert all("_FlatLayout" in r and "_mesh_layout" in r for r in results), results

@@ -14,6 +14,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import fsdp
+from dbuffer import compat
 from tests.fsdp.models import loss_fn, make_batches, make_model
 from tests.harness import run_ranks, spy_collectives
 
@@ -46,7 +47,8 @@ def _gathers_per_step(model, batches) -> dict:
 
     theirs = _head_only_root(copy.deepcopy(model), torch_fsdp)
     opt = torch.optim.AdamW(theirs.parameters(), lr=1e-2)
-    real, counts = dist.all_gather_single, []
+    name = compat.all_gather_name()  # what torch's FSDP2 calls on this torch
+    real, counts = getattr(dist, name), []
     for x, y in steps:
         calls = []
 
@@ -54,11 +56,11 @@ def _gathers_per_step(model, batches) -> dict:
             calls.append(1)
             return real(*args, **kwargs)
 
-        dist.all_gather_single = counting
+        setattr(dist, name, counting)
         try:
             loss_fn(theirs, x, y).backward()
         finally:
-            dist.all_gather_single = real
+            setattr(dist, name, real)
         opt.step()
         opt.zero_grad()
         counts.append(len(calls))

@@ -18,6 +18,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import fsdp
+from dbuffer import compat
 from tests.harness import run_ranks, spy_collectives
 from tests.models.float8_weight import Float8RowwiseWeight, STEFloat8Linear
 
@@ -91,7 +92,7 @@ def _both(model, data) -> dict:
     from torch.distributed import fsdp as torch_fsdp
 
     ours = _train(quantised(model), fsdp, data, lambda: spy_collectives("all_gather"))
-    theirs = _train(quantised(model), torch_fsdp, data, lambda: _counting(dist, "all_gather_single"))
+    theirs = _train(quantised(model), torch_fsdp, data, lambda: _counting(dist, compat.all_gather_name()))
     # bucket_size asks for a group per parameter, each with its own collectives: kept apart
     bucketed = _train(quantised(model), fsdp, data, lambda: spy_collectives("all_gather"), bucket_size=1)
     return {"ours": ours, "fsdp2": theirs, "bucketed": bucketed}

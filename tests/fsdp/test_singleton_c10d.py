@@ -15,12 +15,14 @@ import torch
 import torch.distributed as dist
 
 import fsdp
+from dbuffer import compat
 from dbuffer.collectives import singleton_groups_communicate
 from tests.fsdp.models import full_state, make_batches, make_model, max_diff, reference, train
 from tests.fsdp.test_parity import shard
 from tests.harness import run_ranks
 
-C10D = ("all_gather_single", "reduce_scatter_single", "all_to_all_single", "all_reduce", "isend", "irecv", "broadcast")
+GATHER, REDUCE_SCATTER = compat.all_gather_name(), compat.reduce_scatter_name()  # this torch's names
+C10D = (GATHER, REDUCE_SCATTER, "all_to_all_single", "all_reduce", "isend", "irecv", "broadcast")
 
 
 def _counted_training(model, batches, on: bool) -> tuple[dict, dict]:
@@ -57,9 +59,9 @@ def test_world_1_calls_c10d_when_asked_and_still_trains_like_the_plain_model() -
         (states, counts), = run_ranks(_counted_training, 1, model, batches, on, backend="gloo")
         for strategy, state in states.items():
             assert max_diff(state, ref) <= 1e-5, (on, strategy, max_diff(state, ref))
-        gathers = counts["all_gather_single"] + counts["irecv"]
-        reductions = counts["all_to_all_single"] + counts["reduce_scatter_single"] + counts["all_reduce"]
-        if on:  # gloo's paths: all_gather_single and all-to-all + local sum; no_shard all-reduces
+        gathers = counts[GATHER] + counts["irecv"]
+        reductions = counts["all_to_all_single"] + counts[REDUCE_SCATTER] + counts["all_reduce"]
+        if on:  # gloo's paths: the one-call all-gather and all-to-all + local sum; no_shard all-reduces
             assert gathers > 0 and counts["all_to_all_single"] > 0 and counts["all_reduce"] > 0, counts
         else:
             assert gathers == 0 and reductions == 0, counts

@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 
+from dbuffer.compat import meta_mesh_device_count
 from dbuffer.teardown import shutdown
 from fsdp import MixedPrecisionPolicy, fully_shard
 from fsdp.group.layout_choice import layout_policy
@@ -99,13 +100,14 @@ def plan(
         grad_copy_bytes = closed.bytes["grad_copies"]
         if flat_optimizer:
             closed.bytes["grad_copies"] = 0
-        with _timed(seconds, "fully_shard"), layout_policy(layout):
+        # meta_mesh_device_count: torch 2.15's DTensor ops need it on a meta mesh (dbuffer.compat)
+        with _timed(seconds, "fully_shard"), layout_policy(layout), meta_mesh_device_count():
             mesh = _mesh(device, shape, root)
             kw = dict(mp_policy=mp_policy, sharding_strategy=strategy, outer_dp_sharding_strategy=outer_dp_sharding_strategy)
             for unit in units:
                 fully_shard(unit, mesh=mesh, **kw)
             fully_shard(root, mesh=mesh, **kw)
-        with _timed(seconds, "measure"):
+        with _timed(seconds, "measure"), meta_mesh_device_count():
             states = [u._fsdp_state for u in units] + [root._fsdp_state]
             measured = measure_units(states, OPTIMIZER_STATES[optimizer], schedule, flat_optimizer)
     finally:
