@@ -105,15 +105,10 @@ def _alone(size: int) -> bool:
 
 
 # c10d's one-call all-gather and reduce-scatter under this torch's names (``*_single`` from 2.13,
-# ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` before: :mod:`dbuffer.compat`).
+# ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` before: :mod:`dbuffer.compat`), looked
+# up in torch.distributed at each call (tests and tools that wrap c10d functions see the calls).
 _ALL_GATHER = compat.all_gather_name()
 _REDUCE_SCATTER = compat.reduce_scatter_name()
-
-
-def _c10d(name: str) -> Callable:
-    """``torch.distributed``'s function ``name``, looked up at each call (so that tests and
-    tools that wrap c10d functions see the calls)."""
-    return getattr(dist, name)
 
 
 # From this many bytes per shard (per message) up, gloo all-gather and reduce-scatter go
@@ -269,7 +264,7 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup, a
         if chunks[rank].data_ptr() != inp.data_ptr():  # else already in place
             chunks[rank].copy_(inp)  # overlaps the transfers
         return _maybe_wait(Pending(works, lambda: out), async_op)
-    work = _c10d(_ALL_GATHER)(out, inp, group=group, async_op=async_op)
+    work = getattr(dist, _ALL_GATHER)(out, inp, group=group, async_op=async_op)
     return _maybe_wait(Pending([work], lambda: out), async_op)
 
 
@@ -328,7 +323,7 @@ def reduce_scatter(
             return out.div_(size) if divide else out
 
         return _maybe_wait(Pending(works, finish), async_op)
-    work = _c10d(_REDUCE_SCATTER)(out, inp, op=c10d_op, group=group, async_op=async_op)
+    work = getattr(dist, _REDUCE_SCATTER)(out, inp, op=c10d_op, group=group, async_op=async_op)
     return _maybe_wait(Pending([work], _div_by(size, out) if divide else (lambda: out)), async_op)
 
 
