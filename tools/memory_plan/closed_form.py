@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 
 from fsdp import MixedPrecisionPolicy
-from fsdp.group.policy import Strategy
+from fsdp.group.policy import Strategy, reduces_in_grad_dtype
 from tools.memory_plan.report import Moment
 
 # Tensors of optimizer state per parameter, each like the parameter (torch's defaults).
@@ -32,7 +32,10 @@ def _dtypes(p: MixedPrecisionPolicy, built: torch.dtype) -> tuple[torch.dtype, t
         return built, built, built, built
     main = p.main_params_dtype or built
     model = p.param_dtype or main
-    return main, model, p.main_grads_dtype or main, p.reduce_dtype or model
+    reduce = p.reduce_dtype
+    if reduce is None:  # as the installed torch's FSDP2 reads it: from 2.15 the gradient dtype
+        reduce = torch.promote_types(model, built) if reduces_in_grad_dtype() else model
+    return main, model, p.main_grads_dtype or main, reduce
 
 
 def closed_form(
