@@ -33,7 +33,6 @@ import os
 import signal
 import socket
 import sys
-import threading
 import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, NoReturn, Optional
@@ -41,7 +40,7 @@ from typing import Any, Callable, Iterator, NoReturn, Optional
 import torch
 import torch.distributed as dist
 
-from dbuffer.teardown import clear_dtensor_caches, shutdown
+from dbuffer.teardown import shutdown
 
 # Loopback only: tests never talk to another host.
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -318,132 +317,17 @@ def shutdown_pools(world_size: Optional[int] = None) -> list[WorkerExit]:
 # ----------------------------------------------------------------------------- threads
 
 
-def threaded_world_compat(module: Any) -> None:
-    """Make torch's threaded test group (``module``: ``multi_threaded_pg``) match the
-    ``torch.distributed`` it runs under. torch 2.11's ``destroy_process_group`` clears
-    ``_world.comms`` (the torchcomm communicators), which its own per-thread world
-    (``ThreadLocalWorld``) does not have; here each thread gets an empty list of its own, as
-    torch 2.13 gives it. Nothing where the attribute exists. (The harness's one difference
-    between torch versions; the library's are in ``dbuffer/compat.py``.)"""
-    world = module.ThreadLocalWorld
-    if hasattr(world, "comms"):
-        return
-
-    def comms(self) -> list:
-        local = world._world
-        if not hasattr(local, "comms"):
-            local.comms = []
-        return local.comms
-
-    world.comms = property(comms)
-
-
-def _restore_autograd_threads(module: Any) -> None:
-    """torch 2.11's ``_uninstall_threaded_pg`` leaves autograd's device threads off (the
-    install turned them off); restore them as torch 2.13's uninstall does. Nothing where the
-    uninstall already did (``module._ctx_manager`` is None then)."""
-    ctx = getattr(module, "_ctx_manager", None)
-    if ctx is not None:
-        ctx.__exit__(None, None, None)
-        module._ctx_manager = None
-
-
-_THREAD_CACHES_LOCK = threading.Lock()
-
-
-def _drop_thread_caches() -> None:
-    """Empty this rank thread's DTensor fast-path sharding cache (thread-local) before the
-    thread ends, one rank at a time.
-
-    Otherwise each thread's cache is destroyed as the thread exits, under a process-wide C++
-    mutex, and destroying a cached tensor releases the GIL: with torch 2.11, two rank threads
-    ending together deadlock (one holds the mutex and waits for the GIL, the other holds the GIL
-    and waits for the mutex). Emptied here, under a lock that serialises the ranks, nothing is
-    left to destroy at exit."""
-    clear = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
-    if clear is not None:
-        with _THREAD_CACHES_LOCK:
-            clear()
-
-
-def _set_cuda_guard_once() -> None:
-    """Install the no-op CUDA device guard once, here, before the rank threads start.
-
-    Without a usable GPU, every ``FakeTensorMode`` entry (DTensor's sharding propagation enters
-    one for each op it has not seen) calls ``torch._C._ensureCUDADeviceGuardSet()``, which with
-    a CUDA build of torch 2.11 crashes (SIGSEGV) when rank threads first call it together. Once
-    set, later calls find it set. Nothing on a machine with a GPU (torch does not call it then)."""
-    if not torch.cuda.is_available():
-        torch._C._ensureCUDADeviceGuardSet()
-
-
 def _run_threaded(fn: Callable[..., Any], world_size: int, args: tuple, timeout: float) -> list[Any]:
-    from torch.testing._internal.distributed import multi_threaded_pg
-    from torch.testing._internal.distributed.multi_threaded_pg import (
-        ProcessLocalGroup,
-        _install_threaded_pg,
-        _uninstall_threaded_pg,
-    )
+    from tools.kit.threads import launch
 
-    threaded_world_compat(multi_threaded_pg)
-    _set_cuda_guard_once()
-    # DTensor's process-wide redistribute caches key on meshes by value, and a mesh of this run
-    # equals one of an earlier run: torch 2.11 would reuse a plan holding that run's (reset)
-    # groups, whose collectives then pair ranks wrongly. Each run starts without them.
-    clear_dtensor_caches()
-
-    results: dict[int, Any] = {}
-    errors: dict[int, str] = {}
-    hung: list[int] = []
-    abandoned = threading.Event()
-    store = dist.HashStore()
-
-    def body(rank: int) -> None:
-        dist.init_process_group("threaded", rank=rank, world_size=world_size, store=store)
-        try:
-            results[rank] = fn(*args)
-        except BaseException as exc:
-            if not isinstance(exc, SystemExit):  # SystemExit: woken by a peer's failure or timeout
-                errors[rank] = traceback.format_exc()
-            ProcessLocalGroup.exception_handle(exc)  # wake ranks blocked in a collective
-        finally:
-            # Not dbuffer.teardown.shutdown: this rank's group is thread-local and has no worker
-            # threads, while shutdown is process-wide (it clears torch's caches under the other
-            # ranks' feet, and its barrier would wait for a rank that failed).
-            if not abandoned.is_set():  # a thread released after a timeout must not touch
-                dist.destroy_process_group()  # whatever process group exists by then
-            _drop_thread_caches()
-
-    torch._C._distributed_c10d._set_thread_isolation_mode(True)
-    _install_threaded_pg()
-    try:
-        threads = [
-            threading.Thread(target=body, args=(r,), name=f"rank{r}", daemon=True)
-            for r in range(world_size)
-        ]
-        for t in threads:
-            t.start()
-        deadline = _Deadline(timeout)
-        for t in threads:
-            t.join(deadline.left())
-        hung = [r for r, t in enumerate(threads) if t.is_alive()]
-        if hung:
-            ProcessLocalGroup.exception_handle(RankTimeout())  # release ranks waiting on peers
-            for t in threads:
-                t.join(1.0)
-    finally:
-        abandoned.set()
-        ProcessLocalGroup.reset()
-        _uninstall_threaded_pg()
-        _restore_autograd_threads(multi_threaded_pg)
-        torch._C._distributed_c10d._set_thread_isolation_mode(False)
-    if errors:
-        _raise_first_error(errors, f"{world_size} (threaded)")
-    if hung:
+    outcome = launch(fn, world_size, args, timeout, timeout_error=RankTimeout)
+    if outcome.errors:
+        _raise_first_error({r: tb for r, (_, tb) in outcome.errors.items()}, f"{world_size} (threaded)")
+    if outcome.hung:
         raise RankTimeout(
-            f"ranks {hung} of {world_size} (threaded) did not finish within {timeout:.0f} s"
+            f"ranks {outcome.hung} of {world_size} (threaded) did not finish within {timeout:.0f} s"
         )
-    return [results[r] for r in range(world_size)]
+    return [outcome.results[r] for r in range(world_size)]
 
 
 # ----------------------------------------------------------------------------- fake

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from dbuffer import compat
 from tests import harness
+from tools.kit import threads
 from tests.harness import RankDied, RankError, RankTimeout, WorkerExit, run_ranks, shutdown_pools
 
 _release_hung_thread = threading.Event()
@@ -133,8 +134,8 @@ def test_threaded_world_compat_gives_each_thread_its_own_comms_where_torch_has_n
         comms = property(lambda self: ["torch's own"])
 
     old, new = types.SimpleNamespace(ThreadLocalWorld=OldWorld), types.SimpleNamespace(ThreadLocalWorld=NewWorld)
-    harness.threaded_world_compat(old)
-    harness.threaded_world_compat(new)
+    threads.threaded_world_compat(old)
+    threads.threaded_world_compat(new)
     assert NewWorld().comms == ["torch's own"]
     world = OldWorld()
     world.comms.append("main")
@@ -150,9 +151,9 @@ def test_restore_autograd_threads_exits_what_an_old_uninstall_left() -> None:
 
     entered = torch.autograd.set_multithreading_enabled(False)  # what _install_threaded_pg does
     old = types.SimpleNamespace(_ctx_manager=entered)  # torch 2.11's uninstall leaves it set
-    harness._restore_autograd_threads(old)
+    threads.restore_autograd_threads(old)
     assert old._ctx_manager is None
     assert torch._C._is_multithreading_enabled()
     new = types.SimpleNamespace(_ctx_manager=None)  # torch 2.13's uninstall already restored it
-    harness._restore_autograd_threads(new)
+    threads.restore_autograd_threads(new)
     assert new._ctx_manager is None and torch._C._is_multithreading_enabled()
