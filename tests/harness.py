@@ -318,7 +318,7 @@ def shutdown_pools(world_size: Optional[int] = None) -> list[WorkerExit]:
 
 
 def _run_threaded(fn: Callable[..., Any], world_size: int, args: tuple, timeout: float) -> list[Any]:
-    from tools.kit.threads import launch
+    from tests.models.threads import launch
 
     outcome = launch(fn, world_size, args, timeout, timeout_error=RankTimeout)
     if outcome.errors:

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from dbuffer import compat
 from tests import harness
-from tools.kit import threads
+from tests.models import threads
 from tests.harness import RankDied, RankError, RankTimeout, WorkerExit, run_ranks, shutdown_pools
 
 _release_hung_thread = threading.Event()

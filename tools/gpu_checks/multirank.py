@@ -2,7 +2,7 @@
 
 World 1 cannot show a bug in which rank holds which piece, or in how pieces of different ranks are
 summed. One GPU can still run worlds of 2 and 4 as threads of one process on torch's threaded
-process group (:mod:`tools.kit.threads`), every rank on ``cuda:0`` (``cpu`` with ``--cpu``): the
+process group (:mod:`tests.models.threads`), every rank on ``cuda:0`` (``cpu`` with ``--cpu``): the
 collectives are the group's own copies between the ranks' tensors, not NCCL's, but every shard,
 gather and reduction of fsdp runs with real values. Each row trains the Llama on text: the plain
 model on the global batch (the reference), torch FSDP2 in the same harness (the control: a
@@ -97,7 +97,7 @@ def _run_world(lib: str, case: Case, setup: Setup, base, batches) -> tuple[Train
     """``lib`` on ``case.world`` threaded ranks: rank 0's weights and gradient norms with the
     global loss per step (the mean of the ranks' losses on equal slices), and whether every rank
     saw the same weights."""
-    from tools.kit.threads import run_threaded
+    from tests.models.threads import run_threaded
 
     results = run_threaded(_rank, case.world, lib, case, setup, base, batches, timeout=240.0)
     agree = all(common.max_diff(r.state, results[0].state) == 0.0 for r in results[1:])

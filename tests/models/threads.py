@@ -1,6 +1,6 @@
 """Several ranks as threads of this process: torch's threaded process group, real data moving.
 
-    from tools.kit.threads import run_threaded
+    from tests.models.threads import run_threaded
 
     results = run_threaded(fn, 4, model, batches)   # fn(*args) on ranks 0..3; their results by rank
 
@@ -15,7 +15,7 @@ A rank that raises makes :func:`run_threaded` raise :class:`ThreadedRankError`, 
 line, ``rank R of W (threaded) raised Type: message``, and whose ``details`` hold every failed
 rank's traceback; a world that does not finish within ``timeout`` raises it too, naming the ranks
 still running. :func:`launch` is the launcher itself, which ``tests/harness.py``'s ``"threaded"``
-backend uses too (tools may not import the tests' harness), with what the threaded group needs on
+backend uses too (tools may not import the tests' harness; both may import this folder), with what the threaded group needs on
 torch 2.11 (:func:`threaded_world_compat`, :func:`restore_autograd_threads`, the thread-cache and
 CUDA-guard steps). It uses private torch switches (thread isolation, the threaded group's
 install): on a torch without them the error says which is missing.
