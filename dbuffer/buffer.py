@@ -160,6 +160,34 @@ class DBuffer(TensorViews, StorageLifetime):
 
     # ------------------------------------------------------------------ construction
 
+    def sibling(
+        self,
+        placements: Sequence[AnyPlacement] | None = None,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        *,
+        zero_fill: bool = True,
+        local_buffer: torch.Tensor | None = None,
+        mesh: DeviceMesh | None = None,
+    ) -> "DBuffer":
+        """A new DBuffer of the same tensors and layout as this one, at ``placements`` (default
+        this one's), in ``dtype`` and on ``device`` (defaults: this one's), zero-filled unless
+        ``zero_fill=False``, or around ``local_buffer`` (no copy); on ``mesh`` (default this
+        one's: another mesh of the same ranks, e.g. a sub-mesh view, must fit the layout). No
+        rank check: this buffer was built alike on every rank, so its sibling is. Raises what
+        the constructor raises for placements, a local buffer or a mesh that do not fit."""
+        return DBuffer(
+            self.mesh if mesh is None else mesh,
+            self.placements if placements is None else placements,
+            self.shapes,
+            self.dtype if dtype is None else dtype,
+            self.device if device is None else device,
+            layout=self.layout,
+            local_buffer=local_buffer,
+            zero_fill=zero_fill,
+            check_ranks=False,
+        )
+
     @classmethod
     def from_local(
         cls,

@@ -88,10 +88,7 @@ class CustomComms:
             pending = reduce_scatter(comm, source, out)
         else:  # HSDP: reduce-scatter within the shard group, then dbuffer's all-reduce across replicas
             mid_placements = tuple(source.placements[:-1]) + tuple(placements[-1:])
-            mid = DBuffer(
-                source.mesh, mid_placements, source.shapes, out.dtype, source.device, layout=source.layout,
-                zero_fill=False, check_ranks=False,
-            )
+            mid = source.sibling(mid_placements, out.dtype, zero_fill=False)
             pending = reduce_scatter(comm, source, mid).wait().redistribute(placements, out=out, async_op=True)
         return pending if async_op else pending.wait()
 

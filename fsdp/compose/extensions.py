@@ -59,6 +59,7 @@ from dbuffer.layout import compute_layout
 from dbuffer.view import contiguous_stride
 from fsdp.compose.extension_protocol import POST, PRE, numel as _numel, plain as _plain, plain_leaves as _plain_leaves
 from fsdp.group.layouts import ParamKind
+from fsdp.group.parts import GatherKind, WeightsGroup
 
 __all__ = ["SUBCLASS", "SubclassKind", "SubclassWeights"]
 
@@ -104,7 +105,7 @@ class SubclassWeights:
         "convert the module before sharding it"
     )
 
-    def __init__(self, group: Any) -> None:
+    def __init__(self, group: WeightsGroup) -> None:
         self.group = group
         self._orig = [(torch.Size(i.param.shape), contiguous_stride(torch.Size(i.param.shape))) for i in group.infos]
         self._modules = [i.registrations[0][0] for i in group.infos]
@@ -319,8 +320,13 @@ class SubclassWeights:
 
     shares_gather = True  # its gather lands in rank-major rows it copies out of anyway
 
-    def begin_gather(self, from_shard: bool = True, own_target: bool = True) -> Optional[DBuffer]:
-        if not own_target:
+    def keep_slice(self, post) -> None:
+        """Never called: :attr:`keeps_post_forward_slice` is False, so ``reshard_after_forward=n``
+        frees these weights whole (the group never gives them a slice to keep)."""
+        raise RuntimeError("tensor-subclass weights keep no post-forward slice (keeps_post_forward_slice is False)")
+
+    def begin_gather(self, kind: GatherKind = GatherKind.OWN) -> Optional[DBuffer]:
+        if kind is GatherKind.SHARED:
             return None
         self.gathered.reallocate_storage()
         return self.gathered

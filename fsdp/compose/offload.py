@@ -263,7 +263,7 @@ class HostOffload:
         ``zero_fill=False``."""
         return host_dbuffer(self.transfers, mesh, placements, shapes, dtype, layout, zero_fill)
 
-    def adopt(self, buf: DBuffer) -> DBuffer:
+    def in_residence(self, buf: DBuffer) -> DBuffer:
         """``buf`` itself, or (``pin`` and it is not pinned: a buffer rebuilt by a dtype change)
         a pinned copy with the same values and the same released state."""
         if not self.pin or self.transfers.is_pinned(buf.local_buffer):
@@ -287,10 +287,7 @@ class HostOffload:
         if out is None:
             staging = self._staging
             if staging is None or staging.dtype != src.dtype or tuple(staging.placements) != tuple(src.placements):
-                staging = DBuffer(
-                    src.mesh, src.placements, src.shapes, src.dtype, self.compute_device, layout=src.layout,
-                    zero_fill=False, check_ranks=False,
-                )
+                staging = src.sibling(device=self.compute_device, zero_fill=False)
                 self._staging = staging
             else:
                 staging.reallocate_storage()

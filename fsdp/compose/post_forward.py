@@ -77,18 +77,14 @@ class PostForwardShard:
     def __init__(self, unsharded: DBuffer, mesh: DeviceMesh) -> None:
         self.mesh = mesh
         self.unsharded = unsharded
-        self.buffer = DBuffer(
-            mesh, [Replicate(), Shard(0)], unsharded.shapes, unsharded.dtype, unsharded.device,
-            layout=unsharded.layout, zero_fill=False, check_ranks=False,
-        )
+        self.buffer = unsharded.sibling([Replicate(), Shard(0)], zero_fill=False, mesh=mesh)
         self.buffer.release_storage()
-        self.holds: Optional[int] = None  # the refresh whose weights it holds, None: empty
 
     def rebuilt(self, unsharded: DBuffer) -> "PostForwardShard":
         """The same slice for a group whose gathered buffer was rebuilt (``module.to``, ``to_empty``)."""
         return PostForwardShard(unsharded, self.mesh)
 
-    def keep(self, refresh: int, fill: Optional[Callable[[torch.Tensor, int, int], None]] = None) -> None:
+    def keep(self, fill: Optional[Callable[[torch.Tensor, int, int], None]] = None) -> None:
         """Copy this rank's slice ``[start, end)`` out of the gathered weights (which the caller
         then frees), or let ``fill(slice, start, end)`` write it where the gathered buffer is gone
         already (a chunked group rebuilds it from the unsharded parameters)."""
@@ -98,18 +94,14 @@ class PostForwardShard:
             self.buffer.local_buffer.copy_(self.unsharded.local_buffer[start:end])
         else:
             fill(self.buffer.local_buffer, start, end)
-        self.holds = refresh
 
     def gather(self) -> Pending:
         """All-gather the slices of the ``n`` ranks into the unsharded buffer (with storage)."""
-        target = DBuffer(
-            self.mesh, [Replicate(), Replicate()], self.unsharded.shapes, self.unsharded.dtype,
-            self.unsharded.device, layout=self.unsharded.layout, local_buffer=self.unsharded.local_buffer,
-            check_ranks=False,
+        target = self.unsharded.sibling(
+            [Replicate(), Replicate()], local_buffer=self.unsharded.local_buffer, mesh=self.mesh
         )
         return self.buffer.redistribute([Replicate(), Replicate()], out=target, async_op=True)
 
     def drop(self) -> None:
         if not self.buffer.is_storage_released():
             self.buffer.release_storage()
-        self.holds = None

@@ -10,7 +10,7 @@ sharded parameters keeping their identity.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
@@ -18,10 +18,13 @@ from fsdp.group.grads import converted
 from fsdp.group.meta_init import check_swappable, swap_in
 from fsdp.group.policy import Dtypes, MixedPrecisionPolicy
 
+if TYPE_CHECKING:  # annotations only
+    from fsdp.group.param_group import ParameterGroup
+
 __all__ = ["accepts_device", "check_convert", "convert", "dtypes_after_to"]
 
 
-def dtypes_after_to(group: Any, dtype: torch.dtype) -> Dtypes:
+def dtypes_after_to(group: ParameterGroup, dtype: torch.dtype) -> Dtypes:
     """The group's dtypes after ``module.to(dtype)``: the main weights (the registered
     parameters) take ``dtype``; the dtypes the policy left unset (``param_dtype``,
     ``main_grads_dtype``, ``reduce_dtype`` of None) follow them as they did at ``fully_shard``,
@@ -34,7 +37,7 @@ def dtypes_after_to(group: Any, dtype: torch.dtype) -> Dtypes:
     return replace(policy, main_params_dtype=dtype).dtypes_for(dtype)
 
 
-def accepts_device(group: Any, device: torch.device) -> bool:
+def accepts_device(group: ParameterGroup, device: torch.device) -> bool:
     """Whether ``device`` is where the shards live (or, under offload, the compute device)."""
     places = [group.main.device, group.compute_device] if group.offload.on_host else [group.main.device]
     return any(
@@ -43,7 +46,7 @@ def accepts_device(group: Any, device: torch.device) -> bool:
     )
 
 
-def check_convert(group: Any, dtype: torch.dtype, device: torch.device) -> None:
+def check_convert(group: ParameterGroup, dtype: torch.dtype, device: torch.device) -> None:
     """Raise, changing nothing, if :func:`convert` cannot take the group to ``dtype`` on
     ``device``: the shards stay on this rank's device of the mesh (no offload). Under CPU
     offload they stay on the host, and ``device`` may be the host or the compute device
@@ -71,7 +74,7 @@ def check_convert(group: Any, dtype: torch.dtype, device: torch.device) -> None:
 
 
 @torch.no_grad()
-def convert(group: Any, dtype: Optional[torch.dtype] = None, device=None) -> bool:
+def convert(group: ParameterGroup, dtype: Optional[torch.dtype] = None, device=None) -> bool:
     """``module.to(dtype)`` for one group: rebuild every buffer in the new dtypes
     (:func:`dtypes_after_to`) from the current values (main weights, gradients held or reduced),
     on the same device (``device`` is checked, see :func:`check_convert`). The sharded
@@ -89,11 +92,11 @@ def convert(group: Any, dtype: Optional[torch.dtype] = None, device=None) -> boo
         raise RuntimeError("convert() inside init_weights: convert the module before or after")
     group.wait_unshard()
     group.dtypes = dtypes
-    group.main = group.offload.adopt(converted(group.main, dtypes.main))
+    group.main = group.offload.in_residence(converted(group.main, dtypes.main))
     group.weights.build()
     group.forget_gathered()
     if group.grads is not None:
-        group.grads.convert(dtypes, adopt=group.offload.adopt)
+        group.grads.convert(dtypes, in_residence=group.offload.in_residence)
     swap_in(group.sharded_params, group.weights.new_sharded_params())
     if group.grads is not None:
         group.grads.reattach_after_swap()

@@ -26,12 +26,14 @@ from __future__ import annotations
 import enum
 import weakref
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import torch
 from torch.distributed.tensor import DTensor
 
 from dbuffer import DBuffer, Pending
+from fsdp.group.main_grad_state import ALLOWED, MainGrad, check_move
+from fsdp.group.parts import ReducerGroup
 
 __all__ = ["GradReducer", "InFlight", "Reduction"]
 
@@ -53,7 +55,7 @@ class InFlight:
 class GradReducer:
     """The gradient state of one group that requires grad; see the module docstring."""
 
-    def __init__(self, group: Any) -> None:
+    def __init__(self, group: ReducerGroup) -> None:
         self.group = group
         g, s, d, pl = group, group.strategy, group.dtypes, group.placements
         self.grad_in = g.sibling(pl.partial, d.reduce, zero_fill=False)
@@ -71,12 +73,16 @@ class GradReducer:
         self._partial: Optional[DBuffer] = None
         self._partial_members: set[int] = set()
         self._gaps: Optional[list[tuple[int, int]]] = None  # padding of grad_in, found once
-        self._main_grad_has_data = False  # False: the next reduction overwrites main_grad
-        self._grads_attached = False  # main_grad's storage: allocated by the first reduction
+        self.state = MainGrad.EMPTY  # main_grad's storage: allocated by the first reduction
         self._callbacks: Optional[list] = None  # register_hooks' (weak) callbacks
         # Whether ``param.grad`` gets a cast copy when main grads are in another dtype than the
         # main weights; fsdp.optim's flat optimizers turn it off (they upcast chunk by chunk).
         self.cast_grads = True
+
+    def _move(self, target: MainGrad) -> None:
+        if target not in ALLOWED[self.state]:  # the names only for the message: off the hot path
+            check_move(str(self.group.names()), self.state, target)
+        self.state = target
 
     def rebuilt(self) -> "GradReducer":
         """A fresh reducer for the group's new buffers (``to_empty``), with the same callbacks,
@@ -101,8 +107,11 @@ class GradReducer:
     def register_hooks(self, on_group_done: Callable, on_group_start: Callable) -> None:
         """Take each unsharded gradient from autograd as soon as it is accumulated, hold it until
         the group has all of them, then copy them into ``grad_in``; report (with the group) when
-        the group's first gradient arrives or ``grad_in`` is about to be allocated
-        (``on_group_start``) and when the whole group has its gradients (``on_group_done``)."""
+        the whole group has its gradients (``on_group_done``), and when its first gradient
+        arrives in a backward round or ``grad_in`` is about to be allocated (``on_group_start``).
+        The unit finishes the reductions still in flight there; both points count: the first
+        frees their buffers before this group's gradients pile up beside them, the second
+        catches a reduction launched since, by another group of the same unit."""
         # The hooks live on our own parameters: holding the reducer or the unit strongly would
         # make a reference cycle through autograd's C++ hook table, which the garbage collector
         # cannot see, and a sharded module would never be freed.
@@ -141,12 +150,13 @@ class GradReducer:
             self._seen.clear()
             on_group_done(self.group)
 
-    def _pack(self, k: int, grad: torch.Tensor, on_group_start=None) -> None:
+    def _pack(self, k: int, grad: torch.Tensor, before_alloc: Optional[Callable] = None) -> None:
         """Write one gradient into ``grad_in``: the first of a parameter is copied, later ones
-        (micro-batches) added; what no gradient wrote is zeroed before the reduction."""
+        (micro-batches) added; what no gradient wrote is zeroed before the reduction.
+        ``before_alloc(group)`` runs before ``grad_in`` is allocated."""
         if not self._local:
-            if on_group_start is not None:
-                on_group_start(self.group)
+            if before_alloc is not None:
+                before_alloc(self.group)
             self.grad_in.reallocate_storage()
         self._write(k, grad, add=k in self._local)
         self._local.add(k)
@@ -157,12 +167,12 @@ class GradReducer:
         g.layout.write_grad(self.grad_in, k, g.kind.grad_local(k, grad), add)
 
     @torch.no_grad()
-    def pack_held(self, on_group_start=None) -> None:
+    def pack_held(self, before_alloc: Optional[Callable] = None) -> None:
         """Copy the gradients held since the group's first one into ``grad_in`` (allocated now,
-        after ``on_group_start(group)`` if given) and drop autograd's tensors."""
+        after ``before_alloc(group)`` if given) and drop autograd's tensors."""
         held, self._held = self._held, {}
         for k, grad in held.items():
-            self._pack(k, grad, on_group_start)
+            self._pack(k, grad, before_alloc)
 
     @torch.no_grad()
     def take_assigned_grads(self) -> None:
@@ -271,8 +281,8 @@ class GradReducer:
         """Whether the next reduction replaces ``main_grad`` (it was zeroed: the optimizer set
         every ``.grad`` to None since we attached them) or accumulates into it (micro-batches)."""
         self._detect_zeroed()
-        overwrite = not self._main_grad_has_data
-        self._main_grad_has_data = True
+        overwrite = not self.state.holds_gradients
+        self._move(self.state.after_reduction())
         return overwrite
 
     @torch.no_grad()
@@ -317,9 +327,9 @@ class GradReducer:
             flight.pending.wait()
             self.group.streams.wait(self.group.streams.reduce_scatter)
             if flight.kind is Reduction.OVERWRITE:  # it wrote main_grad, which held nothing live
-                self._main_grad_has_data = False
+                self._move(self.state.without_values())
                 self._in_main = set()
-                if not self._grads_attached:
+                if not self.state.attached:
                     self.main_grad.release_storage()
         self._local, self._held, self._seen = set(), {}, set()
         self._partial, self._partial_members = None, set()
@@ -359,7 +369,7 @@ class GradReducer:
     def _detect_zeroed(self) -> None:
         """The optimizer dropped every ``.grad`` we attached: main_grad's values are dead, so its
         storage goes until the next reduction rewrites it."""
-        if self._grads_attached and all(p.grad is None for p in self.group.sharded_params):
+        if self.state.attached and all(p.grad is None for p in self.group.sharded_params):
             self.drop_main_grads()
 
     def drop_main_grads(self) -> None:
@@ -367,15 +377,14 @@ class GradReducer:
         the next reduction overwrites ``main_grad``, whose storage goes until then."""
         for p in self.group.sharded_params:
             p.grad = None
-        self._main_grad_has_data = False
-        self._grads_attached = False
+        self._move(MainGrad.EMPTY)
         if self._in_flight is None and not self.main_grad.is_storage_released():
             self.group.offload.settle()
             self.main_grad.release_storage()
 
     def params_with_grads(self) -> list[int]:
         """Indices of the parameters whose reduced gradients ``main_grad`` holds, in order."""
-        return sorted(self._in_main) if self._main_grad_has_data else []
+        return sorted(self._in_main) if self.state.holds_gradients else []
 
     def release_dropped_grads(self) -> None:
         """Called before forward: free main_grad if ``zero_grad()`` dropped the gradients."""
@@ -392,7 +401,7 @@ class GradReducer:
         or :meth:`zero_grad_buffer`."""
         self.group.offload.settle()  # the optimizer reads the gradients and writes the weights on the host
         self._detect_zeroed()
-        if self._main_grad_has_data:
+        if self.state.holds_gradients:
             self.point_grads()
 
     def point_grads(self) -> None:
@@ -407,7 +416,8 @@ class GradReducer:
                 p.grad = view.to(p.dtype)
             else:  # fsdp.optim reads main_grad itself and zeroes it with drop_main_grads()
                 continue
-            self._grads_attached = True
+            if not self.state.attached:
+                self._move(MainGrad.ATTACHED)
 
     @torch.no_grad()
     def zero_grad_buffer(self) -> None:
@@ -426,22 +436,22 @@ class GradReducer:
             if p.grad is not None and p.grad.dtype != self.group.dtypes.main_grad:
                 p.grad.zero_()
         self._seen.clear()
-        self._main_grad_has_data = False
+        self._move(self.state.without_values())
 
     # ------------------------------------------------------------------ module.to(dtype)
 
     @torch.no_grad()
-    def convert(self, dtypes, adopt: Callable[[DBuffer], DBuffer]) -> None:
+    def convert(self, dtypes, in_residence: Callable[[DBuffer], DBuffer]) -> None:
         """Rebuild ``grad_in`` and ``main_grad`` in ``dtypes`` from their current values (after
         the reduction in flight lands), keep held gradients in the new compute dtype, and hook
-        the group's (rebuilt) unsharded parameters. ``adopt``: the host part's pinning of a
+        the group's (rebuilt) unsharded parameters. ``in_residence``: the host part's pinning of a
         rebuilt host buffer (identity without offload)."""
         self.finish_reduce()
         self.group.offload.settle()
         self._detect_zeroed()
         old_in, old_main = self.grad_in, self.main_grad
         self.grad_in = converted(old_in, dtypes.reduce)
-        self.main_grad = adopt(converted(old_main, dtypes.main_grad))
+        self.main_grad = in_residence(converted(old_main, dtypes.main_grad))
         if self.main_grad is not old_main:
             self.main_grad_views = self.make_views()  # made while it has storage
         for new, old in ((self.grad_in, old_in), (self.main_grad, old_main)):
@@ -452,7 +462,7 @@ class GradReducer:
 
     def reattach_after_swap(self) -> None:
         """The sharded parameters were swapped (convert): point their ``.grad`` again if attached."""
-        if self._grads_attached:
+        if self.state.attached:
             self.point_grads()
 
 
@@ -461,9 +471,7 @@ def converted(buf: DBuffer, dtype: torch.dtype) -> DBuffer:
     device) with its values cast, if it has storage (the new one always has)."""
     if buf.dtype == dtype:
         return buf
-    out = DBuffer(
-        buf.mesh, buf.placements, buf.shapes, dtype, buf.device, layout=buf.layout, zero_fill=False, check_ranks=False
-    )
+    out = buf.sibling(dtype=dtype, zero_fill=False)
     if not buf.is_storage_released():
         out.local_buffer.copy_(buf.local_buffer)
     return out

@@ -89,10 +89,7 @@ class FlatLayout:
 
     def unsharded_buffer(self, main: DBuffer, placements, dtype, device, zero_fill: bool) -> DBuffer:
         """A replicated buffer of the full tensors: a sibling of ``main`` (same layout)."""
-        return DBuffer(
-            main.mesh, placements, main.shapes, dtype, device, layout=main.layout, zero_fill=zero_fill,
-            check_ranks=False,
-        )
+        return main.sibling(placements, dtype, device, zero_fill=zero_fill)
 
     def write_grad(self, grad_in: DBuffer, k: int, grad: Optional[torch.Tensor], add: bool) -> None:
         """Copy (``add``: add) tensor ``k``'s unsharded gradient into ``grad_in``; None: zero it."""

@@ -17,7 +17,7 @@ kinds of weights (DBuffers, tensor subclasses) is the group's ``weights`` part.
 from __future__ import annotations
 
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
@@ -27,11 +27,14 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from dbuffer import mesh_device
 from fsdp.group.registration import note_registration
 
+if TYPE_CHECKING:  # annotations only
+    from fsdp.group.param_group import ParameterGroup
+
 __all__ = ["adopt_assigned", "begin_init", "check_swappable", "end_init", "materialize", "swap_in"]
 
 
 @torch.no_grad()
-def materialize(group: Any, device: torch.device) -> None:
+def materialize(group: ParameterGroup, device: torch.device) -> None:
     """``to_empty`` for a meta-built group: every buffer gets (zeroed) storage on ``device``,
     this rank's device of the mesh; the sharded parameters keep their identity (their contents
     are swapped, so references and optimizers built on meta stay valid) and become views of the
@@ -56,7 +59,7 @@ def materialize(group: Any, device: torch.device) -> None:
 
 
 @torch.no_grad()
-def adopt_assigned(group: Any) -> bool:
+def adopt_assigned(group: ParameterGroup) -> bool:
     """Take over parameters assigned to the modules since ``fully_shard`` and before the first
     forward, as FSDP2's lazy init does (``module.weight = nn.Parameter(dtensor)``,
     ``load_state_dict(sharded_sd, assign=True)``): a DTensor of the parameter's shape on the
@@ -90,7 +93,7 @@ def adopt_assigned(group: Any) -> bool:
     return adopted
 
 
-def begin_init(group: Any) -> None:
+def begin_init(group: ParameterGroup) -> None:
     """Register full parameters (in the main dtype, of each parameter's own type) for an init
     function to fill; a meta-built group first gets storage on the mesh's device."""
     if group.is_meta:  # init_weights without to_empty
@@ -100,19 +103,19 @@ def begin_init(group: Any) -> None:
 
 
 @torch.no_grad()
-def end_init(group: Any, commit: bool = True) -> None:
+def end_init(group: ParameterGroup, commit: bool = True) -> None:
     """Keep this rank's part of the initialised weights (a local copy, no communication),
     register the sharded parameters again and refresh the model weights. ``commit=False``
     (after a failed init function) only restores the registration."""
     group.weights.commit_init(commit)
     group.initialising = False
-    group.use_params(unsharded=False)
+    group.register_sharded_params()
     if commit:
         group.mark_stale()
         group.refresh()
 
 
-def check_swappable(group: Any) -> None:
+def check_swappable(group: ParameterGroup) -> None:
     """Raise before anything changes if a sharded parameter cannot keep its identity."""
     for p in group.sharded_params:
         if weakref.getweakrefs(p):
@@ -133,7 +136,7 @@ def swap_in(params: list[nn.Parameter], new_params: list[nn.Parameter]) -> None:
         torch.utils.swap_tensors(old, new)
 
 
-def _copy_into_shard(group: Any, k: int, src: DTensor) -> None:
+def _copy_into_shard(group: ParameterGroup, k: int, src: DTensor) -> None:
     """This rank's part of parameter ``k`` from a DTensor of its full shape. Whether this
     communicates depends only on types and placements, so every rank decides alike."""
     target = group.sharded_params[k]
@@ -146,7 +149,7 @@ def _copy_into_shard(group: Any, k: int, src: DTensor) -> None:
         local.copy_(group.main.local_piece(k, src.full_tensor()).reshape(local.shape))
 
 
-def _swap_in_one(group: Any, k: int, assigned: nn.Parameter) -> None:
+def _swap_in_one(group: ParameterGroup, k: int, assigned: nn.Parameter) -> None:
     """The assigned object becomes fsdp's sharded parameter ``k``; fsdp's old object gets the
     assigned contents and is marked, so an optimizer still holding it is refused."""
     ours = group.sharded_params[k]

@@ -22,7 +22,7 @@ A group *has* its parts, each chosen by ``fully_shard`` and handed in:
 
 The cycle, driven by the unit's hooks (:mod:`fsdp.unit.state`): :meth:`refresh` after the
 optimizer stepped, :meth:`unshard` / :meth:`wait_unshard` (all-gather on the all-gather stream,
-:mod:`fsdp.group.streams`), :meth:`use_params` to register the unsharded or sharded parameters on
+:mod:`fsdp.group.streams`), :meth:`register_unsharded_params` / :meth:`register_sharded_params` on
 the modules, :meth:`reshard` to free the unsharded weights. ``module.to`` and ``to_empty`` of a
 group are :mod:`fsdp.group.convert` and :mod:`fsdp.group.meta_init`.
 """
@@ -48,6 +48,8 @@ from fsdp.group.reduction import ReduceSettings
 from fsdp.group.registration import note_registration
 from fsdp.group.residence import NO_OFFLOAD, HostResidence, Residence
 from fsdp.group.streams import CommStreams
+from fsdp.group.unsharded_state import Unsharded, UnshardedLife
+from fsdp.group.parts import Comms, GatherKind, PostForwardSlice, SharedGatherPart, Weights
 from fsdp.group.weights import BufferWeights
 
 __all__ = ["ParameterGroup", "meta_error"]
@@ -64,7 +66,7 @@ class ParameterGroup:
     ``fully_shard`` raises a ``RuntimeError`` naming it (:meth:`check_registered`)."""
 
     # reshard_after_forward=n: the 1/n slice kept between forward and backward (fsdp.compose.post_forward).
-    post_forward: Optional[Any] = None
+    post_forward: Optional[PostForwardSlice] = None
 
     def __init__(
         self,
@@ -80,7 +82,7 @@ class ParameterGroup:
         layout: Optional[Union[FlatLayout, ChunkedLayout]] = None,
         kind: ParamKind = PLAIN,
         placements: Optional[GroupPlacements] = None,
-        weights: Callable[["ParameterGroup"], Any] = BufferWeights,
+        weights: Callable[["ParameterGroup"], Weights] = BufferWeights,
         own_gather: bool = False,
     ) -> None:
         """``shard``: ``Shard(0)`` (row-atomic packing) or ``dbuffer.Owned()`` (whole tensors on
@@ -104,7 +106,7 @@ class ParameterGroup:
         self.requires_grad = requires_grad
         self.kind = kind
         self.own_gather = own_gather
-        self.comms = DBUFFER_COMMS  # FSDP2's custom comm objects replace it (fsdp.compose.custom_comm)
+        self.comms: Comms = DBUFFER_COMMS  # FSDP2's custom comm objects replace it (fsdp.compose.custom_comm)
         self.reduction = ReduceSettings(divide_factor=gradient_divide_factor)  # FSDP2's reduction knobs
         op = self.reduction.op
         self.placements = placements.with_reduce_op(op) if placements else GroupPlacements.for_mesh(mesh.ndim, shard, op)
@@ -116,7 +118,7 @@ class ParameterGroup:
         buffer_shapes, buffer_layout = self.layout.buffer_shapes()
         device = tensors[0].device  # meta: built under torch.device("meta"), so are the shards (FSDP2)
         self.place_main(main_pl, buffer_shapes, dtypes.main, buffer_layout, device)
-        self.weights = weights(self)
+        self.weights: Weights = weights(self)
         if not self.is_meta:
             self.weights.fill(tensors)
         self.weights.build()
@@ -128,9 +130,9 @@ class ParameterGroup:
         self._key: Any = None  # weights.version_key() at the last refresh
         self._written_key: Any = None  # version_key() when fsdp.optim last wrote the model shard
         self._refreshes = 0
-        self._gathered: Optional[int] = None  # refresh the unsharded weights hold, if any
+        self.unsharded = UnshardedLife(self.names)  # the unsharded weights' state and version
         self._gather_pending: Optional[Pending] = None
-        self._shared: Optional[tuple[Any, int]] = None  # (SharedGather, part) of the gather in flight
+        self._shared: Optional[tuple[SharedGatherPart, int]] = None  # (SharedGather, part) of the gather in flight
         self.grads: Optional[GradReducer] = GradReducer(self) if requires_grad else None
         self.refresh()
 
@@ -156,16 +158,7 @@ class ParameterGroup:
 
     def sibling(self, placements, dtype: torch.dtype, zero_fill: bool = True, device=None) -> DBuffer:
         """A sibling of ``main`` (same shapes and layout) on the compute device (or ``device``)."""
-        return DBuffer(
-            self.mesh,
-            placements,
-            self.main.shapes,
-            dtype,
-            self.compute_device if device is None else device,
-            layout=self.main.layout,
-            zero_fill=zero_fill,
-            check_ranks=False,  # a sibling of main
-        )
+        return self.main.sibling(placements, dtype, self.compute_device if device is None else device, zero_fill=zero_fill)
 
     def host_sibling(self, placements, dtype: torch.dtype, zero_fill: bool = True) -> DBuffer:
         """A sibling of ``main`` where ``main`` lives: on the host (pinned) under offload."""
@@ -206,25 +199,34 @@ class ParameterGroup:
             self.weights.refresh(model_current=key == self._written_key)
             self._written_key = None
             if self.strategy.shard_optim and not self.strategy.shard_params:
+                self.unsharded.begin_gather()
                 target = self.weights.begin_gather()
                 self.all_gather(self.weights.gather_source(), target).wait()
                 self.weights.end_gather(refill=False)
                 self.weights.release_model_shard()  # gathered until the next step: read again only after it
         self._key, self._stale = key, False
         self._refreshes += 1
+        if not self.strategy.shard_params:  # ZeRO-0/1/2: current from here to the next step
+            if self.unsharded.state is not Unsharded.GATHERING:
+                self.unsharded.begin_gather()  # ZeRO-0: the model weights are made from main here
+            self.unsharded.gathered(self._refreshes)
 
     # ------------------------------------------------------------------ unshard / reshard
 
     def needs_gather(self) -> bool:
-        """Refresh the model weights, then whether :meth:`unshard` would launch a gather now:
-        ZeRO-3 weights not current and no gather in flight (a prefetch's source was refreshed at
-        its launch)."""
-        if self.is_meta:
-            raise RuntimeError(meta_error([i.fqn for i in self.infos]))
+        """Whether :meth:`unshard` would launch a gather now (call :meth:`refresh` first): ZeRO-3
+        weights not current and no gather in flight (a prefetch's source was refreshed at its
+        launch). A query: it changes nothing."""
         if self._gather_pending is not None:
             return False
+        return self.strategy.shard_params and not (self.unsharded.is_current(self._refreshes) and self.weights.has_unsharded())
+
+    def prepare_gather(self) -> None:
+        """Before a gather is decided: raise FSDP2's ``RuntimeError`` for a group still on the
+        meta device, and bring the model weights up to date (:meth:`refresh`)."""
+        if self.is_meta:
+            raise RuntimeError(meta_error([i.fqn for i in self.infos]))
         self.refresh()
-        return self.strategy.shard_params and not (self._gathered == self._refreshes and self.weights.has_unsharded())
 
     def can_share_gather(self) -> bool:
         """Whether this group's next gather may be one collective with its unit's other groups
@@ -234,26 +236,29 @@ class ParameterGroup:
         post = self.post_forward
         return (
             not self.own_gather and self.weights.shares_gather and self.comms is DBUFFER_COMMS
-            and (post is None or post.holds is None)
+            and self.unsharded.state is not Unsharded.SLICE_KEPT
         )
 
-    def join_gather(self, pending: Pending, shared: Any, index: int) -> None:
+    def join_gather(self, pending: Pending, shared: SharedGatherPart, index: int) -> None:
         """Take part ``index`` of a gather shared with other groups (launched by
         :func:`fsdp.group.shared_gather.gather_together`) as this group's gather in flight."""
+        self.unsharded.begin_gather()
         self._gather_pending = pending
         self._shared = (shared, index)
 
     def unshard(self, async_op: bool = False) -> None:
         """Make the unsharded weights current: all-gather (ZeRO-3) into the reused buffers."""
+        self.prepare_gather()
         if not self.needs_gather():
             if self._gather_pending is not None and not async_op:
                 self.wait_unshard()
             return
         post = self.post_forward
-        if post is not None and post.holds is not None and post.holds != self._refreshes:
-            post.drop()  # the weights changed since forward
-        sliced = post is not None and post.holds is not None  # backward after reshard_after_forward=n
-        target = self.weights.begin_gather(from_shard=not sliced)
+        if self.unsharded.state is Unsharded.SLICE_KEPT and self.unsharded.version != self._refreshes:
+            self._drop_slice()  # the weights changed since forward
+        sliced = self.unsharded.state is Unsharded.SLICE_KEPT  # backward after reshard_after_forward=n
+        target = self.weights.begin_gather(GatherKind.POST_FORWARD_SLICE if sliced else GatherKind.OWN)
+        self.unsharded.begin_gather()
         with self.streams.launch(self.streams.all_gather):
             if sliced:  # gathered within n ranks, from the kept slices
                 self._gather_pending = post.gather()
@@ -292,7 +297,7 @@ class ParameterGroup:
             gather.copied_out()
         if self.post_forward is not None:
             self.post_forward.drop()
-        self._gathered = self._refreshes
+        self.unsharded.gathered(self._refreshes)
 
     def release_model_shard(self) -> None:
         """The unit keeps its unsharded weights until the next step: see
@@ -315,24 +320,36 @@ class ParameterGroup:
             self.reshard()
             return
         self.wait_unshard()
-        if self._gathered is not None and self.weights.has_unsharded():
-            self.weights.keep_slice(post, self._gathered)
-        self.reshard(keep_post_forward=True)
+        if self.unsharded.state is Unsharded.GATHERED and self.weights.has_unsharded():
+            self.weights.keep_slice(post)
+            self.weights.free_unsharded()
+            self.unsharded.keep_slice()
+        else:
+            self._free_unsharded()
 
-    def reshard(self, keep_post_forward: bool = False) -> None:
-        """Free the unsharded weights (ZeRO-3 only: the other strategies keep them)."""
+    def reshard(self) -> None:
+        """Free the unsharded weights (ZeRO-3 only: the other strategies keep them), and a
+        post-forward slice kept for backward."""
         if not self.strategy.shard_params:
             return
         self.wait_unshard()
-        if self.post_forward is not None and not keep_post_forward:
+        if self.post_forward is not None:
             self.post_forward.drop()
-        self.weights.free_unsharded()
-        self._gathered = None
+        self._free_unsharded()
+
+    def _drop_slice(self) -> None:
+        self.post_forward.drop()
+        self.unsharded.freed()
+
+    def _free_unsharded(self) -> None:
+        if self.strategy.shard_params:
+            self.weights.free_unsharded()
+            self.unsharded.freed()
 
     def forget_gathered(self) -> None:
         """The weights' buffers were rebuilt (``module.to``, ``to_empty``): nothing is gathered,
         and the next use refreshes."""
-        self._gathered = None
+        self.unsharded.freed()
         if self.post_forward is not None:  # follow the new gathered buffer
             self.post_forward = self.post_forward.rebuilt(self.weights.gathered_buffer())
         self.mark_stale()
@@ -343,12 +360,17 @@ class ParameterGroup:
 
     # ------------------------------------------------------------------ registration
 
-    def use_params(self, unsharded: bool) -> None:
-        """Register the unsharded (plain) or sharded (DTensor) parameters on their modules; see
+    def register_unsharded_params(self) -> None:
+        """Register the unsharded (plain) parameters on their modules; see
         :meth:`check_registered` for when that raises instead (registering nothing)."""
-        if unsharded and self.unsharded_params is None:
+        if self.unsharded_params is None:
             raise RuntimeError(f"parameters {self.names()} were never gathered; unshard the module first")
-        self.register(self.unsharded_params if unsharded else self.sharded_params)
+        self.register(self.unsharded_params)
+
+    def register_sharded_params(self) -> None:
+        """Register the sharded (DTensor) parameters on their modules (raises as
+        :meth:`check_registered` does)."""
+        self.register(self.sharded_params)
 
     def register(self, params: list[nn.Parameter]) -> None:
         """Put ``params`` on the modules in place of each parameter's registrations (tied ones

@@ -89,7 +89,7 @@ class Residence(Protocol):
     on_host: bool  # the main weights and grads live on the host (HostResidence)
     optim_state: Optional[OptimStateHome]  # the optimizer state apart from the weights, or None
 
-    def adopt(self, buf: DBuffer) -> DBuffer:
+    def in_residence(self, buf: DBuffer) -> DBuffer:
         """``buf`` in this part's memory (a buffer rebuilt by ``module.to(dtype)``)."""
 
     def upload(self, src: DBuffer, out: Optional[DBuffer] = None) -> DBuffer:
@@ -118,7 +118,7 @@ class NoOffload:
     on_host = False
     optim_state: Optional[OptimStateHome] = None
 
-    def adopt(self, buf: DBuffer) -> DBuffer:
+    def in_residence(self, buf: DBuffer) -> DBuffer:
         return buf
 
     def upload(self, src: DBuffer, out: Optional[DBuffer] = None) -> DBuffer:

@@ -15,20 +15,24 @@ hands a group the shared collective and its rows); this module only packs, launc
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 
 from dbuffer import DBuffer, Pending
 from dbuffer.layout import compute_layout
 from fsdp.group.profiling import label
+from fsdp.group.parts import GatherKind
+
+if TYPE_CHECKING:  # annotations only
+    from fsdp.group.param_group import ParameterGroup
 
 __all__ = ["SharedGather", "gather_together"]
 
 _ALIGN = 16  # byte offset of each group's part, so every dtype view of it is aligned
 
 
-def can_share(groups: Sequence[Any]) -> bool:
+def can_share(groups: Sequence[ParameterGroup]) -> bool:
     """Whether ``groups`` (each needing a gather now, each able to share one) can be gathered
     together: the same mesh and placements, so one collective serves them all."""
     if len(groups) < 2:
@@ -45,7 +49,7 @@ class SharedGather:
     """The packed send and receive buffers of one set of groups (kept between steps: storage only
     while a gather is in flight or being copied out), and the gather in flight."""
 
-    def __init__(self, groups: Sequence[Any], sources: Sequence[DBuffer]) -> None:
+    def __init__(self, groups: Sequence[ParameterGroup], sources: Sequence[DBuffer]) -> None:
         first = groups[0]
         self.world = first.mesh.shape[-1]
         self.parts: list[tuple[int, int, torch.dtype]] = []  # (byte offset, bytes, dtype) per group
@@ -96,7 +100,7 @@ class SharedGather:
             self.recv.release_storage()
 
 
-def shared_gather_for(cache: dict, groups: Sequence[Any], sources: Sequence[DBuffer]) -> SharedGather:
+def shared_gather_for(cache: dict, groups: Sequence[ParameterGroup], sources: Sequence[DBuffer]) -> SharedGather:
     """The :class:`SharedGather` of ``groups`` from ``cache`` (one per set of groups), rebuilt
     when a source's size or dtype changed (``module.to``, a tensor subclass's new outputs)."""
     key = tuple(id(g) for g in groups)
@@ -106,17 +110,17 @@ def shared_gather_for(cache: dict, groups: Sequence[Any], sources: Sequence[DBuf
     return shared
 
 
-def gather_together(groups: Sequence[Any], cache: dict) -> list[Any]:
+def gather_together(groups: Sequence[ParameterGroup], cache: dict) -> list[ParameterGroup]:
     """Launch one gather for those of a unit's ``groups`` that need one now and can share it;
     return the groups it serves ([] when fewer than two could share: each gathers alone).
     ``cache``: the unit's :class:`SharedGather` objects, kept between steps."""
     if len(groups) < 2:
         return []
-    batch = [g for g in groups if g.can_share_gather() and g.needs_gather()]  # refresh only those that may share
+    batch = [g for g in groups if g.can_share_gather() and g.needs_gather()]  # refreshed by the unit already
     if not can_share(batch):
         return []
     for g in batch:  # on the compute stream: a released model shard is cast again
-        g.weights.begin_gather(own_target=False)
+        g.weights.begin_gather(GatherKind.SHARED)
     streams = batch[0].streams
     with streams.launch(streams.all_gather):
         sources = [g.weights.gather_source() for g in batch]

@@ -21,7 +21,7 @@ through ``group`` and owns only the buffers it creates. The methods below are th
 from __future__ import annotations
 
 import weakref
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -29,9 +29,10 @@ from torch.distributed.tensor import Shard
 
 from dbuffer import DBuffer
 from fsdp.group.members import check_no_late_extension
+from fsdp.group.parts import GatherKind, PostForwardSlice, WeightsGroup
 from fsdp.group.profiling import label
 
-__all__ = ["BufferWeights"]
+__all__ = ["BufferWeights", "GatherKind"]
 
 
 class BufferWeights:
@@ -52,7 +53,7 @@ class BufferWeights:
     # their data pointers stay the same across steps (CUDA graph capture), for their memory.
     keep_unsharded_storage = False
 
-    def __init__(self, group: Any) -> None:
+    def __init__(self, group: WeightsGroup) -> None:
         self.group = group
         self.model: Optional[DBuffer] = None
         self.unsharded: Optional[DBuffer] = None
@@ -198,14 +199,16 @@ class BufferWeights:
         the layout copies out of anyway (FSDP2's chunked layout), not straight in the parameters."""
         return self.gathered is not None
 
-    def begin_gather(self, from_shard: bool = True, own_target: bool = True) -> Optional[DBuffer]:
-        """Before a gather, on the compute stream: with ``own_target`` (not a gather shared with
-        other groups) the target gets storage and is returned: the gathered buffer if the layout
-        copies out of it, else the unsharded weights themselves. If the gather reads this rank's
-        shard (``from_shard``; not a post-forward slice's), the main weights are cast into the
-        target's own row (:attr:`casts_into_gather`), or a released model shard is cast again."""
+    def begin_gather(self, kind: GatherKind = GatherKind.OWN) -> Optional[DBuffer]:
+        """Before a gather of ``kind``, on the compute stream: unless it is ``SHARED`` (one
+        collective with the unit's other groups, whose buffers it has), the target gets storage
+        and is returned: the gathered buffer if the layout copies out of it, else the unsharded
+        weights themselves. If the gather reads this rank's shard (not ``POST_FORWARD_SLICE``),
+        the main weights are cast into the target's own row (:attr:`casts_into_gather`), or a
+        released model shard is cast again."""
         self._version_before_gather = self.unsharded.local_buffer._version
         g = self.group
+        from_shard, own_target = kind is not GatherKind.POST_FORWARD_SLICE, kind is not GatherKind.SHARED
         into_row = from_shard and own_target and self.casts_into_gather
         if from_shard and not into_row and self.model is not g.main and self.model.is_storage_released():
             self._cast_model()
@@ -261,15 +264,15 @@ class BufferWeights:
         if not self.keep_unsharded_storage and not self.unsharded.is_storage_released():
             self.unsharded.release_storage()
 
-    def keep_slice(self, post, refresh: int) -> None:
+    def keep_slice(self, post: PostForwardSlice) -> None:
         """Let ``post`` (:mod:`fsdp.compose.post_forward`) keep its slice of the gathered
         weights: copied out of the gathered buffer (flat), or rebuilt from the unsharded
         parameters (a layout that copies has freed it)."""
         if self.gathered is None:
-            post.keep(refresh)
+            post.keep()
         else:
             fill = self.group.layout.fill_slice
-            post.keep(refresh, fill=lambda out, start, end: fill(self.unsharded, out, start, end))
+            post.keep(fill=lambda out, start, end: fill(self.unsharded, out, start, end))
 
     # ------------------------------------------------------------------ init_weights
 

@@ -92,7 +92,7 @@ def finalize_backward(root: Unit) -> None:
                     group.grads.take_assigned_grads()
                     if unit.requires_grad_sync:
                         group.grads.launch_reduce()
-            unit.reshard(free=unit.reshard_after_backward)
+            unit.settle_after_backward()
 
 
 def finish_finalized(root: Unit) -> None:

@@ -218,7 +218,7 @@ def fully_shard(
         state = FSDPState(modules, groups, mp_policy, reshard_after_forward)
         state.shared_with_other_units = shared_with_other_units
         for group in groups:
-            group.use_params(unsharded=False)
+            group.register_sharded_params()
     except BaseException:
         for m, cls in zip(modules, classes):
             m.__class__ = cls

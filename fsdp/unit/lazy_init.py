@@ -59,7 +59,7 @@ def find_tree(root: Any) -> None:
     for state, name in units.items():
         state.root, state.fqn, state.root_ctx = root, name, None
     root.root_ctx = ctx
-    ctx.adopt(list(units))
+    ctx.take_tree(list(units))
     if logger.isEnabledFor(logging.DEBUG):
         logger.debug(
             "lazy init: root %s of %d units %s; %d parameter groups on %s",

@@ -48,7 +48,7 @@ class UnshardHandle:
         parameters; a no-op after the first call."""
         if self._state is not None:
             self._state.wait_unshard()
-            self._state._use_unsharded()
+            self._state.register_unsharded_params()
             self._state = None
 
 
@@ -99,7 +99,7 @@ class FSDPModule:
         state.unshard(async_op=async_op)
         if async_op:
             return UnshardHandle(state)
-        state._use_unsharded()
+        state.register_unsharded_params()
         return None
 
     def reshard(self) -> None:

@@ -84,7 +84,7 @@ class RootContext:
             raise RuntimeError(f"The previous gradient reduction must be waited on before {what}")
         self.finalization = target
 
-    def adopt(self, units: list[Unit]) -> None:
+    def take_tree(self, units: list[Unit]) -> None:
         """The tree found by lazy initialisation: its units and the streams their groups use."""
         self.units = units
         streams = {id(g.streams): g.streams for unit in units for g in unit.groups}

@@ -233,6 +233,7 @@ class FSDPState:
     def unshard(self, async_op: bool = False) -> None:
         for group in self.groups:  # a parameter reassigned since fully_shard raises before any gather
             group.check_registered()
+            group.prepare_gather()
         gather_together(self.groups, self.shared_gathers)  # one collective where groups can share it
         for group in self.groups:
             group.unshard(async_op=True)
@@ -243,23 +244,37 @@ class FSDPState:
         for group in self.groups:
             group.wait_unshard()
 
-    def reshard(self, free: bool = True, after_forward: bool = False) -> None:
-        """Register the sharded parameters again; with ``free``, also release the unsharded
-        storage (ZeRO-3). Without it the next unshard skips the gather unless the optimizer
-        has stepped since. ``after_forward``: groups with ``reshard_after_forward=n`` keep
-        their ``1/n`` slice for backward."""
+    def reshard(self) -> None:
+        """Free the unsharded weights (ZeRO-3) and register the sharded parameters again."""
         for group in self.groups:
-            if free and after_forward:
-                group.reshard_after_forward()
-            elif free:
-                group.reshard()
-            group.use_params(unsharded=False)
+            group.reshard()
+        self.register_sharded_params()
+
+    def release_after_forward(self) -> None:
+        """As :meth:`reshard`, but groups with ``reshard_after_forward=n`` keep their ``1/n``
+        slice for backward."""
+        for group in self.groups:
+            group.reshard_after_forward()
+        self.register_sharded_params()
+
+    def settle_after_backward(self) -> None:
+        """The end of this unit's backward: :meth:`reshard` if it reshards after backward, else
+        keep the gathered weights (the next unshard skips the gather unless the optimizer stepped)
+        and register the sharded parameters."""
+        if self.reshard_after_backward:
+            self.reshard()
+        else:
+            self.register_sharded_params()
+
+    def register_sharded_params(self) -> None:
+        for group in self.groups:
+            group.register_sharded_params()
         self.registered_unsharded = False
 
-    def _use_unsharded(self) -> None:
+    def register_unsharded_params(self) -> None:
         if not self.registered_unsharded:
             for group in self.groups:
-                group.use_params(unsharded=True)
+                group.register_unsharded_params()
             self.registered_unsharded = True
 
     # ------------------------------------------------------------------ forward
@@ -281,7 +296,7 @@ class FSDPState:
             if self.root is not self:
                 self.release_dropped_grads()
             self.unshard()
-            self._use_unsharded()
+            self.register_unsharded_params()
             for nxt in self._next_units(self.forward_prefetch, +1):
                 nxt.unshard(async_op=True)
             return self._cast_inputs(args, kwargs)
@@ -325,7 +340,7 @@ class FSDPState:
             grad = torch.is_grad_enabled()
             resharded = self.reshards_after_forward()
             if resharded:
-                self.reshard(after_forward=True)
+                self.release_after_forward()
             # Gathered until backward ends, the model shard is not read before the next step.
             # Resharded with a backward to come, it is not read before that backward's gather,
             # which casts it again (once per step instead of keeping it through the activations'
@@ -376,7 +391,7 @@ class FSDPState:
             self._enter(TrainingState.PRE_BACKWARD)
             if self.unshard_in_backward or recompute:  # set_unshard_in_backward(False): not needed
                 self.unshard()
-                self._use_unsharded()
+                self.register_unsharded_params()
             if prepared:
                 return
             for prev in self._next_units(self.backward_prefetch, -1):
@@ -386,7 +401,8 @@ class FSDPState:
         """A group got its first gradient of this backward, or is about to allocate its gradient
         buffer (:class:`~fsdp.group.grads.GradReducer`): finish the reductions still in flight
         (they have had a whole unit's backward to run), whose buffers would otherwise live
-        through this unit's backward beside the new one."""
+        through this unit's backward beside the new ones. Idempotent: the second call of a round
+        finds only reductions launched since."""
         ctx = self._owner().root_ctx
         if ctx.reductions_in_flight:
             with label("fsdp::wait_reductions", self.fqn):
@@ -431,7 +447,7 @@ class FSDPState:
                 # pipeline's weight-gradient step differentiates the parameters its
                 # input-gradient step saw (as FSDP2 leaves them).
                 if unit.reshard_after_backward or ctx.is_last_backward:
-                    unit.reshard(free=unit.reshard_after_backward)
+                    unit.settle_after_backward()
                 for group in unit.groups:
                     if group.grads is not None:
                         group.grads.end_backward()

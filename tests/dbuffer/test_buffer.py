@@ -595,3 +595,22 @@ def _waited_collective_frees_its_scratch() -> bool:
 
 def test_waited_collective_frees_its_scratch() -> None:
     assert run_ranks(_waited_collective_frees_its_scratch, 2, backend="gloo") == [True, True]
+
+
+def _siblings() -> bool:
+    mesh = _mesh((2,))
+    buf = DBuffer(mesh, [S], [(5, 3), (4,)], torch.float32)
+    buf.local_buffer.fill_(1.0)
+    full = buf.sibling([R], torch.bfloat16)
+    assert full.layout is buf.layout and full.shapes == buf.shapes and full.mesh is buf.mesh
+    assert full.placements == (R,) and full.dtype == torch.bfloat16 and full.local_buffer.abs().sum() == 0
+    assert full.local_buffer.untyped_storage().data_ptr() != buf.local_buffer.untyped_storage().data_ptr()
+    same = buf.sibling(local_buffer=buf.local_buffer)  # around the same memory, no copy
+    assert same.local_buffer is buf.local_buffer and same.placements == buf.placements
+    gathered = buf.sibling([R], zero_fill=False)
+    buf.allgather(0, out=gathered)  # a sibling is a valid out= of this buffer's primitives
+    return bool(torch.equal(gathered.local_buffer, torch.ones_like(gathered.local_buffer)))
+
+
+def test_a_sibling_has_the_same_tensors_and_layout() -> None:
+    assert run_ranks(_siblings, 2, backend="threaded") == [True, True]

@@ -18,8 +18,9 @@ import torch
 import torch.distributed as dist
 
 import fsdp
-from fsdp.group.layouts import ChunkedLayout
 from fsdp.group.layout_choice import layout_policy
+from fsdp.group.layouts import ChunkedLayout
+from fsdp.group.unsharded_state import Unsharded
 from tests.fsdp.models import full_state, loss_fn, make_batches, make_model, max_diff, reference, train
 from tests.fsdp.test_parity import shard
 from tests.harness import run_ranks, spy_collectives
@@ -42,14 +43,16 @@ def _post_forward(model, batches, layout: str) -> dict:
 
     loss = loss_fn(m, x, y)
     out["kept"] = [
-        (g.post_forward.holds is not None, g.weights.unsharded.is_storage_released(),
+        (g.unsharded.state is Unsharded.SLICE_KEPT and not g.post_forward.buffer.is_storage_released(),
+         g.weights.unsharded.is_storage_released(),
          g.post_forward.buffer.local_buffer.numel() * N == g.post_forward.unsharded.layout.total_numel)
         for g in groups
     ]
     with spy_collectives("all_gather") as seen:
         loss.backward()
     out["backward_gather_sizes"] = sorted({len(ranks) for _, ranks in seen})
-    out["emptied"] = all(g.post_forward.holds is None for g in groups)
+    out["emptied"] = all(g.unsharded.state is Unsharded.SHARDED and g.post_forward.buffer.is_storage_released()
+                         for g in groups)
     m.zero_grad(set_to_none=True)
 
     # A step between forward and backward makes the kept slices stale: gathered fully again.

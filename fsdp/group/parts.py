@@ -1,0 +1,199 @@
+"""The typed interfaces between a :class:`~fsdp.group.param_group.ParameterGroup` and its parts.
+
+Two directions, one Protocol each way:
+
+* what the group calls on a part: :class:`Weights` (:class:`~fsdp.group.weights.BufferWeights`,
+  :class:`~fsdp.compose.extensions.SubclassWeights`), :class:`Comms`
+  (:class:`~fsdp.group.comms.DBufferComms`, :mod:`fsdp.compose.custom_comm`'s) and
+  :class:`PostForwardSlice` (:class:`~fsdp.compose.post_forward.PostForwardShard`); the
+  residence has its own in :mod:`fsdp.group.residence`;
+* what a part may read of its group: :class:`WeightsGroup` for a weights part,
+  :class:`ReducerGroup` for the :class:`~fsdp.group.grads.GradReducer`. A part is built with
+  its group typed as one of these, so its constructor says what it may touch; a name outside
+  the Protocol is a type error, not a new coupling.
+
+No behaviour here: Protocols only, checked by a type checker and by
+``tests/fsdp/test_parts.py`` (every implementation has every member).
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, Sequence
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from dbuffer import DBuffer, Pending
+
+if TYPE_CHECKING:  # annotations only: these modules import this one's users
+    from fsdp.group.layouts import ParamKind
+    from fsdp.group.members import GroupPlacements, ParamInfo
+    from fsdp.group.policy import Dtypes, MixedPrecisionPolicy, Strategy
+    from fsdp.group.reduction import ReduceSettings
+    from fsdp.group.residence import Residence
+    from fsdp.group.streams import CommStreams
+
+__all__ = ["Comms", "GatherKind", "PostForwardSlice", "ReducerGroup", "SharedGatherPart", "Weights", "WeightsGroup"]
+
+
+class GatherKind(enum.Enum):
+    """What a weights part's next gather is (:meth:`Weights.begin_gather`)."""
+
+    OWN = "own"  # the group's own all-gather of this rank's shard into its own target
+    SHARED = "shared"  # its part of one all-gather with the unit's other groups (fsdp.group.shared_gather)
+    POST_FORWARD_SLICE = "post_forward_slice"  # gathered within n ranks from the slices kept after forward
+
+
+class Comms(Protocol):
+    """A group's two collectives (:mod:`fsdp.group.comms`)."""
+
+    all_gather_comm: Any  # FSDP2's comm objects, if any
+    reduce_scatter_comm: Any
+
+    def all_gather(self, source: DBuffer, placements: tuple, target: DBuffer) -> Pending:
+        """``target`` = ``source`` gathered to ``placements``, in flight."""
+
+    def reduce(self, source: DBuffer, placements: tuple, out: DBuffer, async_op: bool = True) -> Any:
+        """``out`` = ``source`` (Partial) reduced to ``placements``: a Pending, or ``out``."""
+
+
+class PostForwardSlice(Protocol):
+    """The ``1/n`` slice of a group's gathered weights kept from forward to backward."""
+
+    buffer: DBuffer
+
+    def keep(self, fill: Optional[Callable[[torch.Tensor, int, int], None]] = None) -> None:
+        """Copy this rank's slice out of the gathered weights (or let ``fill`` write it)."""
+
+    def gather(self) -> Pending:
+        """All-gather the kept slices into the gathered buffer, in flight."""
+
+    def drop(self) -> None:
+        """Release the slice."""
+
+    def rebuilt(self, unsharded: DBuffer) -> "PostForwardSlice":
+        """The same slice for a rebuilt gathered buffer."""
+
+
+class SharedGatherPart(Protocol):
+    """One all-gather shared by several groups of a unit (:mod:`fsdp.group.shared_gather`), as
+    each group sees it while its part is in flight."""
+
+    def rows(self, index: int) -> torch.Tensor:
+        """Group ``index``'s rows of the gathered buffer, to copy out of."""
+
+    def copied_out(self) -> None:
+        """One group copied its rows out (the last one frees the shared buffers)."""
+
+
+class Weights(Protocol):
+    """How a group's model weights are made from ``main``, gathered and freed
+    (:mod:`fsdp.group.weights`). The group drives the cycle: :meth:`refresh` after a step,
+    :meth:`begin_gather` / :meth:`gather_source` / :meth:`end_gather` around the collective,
+    :meth:`free_unsharded` after use."""
+
+    shares_gather: bool  # its gathers may be one collective with the unit's other groups
+    keeps_post_forward_slice: bool  # reshard_after_forward=n may keep a slice of it
+    dtype_fixed: Optional[str]  # why module.to(dtype) must not change its dtype (None: it may)
+    keep_unsharded_storage: bool  # set_keep_unsharded_storage: storage stays across reshards
+
+    @property
+    def unsharded_params(self) -> Optional[list[nn.Parameter]]:
+        """The parameters the modules compute with while gathered (None before the first gather)."""
+
+    def fill(self, tensors: list[torch.Tensor]) -> None:
+        """Copy the original parameters' values into ``main``."""
+
+    def build(self) -> None:
+        """(Re)build the model-weight and gathered buffers for the group's current dtypes."""
+
+    def new_sharded_params(self) -> list[nn.Parameter]:
+        """The sharded parameters (DTensor views of ``main``) to register on the modules."""
+
+    def version_key(self) -> Any:
+        """Changes whenever the main weights change in place (the refresh compares it)."""
+
+    def refresh(self, model_current: bool) -> None:
+        """Make the model-dtype shard from ``main`` (``model_current``: it was written already)."""
+
+    def release_model_shard(self) -> None:
+        """Free the model-dtype shard until the next refresh (ZeRO-1/2: gathered already)."""
+
+    def has_unsharded(self) -> bool:
+        """Whether the gathered weights have storage."""
+
+    def begin_gather(self, kind: GatherKind) -> Optional[DBuffer]:
+        """Allocate what the gather writes; the target buffer (None: ``kind`` brings its own)."""
+
+    def gather_source(self) -> DBuffer:
+        """What this rank contributes to the gather."""
+
+    def gathered_buffer(self) -> DBuffer:
+        """The buffer gathers land in."""
+
+    def end_gather(self, refill: bool, rows: Optional[torch.Tensor] = None) -> None:
+        """The gather landed: copy out (``rows``: this group's rows of a shared gather)."""
+
+    def free_unsharded(self) -> None:
+        """Release the gathered weights' storage."""
+
+    def keep_slice(self, post: PostForwardSlice) -> None:
+        """Let ``post`` keep its slice of the gathered weights."""
+
+    def init_params(self) -> list[nn.Parameter]:
+        """Full parameters for an init function (``init_weights``)."""
+
+    def commit_init(self, commit: bool) -> None:
+        """Write what :meth:`init_params` gave back into ``main`` (or drop it)."""
+
+
+class _GroupBase(Protocol):
+    """What every part may read of its group: its identity and configuration."""
+
+    infos: list["ParamInfo"]
+    mesh: DeviceMesh
+    strategy: "Strategy"
+    dtypes: "Dtypes"
+    placements: "GroupPlacements"
+    layout: Any  # FlatLayout | ChunkedLayout (fsdp.group.layouts)
+    kind: "ParamKind"
+    offload: "Residence"
+    main: DBuffer
+    sharded_params: list[nn.Parameter]
+
+    def names(self) -> str:
+        """The group's first parameter names, for messages."""
+
+    def sibling(self, placements: Sequence, dtype: torch.dtype, zero_fill: bool = True,
+                device: Optional[torch.device] = None) -> DBuffer:
+        """A buffer shaped like ``main`` on the compute device."""
+
+    def host_sibling(self, placements: Sequence, dtype: torch.dtype, zero_fill: bool = True) -> DBuffer:
+        """A buffer shaped like ``main`` where ``main`` lives."""
+
+    def sharded_views(self, buf: DBuffer) -> list[torch.Tensor]:
+        """Every parameter's DTensor view of ``buf`` at the sharded placements."""
+
+
+class WeightsGroup(_GroupBase, Protocol):
+    """What a weights part may read of its group, beyond :class:`_GroupBase`."""
+
+    requires_grad: bool
+    policy: Optional["MixedPrecisionPolicy"]
+    compute_device: torch.device
+
+
+class ReducerGroup(_GroupBase, Protocol):
+    """What the gradient reducer may read and call of its group, beyond :class:`_GroupBase`."""
+
+    streams: "CommStreams"
+    reduction: "ReduceSettings"
+
+    @property
+    def unsharded_params(self) -> Optional[list[nn.Parameter]]:
+        """The parameters autograd accumulates into (hooked by the reducer)."""
+
+    def reduce_into(self, source: DBuffer, placements: tuple, out: DBuffer, async_op: bool = True) -> Any:
+        """``source`` reduced to ``placements`` into ``out`` by the group's comms."""
