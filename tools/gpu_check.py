@@ -30,7 +30,8 @@ how the process ended, and the rest of the section as not run):
 3. ``profile`` (:mod:`tools.gpu_checks.profiling`): the ``fsdp::`` ranges of two training steps,
    and on CUDA the streams the collectives', copy and compute kernels ran on.
 4. ``memory`` (:mod:`tools.gpu_checks.bench`): peak memory per rank on a fake world of 8, ours and
-   row against FSDP2 (``tools/bench_gpu.py``'s measurement).
+   row against FSDP2 (``tools/bench_gpu.py``'s measurement), and the host time per unit per step
+   of ours, FSDP2 and ours + FlatAdamW on the same fake world (``tools/bench_host.py``'s).
 5. ``bench``: ``tools/bench_gpu.py``'s world-1 step time and peak of ours, row, FSDP2, floor.
 
 Time: at most ``--timeout`` seconds in all (240 on CUDA), each section at most its own limit
@@ -74,7 +75,7 @@ SECTIONS = {
     "matrix": (matrix.names, matrix.run, {"cuda": 120, "cpu": 600}),
     "multirank": (multirank.names, multirank.run, {"cuda": 60, "cpu": 600}),
     "profile": (profiling.names, profiling.run, {"cuda": 40, "cpu": 300}),
-    "memory": (lambda s: bench.names(s, "memory"), bench.run_memory, {"cuda": 40, "cpu": 300}),
+    "memory": (lambda s: bench.names(s, "memory"), bench.run_memory, {"cuda": 70, "cpu": 300}),
     "bench": (lambda s: bench.names(s, "bench"), bench.run_bench, {"cuda": 60, "cpu": 300}),
 }
 DETERMINISTIC = ("matrix", "multirank")  # on CUDA: deterministic kernels, cuBLAS's workspace setting

@@ -8,6 +8,11 @@ Both reuse ``tools/bench_gpu.py`` (its methods ``ours``, ``row``, ``fsdp2``, ``f
   that sharding leaves, each sharded method alone. Checked: ours and row within
   :data:`PEAK_LIMIT` of FSDP2's peak (they hold the same shards, so a larger ratio is a leak or a
   buffer kept too long).
+* ``memory`` also runs ``tools/bench_host.py``'s measurement on the same fake world (``host`` rows):
+  the training thread's CPU time per unit per step above the plain model, ours, FSDP2 and ours +
+  ``FlatAdamW``, by phase, at a launch-bound size on CUDA (many short kernels: the host's time is
+  what a GPU cannot hide). Figures; checked: every unit's pre-forward hook ran once in the
+  profiled step.
 * ``bench``: :func:`tools.bench_gpu.measure_real` at world 1 (NCCL on cuda:0, gloo on the CPU):
   median step time, methods interleaved, and each method's peak alone. Timings are figures, not
   checks (a shared machine is noisy); checked: the three sharded methods end at the same loss,
@@ -24,6 +29,10 @@ SIZES = {
     "cpu": dict(vocab=512, dim=64, layers=2, heads=4, hidden=176, seq=32, batch=2, steps=2, warmup=1),
     "cuda": dict(vocab=32000, dim=2048, layers=4, heads=16, hidden=5632, seq=1024, batch=4, steps=5, warmup=2),
 }
+HOST_SIZES = {  # tools/bench_host.py's model: many small units
+    "cpu": dict(vocab=512, dim=64, layers=4, heads=4, hidden=176, seq=32, batch=2, steps=2, warmup=1),
+    "cuda": dict(vocab=8192, dim=512, layers=16, heads=8, hidden=1408, seq=256, batch=1, steps=5, warmup=2),
+}
 MODES = ("fp32", "bf16")
 PEAK_LIMIT = 1.25  # ours' and row's peak per rank at world 8, at most this times FSDP2's
 LOSS_AGREE = {"fp32": 1e-3, "bf16": 1e-2}  # |last loss - FSDP2's| of ours and row
@@ -31,7 +40,9 @@ FAKE_WORLD = 8
 
 
 def names(setup: Setup, section: str) -> list[str]:
-    return [f"fake w{FAKE_WORLD} {m}" for m in MODES] if section == "memory" else [f"world 1 {m}" for m in MODES]
+    if section == "memory":
+        return [f"fake w{FAKE_WORLD} {m}" for m in MODES] + [f"host {m}" for m in MODES]
+    return [f"world 1 {m}" for m in MODES]
 
 
 def config(setup: Setup, dtypes: tuple):
@@ -70,6 +81,27 @@ def run_memory(ctx: Context) -> None:
         torch.cuda.set_device(0)
     for mode in MODES:
         ctx.row(f"fake w{FAKE_WORLD} {mode}", lambda row, mode=mode: _memory_row(ctx.setup, mode, row))
+    for mode in MODES:
+        ctx.row(f"host {mode}", lambda row, mode=mode: _host_row(ctx.setup, mode, row))
+
+
+def _host_row(setup: Setup, mode: str, row: Row) -> None:
+    from tools.bench_host import PHASES, measure
+    from tools.step_bench.methods import BenchConfig
+
+    s = HOST_SIZES[setup.device]
+    cfg = BenchConfig(dtypes=(mode,), data="random", methods=("ours", "fsdp2", "flat", "floor"), **s)
+    result = measure(cfg, FAKE_WORLD, mode, setup.torch_device)
+    units = cfg.layers + 1
+    floor = result["phases"]["floor"]
+    per_unit = {name: [(ms - f) / units for ms, f in zip(result["phases"][name], floor)]
+                for name in ("ours", "fsdp2", "flat")}
+    row.figures["host ms/unit/step"] = {name: round(sum(v), 3) for name, v in per_unit.items()}
+    row.figures["by phase"] = {name: dict(zip(PHASES, (round(x, 3) for x in v))) for name, v in per_unit.items()}
+    for name in ("ours", "flat"):
+        row.figures[f"{name}/FSDP2 host"] = round(sum(per_unit[name]) / sum(per_unit["fsdp2"]), 3)
+    calls = sum(e.count for e in result["ranges"] if e.key.split(" (", 1)[0] == "fsdp::pre_forward")
+    row.check("fsdp::pre_forward calls / units", calls / units, 1.0, op="==")
 
 
 def _bench_row(setup: Setup, mode: str, row: Row) -> None:

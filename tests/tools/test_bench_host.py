@@ -1,0 +1,38 @@
+"""tools/bench_host.py on a tiny Llama at fake world 4: every method's row and phase, both ratios
+against FSDP2 with their verdicts, and ours' fsdp:: ranges per unit, where each unit's forward and
+backward hooks run once per step."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ["--dim", "32", "--layers", "3", "--heads", "2", "--hidden", "64", "--vocab", "128", "--seq", "16",
+        "--batch", "2", "--steps", "2", "--warmup", "1", "--world", "4"]
+
+
+def test_bench_host_reports_every_method_phase_and_range() -> None:
+    run = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_host.py"), *TINY], cwd=ROOT,
+                         capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = run.stdout
+    assert "fake world of 4" in out and "avx512f" in out, out[:500]
+    for mode in ("fp32", "bf16"):
+        section = out.split(f"== {mode}:")[1].split("== ")[0]
+        assert "(4 units;" in section, section
+        rows = {m.group(1): [float(x) for x in m.group(2).split()]
+                for m in re.finditer(r"^  (ours|fsdp2|flat)\s+(\S+\s+\S+\s+\S+\s+\S+\s+\S+)$", section, re.M)}
+        assert set(rows) == {"ours", "fsdp2", "flat"}, section
+        for name, (total, forward, backward, optimizer, ratio) in rows.items():
+            assert abs(total - (forward + backward + optimizer)) < 2e-3, (name, rows[name])
+            assert abs(ratio - total / rows["fsdp2"][0]) < 0.01, (name, rows[name])
+        assert rows["fsdp2"][-1] == 1.0
+        for name in ("ours", "flat"):
+            assert re.search(rf"target host overhead per unit {name}/FSDP2 <= 0.5: [\d.-]+ (MET|MISSED)", section)
+        ranges = {m.group(1): float(m.group(2)) for m in re.finditer(r"(fsdp::\w+)\s+([\d.]+)\s+[\d.]+", section)}
+        # every unit (3 blocks + the root) enters its forward and backward hooks once per step
+        assert ranges["fsdp::pre_forward"] == ranges["fsdp::post_forward"] == ranges["fsdp::pre_backward"] == 1.0, ranges
+        assert abs(ranges["fsdp::root_pre_forward"] - 0.25) <= 0.05, ranges  # once per step, 4 units (1 decimal)

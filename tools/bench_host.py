@@ -1,0 +1,142 @@
+"""Host time per unit per step: what a GPU cannot hide, measured where nothing else costs.
+
+    python3 tools/bench_host.py                       # fake world 8, 16 blocks, fp32 and bf16
+    python3 tools/bench_host.py --foreach on          # AdamW's foreach path (torch's default on GPUs)
+    python3 tools/bench_host.py --cuda                # the same on cuda:0 (kernels queued, host time measured)
+
+When kernels are short the step is the host's Python: every microsecond a framework spends per unit
+on the host is a microsecond the GPU waits. This measures it without a GPU: this process plays rank
+0 of torch's **fake process group** (collectives do nothing, so values are meaningless but every
+framework line runs), on a Llama with many small blocks (compute near zero). For each method, the
+training thread's CPU time per step, split into forward, backward and optimizer (``step`` +
+``zero_grad``), minus the plain model's (``floor``: the same model unsharded, the same optimizer),
+divided by the number of units (the blocks and the root): the **host overhead per unit per step**.
+
+Methods: ``ours`` (``fsdp.fully_shard`` + ``torch.optim.AdamW`` over its DTensor parameters),
+``fsdp2`` (torch's ``fully_shard`` + the same AdamW), ``flat`` (ours + ``fsdp.FlatAdamW``, BF16
+main grads in bf16), ``floor``. Steps are interleaved (the methods round-robin, rotated every
+step); medians. Printed per mode: the table (ms per unit per step, total and by phase), ours/FSDP2
+and flat/FSDP2 against the target (<= 0.5), and ours' ``fsdp::`` ranges per unit per step (one
+profiled step: what the overhead is made of). ``torch.optim``'s per-parameter DTensor dispatch is
+in the optimizer column of ``ours`` and ``fsdp2`` alike; ``flat`` shows what a user gains with
+``fsdp.FlatAdamW``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from tools.kit.results import describe_host, host_info  # noqa: E402
+from tools.step_bench.methods import BenchConfig, build_method, make_batches, model_config  # noqa: E402
+from tools.step_bench.report import fsdp_breakdown  # noqa: E402
+
+METHODS = ("ours", "fsdp2", "flat", "floor")
+PHASES = ("forward", "backward", "optimizer")
+TARGET = 0.5  # host overhead per unit per step, ours / FSDP2 (issue: half FSDP2's)
+
+
+def measure(cfg: BenchConfig, world: int, mode: str, device: torch.device) -> dict:
+    """Rank 0 of a fake world of ``world``: per method, the median training-thread CPU ms per step
+    of each phase, and ours' fsdp:: ranges of one profiled step."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from tests.models.llama import Llama
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    try:
+        mesh = init_device_mesh(device.type, (world,))
+        torch.manual_seed(cfg.seed)
+        base = Llama(model_config(cfg)).to(device)
+        methods = {name: build_method(name, base, mode, cfg, mesh) for name in METHODS}
+        batches = [b.to(device) for b in make_batches(cfg, cfg.warmup + cfg.steps + 1, 0, world)]
+        for i, tokens in enumerate(batches[: cfg.warmup + cfg.steps]):
+            for name in METHODS[i % len(METHODS):] + METHODS[: i % len(METHODS)]:
+                methods[name].step(tokens)
+        phases = {}
+        for name, method in methods.items():
+            timed = method.phases[cfg.warmup:]  # per step: (own thread ms, other threads ms, faults) per phase
+            phases[name] = [statistics.median(step[k][0] for step in timed) for k in range(len(PHASES))]
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            methods["ours"].step(batches[-1])
+        return {"phases": phases, "ranges": prof.key_averages()}
+    finally:
+        dist.destroy_process_group()
+
+
+def report(cfg: BenchConfig, world: int, mode: str, result: dict) -> list[str]:
+    units = cfg.layers + 1
+    floor = result["phases"]["floor"]
+    per_unit = {name: [(ms - f) / units for ms, f in zip(result["phases"][name], floor)]
+                for name in METHODS if name != "floor"}
+    lines = [f"== {mode}: host CPU ms per unit per step above the plain model ({units} units; floor "
+             f"{sum(floor):.1f} ms per step: " + ", ".join(f"{p} {v:.1f}" for p, v in zip(PHASES, floor)) + ")",
+             f"  {'method':<7}{'total':>8}" + "".join(f"{p:>11}" for p in PHASES) + f"{'/ FSDP2':>10}"]
+    fsdp2_total = sum(per_unit["fsdp2"])
+    for name, parts in per_unit.items():
+        total = sum(parts)
+        lines.append(f"  {name:<7}{total:>8.3f}" + "".join(f"{v:>11.3f}" for v in parts)
+                     + f"{total / fsdp2_total:>10.2f}")
+    for name in ("ours", "flat"):
+        ratio = sum(per_unit[name]) / fsdp2_total
+        lines.append(f"  target host overhead per unit {name}/FSDP2 <= {TARGET}: {ratio:.2f} "
+                     + ("MET" if ratio <= TARGET else "MISSED"))
+    breakdown = fsdp_breakdown(result["ranges"], steps=units)  # per unit: one step over every unit
+    lines.append("  ours' fsdp:: ranges, one profiled step, per unit (calls and CPU ms inside each range):")
+    lines.extend("    " + line for line in breakdown.splitlines())
+    return lines
+
+
+def main(argv=None) -> list[str]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtype", choices=("fp32", "bf16", "both"), default="both")
+    parser.add_argument("--cuda", action="store_true", help="run on cuda:0 (default: CPU)")
+    parser.add_argument("--world", type=int, default=8, help="ranks of the fake world (this process is rank 0)")
+    parser.add_argument("--foreach", choices=("default", "on", "off"), default="default",
+                        help="AdamW's foreach (default: torch's choice, the for-loop on CPU; GPUs default to on)")
+    for name, default in (("layers", 16), ("dim", 64), ("heads", 4), ("hidden", 176), ("vocab", 512),
+                          ("seq", 32), ("batch", 2), ("steps", 8), ("warmup", 2)):
+        parser.add_argument(f"--{name}", type=int, default=default)
+    args = parser.parse_args(argv)
+    if args.world < 2:
+        parser.error(f"--world must be at least 2 (a sharded world), got {args.world}")
+    if args.cuda and not torch.cuda.is_available():
+        parser.error("--cuda: no CUDA device here")
+    if args.steps < 1:
+        parser.error(f"--steps must be at least 1, got {args.steps}")
+    cfg = BenchConfig(
+        dtypes=("fp32", "bf16") if args.dtype == "both" else (args.dtype,), vocab=args.vocab, dim=args.dim,
+        layers=args.layers, heads=args.heads, hidden=args.hidden, seq=args.seq, batch=args.batch,
+        steps=args.steps, warmup=args.warmup, data="random", methods=METHODS,
+        foreach={"default": None, "on": True, "off": False}[args.foreach],
+    )
+    lines = [f"host overhead per unit per step: Llama dim {cfg.dim} x {cfg.layers} blocks, vocab {cfg.vocab}, "
+             f"batch {cfg.batch} x {cfg.seq}; {'cuda:0' if args.cuda else 'CPU'}, rank 0 of a fake world "
+             f"of {args.world}; AdamW foreach "
+             f"{args.foreach}; median of {cfg.steps} interleaved steps after {cfg.warmup}",
+             f"host: {describe_host({'host': host_info()})}"]
+    print("\n".join(lines), flush=True)
+    device = torch.device("cuda", 0) if args.cuda else torch.device("cpu")
+    if args.cuda:
+        torch.cuda.set_device(device)
+    for mode in cfg.dtypes:
+        part = report(cfg, args.world, mode, measure(cfg, args.world, mode, device))
+        print("\n".join(part), flush=True)
+        lines += part
+    return lines
+
+
+if __name__ == "__main__":
+    main()
