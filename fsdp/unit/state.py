@@ -57,7 +57,7 @@ from fsdp.unit import finalization, pipelining
 from fsdp.unit.finalization import finish_grad_sync
 from fsdp.unit.lazy_init import find_tree
 from fsdp.unit.root import MAX_REDUCTIONS_IN_FLIGHT, Finalization, RootContext
-from fsdp.unit.training_state import TrainingState, check_transition, in_backward
+from fsdp.unit.training_state import ALLOWED, TrainingState, check_transition, in_backward
 
 __all__ = ["LABELS", "FSDPState", "MAX_REDUCTIONS_IN_FLIGHT", "finish_grad_sync"]
 
@@ -189,7 +189,8 @@ class FSDPState:
         return cls if self.fqn is None else f"{self.fqn or '<root>'!r} ({cls})"
 
     def _enter(self, target: TrainingState) -> None:
-        check_transition(self.name(), self.training_state, target)
+        if target not in ALLOWED[self.training_state]:  # the name only for the error: off the hot path
+            check_transition(self.name(), self.training_state, target)
         self.training_state = target
 
     def _owner(self) -> "FSDPState":
