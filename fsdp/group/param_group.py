@@ -42,6 +42,7 @@ from fsdp.group.comms import DBUFFER_COMMS
 from fsdp.group.grads import GradReducer
 from fsdp.group.layouts import PLAIN, ChunkedLayout, FlatLayout, ParamKind, flat_layout
 from fsdp.group.members import GroupPlacements, ParamInfo
+from fsdp.group.parts import Comms, GatherKind, PostForwardSlice, SharedGatherPart, Weights
 from fsdp.group.policy import Dtypes, MixedPrecisionPolicy, Strategy
 from fsdp.group.profiling import label
 from fsdp.group.reduction import ReduceSettings
@@ -49,7 +50,6 @@ from fsdp.group.registration import note_registration
 from fsdp.group.residence import NO_OFFLOAD, HostResidence, Residence
 from fsdp.group.streams import CommStreams
 from fsdp.group.unsharded_state import Unsharded, UnshardedLife
-from fsdp.group.parts import Comms, GatherKind, PostForwardSlice, SharedGatherPart, Weights
 from fsdp.group.weights import BufferWeights
 
 __all__ = ["ParameterGroup", "meta_error"]
@@ -233,7 +233,6 @@ class ParameterGroup:
         (:mod:`fsdp.group.shared_gather`): its weights part lands gathers in rows it copies out
         of, its comms are dbuffer's, it is no explicit bucket, and no post-forward slice is to be
         gathered instead."""
-        post = self.post_forward
         return (
             not self.own_gather and self.weights.shares_gather and self.comms is DBUFFER_COMMS
             and self.unsharded.state is not Unsharded.SLICE_KEPT
