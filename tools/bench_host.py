@@ -76,21 +76,28 @@ def measure(cfg: BenchConfig, world: int, mode: str, device: torch.device) -> di
         dist.destroy_process_group()
 
 
+def per_unit(cfg: BenchConfig, result: dict) -> dict[str, list[float]]:
+    """Per sharded method, ms per unit per step above the floor, by phase (:data:`PHASES`)."""
+    units = cfg.layers + 1  # the blocks and the root
+    floor = result["phases"]["floor"]
+    return {name: [(ms - f) / units for ms, f in zip(result["phases"][name], floor)]
+            for name in METHODS if name != "floor"}
+
+
 def report(cfg: BenchConfig, world: int, mode: str, result: dict) -> list[str]:
     units = cfg.layers + 1
     floor = result["phases"]["floor"]
-    per_unit = {name: [(ms - f) / units for ms, f in zip(result["phases"][name], floor)]
-                for name in METHODS if name != "floor"}
+    per_unit_ms = per_unit(cfg, result)
     lines = [f"== {mode}: host CPU ms per unit per step above the plain model ({units} units; floor "
              f"{sum(floor):.1f} ms per step: " + ", ".join(f"{p} {v:.1f}" for p, v in zip(PHASES, floor)) + ")",
              f"  {'method':<7}{'total':>8}" + "".join(f"{p:>11}" for p in PHASES) + f"{'/ FSDP2':>10}"]
-    fsdp2_total = sum(per_unit["fsdp2"])
-    for name, parts in per_unit.items():
+    fsdp2_total = sum(per_unit_ms["fsdp2"])
+    for name, parts in per_unit_ms.items():
         total = sum(parts)
         lines.append(f"  {name:<7}{total:>8.3f}" + "".join(f"{v:>11.3f}" for v in parts)
                      + f"{total / fsdp2_total:>10.2f}")
     for name in ("ours", "flat"):
-        ratio = sum(per_unit[name]) / fsdp2_total
+        ratio = sum(per_unit_ms[name]) / fsdp2_total
         lines.append(f"  target host overhead per unit {name}/FSDP2 <= {TARGET}: {ratio:.2f} "
                      + ("MET" if ratio <= TARGET else "MISSED"))
     breakdown = fsdp_breakdown(result["ranges"], steps=units)  # per unit: one step over every unit

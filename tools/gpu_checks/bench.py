@@ -86,22 +86,19 @@ def run_memory(ctx: Context) -> None:
 
 
 def _host_row(setup: Setup, mode: str, row: Row) -> None:
-    from tools.bench_host import PHASES, measure
+    from tools.bench_host import PHASES, measure, per_unit
     from tools.step_bench.methods import BenchConfig
 
     s = HOST_SIZES[setup.device]
     cfg = BenchConfig(dtypes=(mode,), data="random", methods=("ours", "fsdp2", "flat", "floor"), **s)
     result = measure(cfg, FAKE_WORLD, mode, setup.torch_device)
-    units = cfg.layers + 1
-    floor = result["phases"]["floor"]
-    per_unit = {name: [(ms - f) / units for ms, f in zip(result["phases"][name], floor)]
-                for name in ("ours", "fsdp2", "flat")}
-    row.figures["host ms/unit/step"] = {name: round(sum(v), 3) for name, v in per_unit.items()}
-    row.figures["by phase"] = {name: dict(zip(PHASES, (round(x, 3) for x in v))) for name, v in per_unit.items()}
+    ms = per_unit(cfg, result)
+    row.figures["host ms/unit/step"] = {name: round(sum(v), 3) for name, v in ms.items()}
+    row.figures["by phase"] = {name: dict(zip(PHASES, (round(x, 3) for x in v))) for name, v in ms.items()}
     for name in ("ours", "flat"):
-        row.figures[f"{name}/FSDP2 host"] = round(sum(per_unit[name]) / sum(per_unit["fsdp2"]), 3)
+        row.figures[f"{name}/FSDP2 host"] = round(sum(ms[name]) / sum(ms["fsdp2"]), 3)
     calls = sum(e.count for e in result["ranges"] if e.key.split(" (", 1)[0] == "fsdp::pre_forward")
-    row.check("fsdp::pre_forward calls / units", calls / units, 1.0, op="==")
+    row.check("fsdp::pre_forward calls / units", calls / (cfg.layers + 1), 1.0, op="==")
 
 
 def _bench_row(setup: Setup, mode: str, row: Row) -> None:
