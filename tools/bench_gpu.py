@@ -9,12 +9,17 @@ Two parts, each in fp32 and in bf16 (the policies of ``tools/bench_fsdp.py``: bf
 main weights, gradients and reductions for ours and FSDP2; the floor a bf16 copy of the model):
 
 * **World 1, real** (NCCL on ``cuda:0``, gloo on CPU): ``ours``, ``row`` (``layout_policy("auto")``),
-  ``fsdp2`` and ``floor`` (the plain model) train their own copies of one model on the same
-  batches. Step time: the median over ``--steps`` steps, methods interleaved round-robin, each
-  step from a synchronised start to a synchronised end. Peak memory: each method alone, built,
-  warmed up, then one step, as the device's peak allocated bytes above what was allocated before
-  it was built (on CPU: the tensor storages the step holds or touches). The losses at the end must
-  agree between ``ours``, ``row`` and ``fsdp2`` (they train the same model the same way).
+  ``fsdp2``, ``flat`` (``fsdp.FlatAdamW``; in bf16 with BF16 main grads) and ``floor`` (the plain
+  model) train their own copies of one model on the same batches (``--micro``: each step over that
+  many micro-batches, gradients accumulated). Step time: the median over ``--steps`` steps, methods
+  interleaved round-robin, each step from a synchronised start to a synchronised end. Peak memory:
+  each method alone, built, warmed up, then one step, as the device's peak allocated bytes above
+  what was allocated before it was built (on CPU: the tensor storages the step holds or touches).
+  The losses at the end must agree between ``ours``, ``row`` and ``fsdp2`` (they train the same
+  model the same way). The optimizer step: two more steps each, the optimizer timed alone from
+  and to an idle device, against the bytes it must read and write (weights and state read and
+  written, gradients read: ``tools.step_bench.methods.optimizer_bytes``), so MB / ms is the
+  bandwidth it reaches (an H200's HBM: about 4.8 TB/s).
 * **World 8, fake** (``torch.testing``'s fake process group: collectives do nothing, so values
   are meaningless and only memory counts): rank 0 of eight, each method alone as above. This is
   what sharding saves per rank, ours against FSDP2, without eight GPUs.
@@ -43,10 +48,10 @@ import torch.distributed as dist  # noqa: E402
 
 from tools.kit import launch  # noqa: E402
 from tools.kit.memory import StorageTracker  # noqa: E402
-from tools.step_bench.methods import BenchConfig, build_method, make_batches, model_config  # noqa: E402
+from tools.step_bench.methods import BenchConfig, build_method, make_batches, model_config, optimizer_bytes  # noqa: E402
 
-METHODS = ("ours", "row", "fsdp2", "floor")
-SHARDED = ("ours", "row", "fsdp2")
+METHODS = ("ours", "row", "fsdp2", "flat", "floor")
+SHARDED = ("ours", "row", "fsdp2", "flat")
 MEGATRON_FSDP = {"step": 0.80, "peak": 0.77}  # Megatron-FSDP's reported ratios to FSDP2 on GPUs
 
 
@@ -110,7 +115,16 @@ def measure_real(cfg: BenchConfig, device: torch.device) -> dict:
                 if i >= cfg.warmup:
                     times[name].append(time.perf_counter() - start)
                 losses[name] = float(loss)
-        out[mode] = {"time": {n: statistics.median(times[n]) for n in METHODS}, "peak": peaks, "loss": losses}
+        # Then two more steps each, the optimizer step timed alone from and to an idle device (the
+        # waits would break the overlap the timed steps above keep).
+        for name in METHODS:
+            methods[name].clock = lambda: (_sync(device), time.perf_counter())[1]
+            for tokens in batches[cfg.warmup + cfg.steps: cfg.warmup + cfg.steps + 2]:
+                methods[name].step(tokens)
+        optim = {n: {"s": statistics.median(methods[n].optimizer_s),
+                     "bytes": optimizer_bytes(methods[n])} for n in METHODS}
+        out[mode] = {"time": {n: statistics.median(times[n]) for n in METHODS}, "peak": peaks, "loss": losses,
+                     "optim": optim}
         del methods
     return out
 
@@ -134,17 +148,21 @@ def report(real: dict, fake: dict, cfg: BenchConfig, device: torch.device, fake_
     """The tables and the comparison with Megatron-FSDP, as lines."""
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (gloo; peak = tensor storages)"
     lines = [f"{where}; torch {torch.__version__}; Llama dim {cfg.dim} x {cfg.layers} layers, vocab {cfg.vocab}, "
-             f"batch {cfg.batch} x {cfg.seq}; median of {cfg.steps} steps after {cfg.warmup}"]
+             f"batch {cfg.batch} x {cfg.seq} in {cfg.micro} micro-batch(es); median of {cfg.steps} steps after "
+             f"{cfg.warmup}; optimizer: median of 2 more steps, each timed alone"]
     for mode in cfg.dtypes:
         r, f = real[mode], fake[mode]
-        t, p, fp = r["time"], r["peak"], f["peak"]
+        t, p, fp, opt = r["time"], r["peak"], f["peak"], r["optim"]
         lines += [f"== {mode}", f"| method | step ms (world 1) | / FSDP2 | / floor | peak MiB world 1 (/ FSDP2) "
-                  f"| peak MiB world {fake_world} fake (/ FSDP2) | loss |", "| --- | --- | --- | --- | --- | --- | --- |"]
+                  f"| peak MiB world {fake_world} fake (/ FSDP2) | optimizer ms | optimizer MB moved | GB/s | loss |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         for name in METHODS:
             world8 = f"{fp[name] / 2**20:.1f} ({fp[name] / fp['fsdp2']:.2f})" if name in fp else ""
+            o = opt[name]
             lines.append(f"| {name} | {1e3 * t[name]:.1f} | {t[name] / t['fsdp2']:.2f} | {t[name] / t['floor']:.2f} | "
-                         f"{p[name] / 2**20:.1f} ({p[name] / p['fsdp2']:.2f}) | {world8} | {r['loss'][name]:.4f} |")
-        for name in ("ours", "row"):
+                         f"{p[name] / 2**20:.1f} ({p[name] / p['fsdp2']:.2f}) | {world8} | {1e3 * o['s']:.2f} | "
+                         f"{o['bytes'] / 1e6:.1f} | {o['bytes'] / o['s'] / 1e9:.1f} | {r['loss'][name]:.4f} |")
+        for name in SHARDED[:2] + ("flat",):
             step, peak = t[name] / t["fsdp2"], fp[name] / fp["fsdp2"]
             lines.append(f"{name}/FSDP2: step {step:.2f} (Megatron-FSDP reports {MEGATRON_FSDP['step']:.2f}), "
                          f"peak memory at world {fake_world} {peak:.2f} (Megatron-FSDP {MEGATRON_FSDP['peak']:.2f})")
@@ -162,18 +180,20 @@ def main(argv: Optional[list[str]] = None) -> list[str]:
     parser.add_argument("--dtype", choices=("fp32", "bf16", "both"), default="both")
     parser.add_argument("--fake-world", type=int, default=8, help="ranks of the fake world for memory")
     for name, default in (("vocab", 32000), ("dim", 2048), ("layers", 8), ("heads", 16), ("seq", 1024),
-                          ("batch", 4), ("steps", 10), ("warmup", 2)):
+                          ("batch", 4), ("micro", 1), ("steps", 10), ("warmup", 2)):
         parser.add_argument(f"--{name}", type=int, default=default)
     parser.add_argument("--hidden", type=int, default=None, help="SwiGLU hidden size (default: 11/4 x dim)")
     args = parser.parse_args(argv)
     if args.cuda and not torch.cuda.is_available():
         parser.error("--cuda: no CUDA device here")
+    if args.micro < 1 or args.batch % args.micro:
+        parser.error(f"--micro must be a positive divisor of --batch ({args.batch}), got {args.micro}")
     if args.fake_world < 2:
         parser.error(f"--fake-world must be at least 2 (the ranks memory is sharded over), got {args.fake_world}")
     cfg = BenchConfig(
         dtypes=("fp32", "bf16") if args.dtype == "both" else (args.dtype,), vocab=args.vocab, dim=args.dim,
         layers=args.layers, heads=args.heads, hidden=args.hidden or 11 * args.dim // 4, seq=args.seq,
-        batch=args.batch, steps=args.steps, warmup=args.warmup, data="random", methods=METHODS,
+        batch=args.batch, micro=args.micro, steps=args.steps, warmup=args.warmup, data="random", methods=METHODS,
     )
     with tempfile.TemporaryDirectory() as tmp:
         path = f"{tmp}/real.pt"

@@ -153,8 +153,9 @@ def classifier(method: bench.Method) -> Callable[[], dict[int, str]]:
                 continue
             seen.add(id(state))
             for g in state.groups:
-                for owner, name, label in ((g, "main", "main"), (g, "model", "model shard"), (g, "gathered", "gathered"),
-                                           (g, "unsharded", "unsharded"), (g.grads, "grad_in", "grad_in"),
+                w = g.weights
+                for owner, name, label in ((g, "main", "main"), (w, "model", "model shard"), (w, "gathered", "gathered"),
+                                           (w, "unsharded", "unsharded"), (g.grads, "grad_in", "grad_in"),
                                            (g.grads, "main_grad", "main grads")):
                     buf = getattr(owner, name, None)
                     if buf is not None:
@@ -199,10 +200,12 @@ def classifier(method: bench.Method) -> Callable[[], dict[int, str]]:
 
 def phased_step(method: bench.Method, tokens: torch.Tensor, tracker: TimelineTracker) -> None:
     """``Method.step`` with the tracker told which phase runs."""
-    tracker.phase = "fwd"
-    loss = method.loss_fn(method.model(tokens[:, :-1]), tokens)
-    tracker.phase = "bwd"
-    loss.backward()
+    for k, part in enumerate(tokens.chunk(method.micro), 1):
+        tag = f" {k}" if method.micro > 1 else ""  # which micro-batch, under gradient accumulation
+        tracker.phase = "fwd" + tag
+        loss = method.loss_fn(method.model(part[:, :-1]), part) / method.micro
+        tracker.phase = "bwd" + tag
+        loss.backward()
     tracker.phase = "optim"
     method.opt.step()
     tracker.phase = "zero_grad"
@@ -273,6 +276,9 @@ def _measure_and_report(cfg: bench.BenchConfig, args) -> None:
 
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,))
+    if rank == 0:
+        print(f"world {world}{' (fake: memory only)' if args.fake_world else ''}, batch {cfg.batch} "
+              f"in {cfg.micro} micro-batch(es)", flush=True)
     for mode in cfg.dtypes:
         torch.manual_seed(cfg.seed)
         base = Llama(bench.model_config(cfg))
@@ -289,20 +295,34 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--methods", default="ours,fsdp2,flat")
     parser.add_argument("--top", type=int, default=12, help="categories listed per phase peak")
     for flag, default in (("layers", 6), ("dim", 512), ("heads", 8), ("hidden", 1536), ("vocab", 8192),
-                          ("seq", 128), ("batch", 4), ("warmup", 1)):
+                          ("seq", 128), ("batch", 4), ("warmup", 1), ("micro", 1)):
         parser.add_argument(f"--{flag}", type=int, default=default)
+    parser.add_argument("--fake-world", type=int, default=0,
+                        help="rank 0 of a fake world of this size (collectives do nothing: memory only); "
+                             "default: world 2 on gloo")
     parser.add_argument("--strategy", choices=bench.STRATEGIES, default="optim_grads_params")
     args = parser.parse_args(argv)
     cfg = bench.BenchConfig(
         dtypes=("fp32", "bf16") if args.dtype == "both" else (args.dtype,), vocab=args.vocab, dim=args.dim,
         layers=args.layers, heads=args.heads, hidden=args.hidden, seq=args.seq, batch=args.batch,
-        warmup=args.warmup, strategy=args.strategy, data="random",
+        micro=args.micro, warmup=args.warmup, strategy=args.strategy, data="random",
         methods=tuple(m.strip() for m in args.methods.split(",") if m.strip()),
     )
     bench.check_config(cfg)
     if "c10d" in cfg.methods:
         parser.error("--methods: 'c10d' (bench_fsdp's communication replay) trains no model; leave it out here")
-    launch.spawn(2, _measure_and_report, cfg, args)
+    if args.batch % args.micro:
+        parser.error(f"--micro ({args.micro}) must divide --batch ({args.batch})")
+    if args.fake_world:
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=args.fake_world)
+        try:
+            _measure_and_report(cfg, args)
+        finally:
+            dist.destroy_process_group()
+    else:
+        launch.spawn(2, _measure_and_report, cfg, args)
 
 
 if __name__ == "__main__":

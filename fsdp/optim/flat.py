@@ -234,6 +234,24 @@ class FlatOptimizer(torch.optim.Optimizer):
             grad = workspace.upcast(grad, weights.dtype)
         self._kernel.step(weights, grad, states, chunk.tag, opts)
 
+    def bytes_per_step(self) -> int:
+        """The bytes a step with every parameter's gradient must read and write at least, on this
+        rank: each group's main weights read and written, its reduced gradients read (in their
+        own dtype: BF16 main grads are half of FP32's), its state read and written, a kept model
+        shard written. The floor of the step's memory traffic, to set a measured step time
+        against (bandwidth)."""
+        total = 0
+        for opts in self.param_groups:
+            names = self._kernel.state_names(opts)
+            for flat in opts["params"]:
+                group = self._groups[id(flat)]
+                numel = sum(span.numel for span in self._layouts[id(flat)])
+                weights = group.weights
+                shard = weights.model.local_buffer.element_size() if weights.step_writes_model else 0
+                grad = group.grads.main_grad.local_buffer.element_size()
+                total += numel * (2 * flat.element_size() + grad + 2 * len(names) * flat.element_size() + shard)
+        return total
+
     # ------------------------------------------------------------------ gradients
 
     @torch.no_grad()

@@ -394,3 +394,23 @@ def test_flat_optimizer_frees_bf16_main_grads_at_zero_grad() -> None:
         assert all(all(row) for row in freed) and len(freed) == 3
         assert not any(any(row) for row in kept) and all(zeros)
         assert max_diff(state_none, state_zero) == 0.0
+
+
+def _bytes_per_step(model) -> dict:
+    out = {}
+    for name, policy, amsgrad in (("fp32", fsdp.MixedPrecisionPolicy(), False), ("bf16", BF16_GRADS, False),
+                                  ("bf16 amsgrad", BF16_GRADS, True)):
+        m = shard(copy.deepcopy(model), mp_policy=policy)
+        opt = fsdp.FlatAdamW(m, lr=LR, amsgrad=amsgrad)
+        out[name] = (opt.bytes_per_step(), sum(p.to_local().numel() for p in m.parameters()))
+    return out
+
+
+def test_bytes_per_step_counts_weights_grads_and_state_of_this_rank() -> None:
+    """Per element of this rank's pieces: FP32 main weights read and written (8 B), the gradient
+    read in its dtype (4 B, or 2 B as BF16 main grads), each FP32 state tensor read and written
+    (8 B each: 2 for AdamW, 3 with amsgrad)."""
+    for out in run_ranks(_bytes_per_step, 2, make_model(), backend="threaded"):
+        assert out["fp32"][0] == out["fp32"][1] * (8 + 4 + 2 * 8)
+        assert out["bf16"][0] == out["bf16"][1] * (8 + 2 + 2 * 8)
+        assert out["bf16 amsgrad"][0] == out["bf16 amsgrad"][1] * (8 + 2 + 3 * 8)

@@ -42,3 +42,29 @@ def test_optimizer_phase_holds_weights_grads_and_state_by_category() -> None:
     assert optim["optimizer state"] == 2 * param_bytes
     assert set(tracker.phase_peaks) >= {"fwd", "bwd", "optim"}
     assert tracker.peak == max(p["bytes"] for p in tracker.phase_peaks.values())
+
+
+def test_fake_world_with_micro_batches_names_every_phase_and_ours_buffers() -> None:
+    """The command line on a fake world with gradient accumulation: each micro-batch's forward
+    and backward is its own phase, and ours' own buffers are named (unsharded weights, main grads,
+    the sharded main weights) at the second backward, where the first one's gradients are alive."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    run = subprocess.run(
+        [sys.executable, str(root / "tools" / "mem_timeline.py"), "--fake-world", "4", "--dtype", "bf16",
+         "--methods", "ours,flat,fsdp2", "--micro", "2", "--batch", "2", "--layers", "1", "--dim", "32",
+         "--heads", "2", "--hidden", "64", "--vocab", "128", "--seq", "16", "--top", "40"],
+        cwd=root, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "world 4 (fake: memory only), batch 2 in 2 micro-batch(es)" in run.stdout
+    reports = run.stdout.split("== bf16 ")[1:]
+    assert [r.split(":")[0] for r in reports] == ["ours", "flat", "fsdp2"]
+    for report in reports:
+        phases = [line.split(" max ")[0].strip() for line in report.splitlines() if " max " in line]
+        assert phases == ["before step", "fwd 1", "bwd 1", "fwd 2", "bwd 2", "optim", "zero_grad"], phases
+    second_backward = reports[0].split("bwd 2 ")[1].split("  optim ")[0]
+    for label in ("unsharded", "main grads", "main", "optimizer state"):
+        assert any(line.split(None, 1)[1] == label for line in second_backward.splitlines()[1:] if line.strip()), label

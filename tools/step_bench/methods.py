@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -64,6 +64,7 @@ class BenchConfig:
     hidden: int = 1536
     seq: int = 128
     batch: int = 4  # sequences per rank
+    micro: int = 1  # micro-batches a step (gradient accumulation: each backward's loss / micro)
     steps: Optional[int] = None  # timed steps per method; None: DEFAULT_STEPS of the mode
     warmup: int = 1
     strategy: str = "optim_grads_params"
@@ -158,23 +159,58 @@ class Method:
     def __init__(self, name: str, model: torch.nn.Module, cfg: BenchConfig, optimizer=torch.optim.AdamW) -> None:
         from tests.models.llama import loss_fn
 
-        self.name, self.model, self.loss_fn = name, model, loss_fn
+        self.name, self.model, self.loss_fn, self.micro = name, model, loss_fn, cfg.micro
         self.opt = optimizer(model.parameters(), lr=cfg.lr, foreach=cfg.foreach)
+        # Set ``clock`` (seconds, after waiting for the device) to time each optimizer step alone
+        # into ``optimizer_s``; None: not timed (no device synchronisation inside a step).
+        self.clock: Optional[Callable[[], float]] = None
+        self.optimizer_s: list[float] = []
         # Per step, the CPU cost of forward, backward and optimizer (step + zero_grad): this
         # thread's, the other threads', page faults (tools.kit.timing.phase_costs).
         self.phases: list = []
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
-        marks = [cpu_mark()]
-        loss = self.loss_fn(self.model(tokens[:, :-1]), tokens)  # no name keeps the logits alive
-        marks.append(cpu_mark())
-        loss.backward()
-        marks.append(cpu_mark())
+        """One optimizer step over ``micro`` micro-batches of ``tokens`` (each backward's loss
+        divided by ``micro``: the gradients sum to the whole batch's); the phases' costs are the
+        micro-batches' forwards, their backwards, then step + zero_grad."""
+        fwd, bwd, total = [], [], torch.zeros(())
+        for part in tokens.chunk(self.micro):
+            start = cpu_mark()
+            loss = self.loss_fn(self.model(part[:, :-1]), part) / self.micro  # no name keeps the logits
+            middle = cpu_mark()
+            loss.backward()
+            fwd.append(phase_costs([start, middle])[0])
+            bwd.append(phase_costs([middle, cpu_mark()])[0])
+            total = total + loss.detach()
+        start, began = cpu_mark(), self.clock() if self.clock is not None else None
         self.opt.step()
+        if began is not None:
+            self.optimizer_s.append(self.clock() - began)
         self.opt.zero_grad()
-        marks.append(cpu_mark())
-        self.phases.append(phase_costs(marks))
-        return loss.detach()
+        self.phases.append([_summed(fwd), _summed(bwd), phase_costs([start, cpu_mark()])[0]])
+        return total
+
+
+def _summed(costs: list[tuple]) -> tuple:
+    return tuple(sum(c[i] for c in costs) for i in range(len(costs[0])))
+
+
+def optimizer_bytes(method: Method) -> int:
+    """The bytes one optimizer step must read and write at least: every stepped weight read and
+    written, its gradient read, every state tensor read and written (this rank's pieces). The
+    floor of the step's memory traffic: a kernel that moves more (a for-loop optimizer's
+    temporaries, an upcast copy) shows as a lower implied bandwidth."""
+    from torch.distributed.tensor import DTensor
+
+    import fsdp
+
+    opt = method.opt
+    if isinstance(opt, fsdp.FlatOptimizer):
+        return opt.bytes_per_step()
+    local = [p.to_local() if isinstance(p, DTensor) else p for g in opt.param_groups for p in g["params"]]
+    state = [t.to_local() if isinstance(t, DTensor) else t for st in opt.state.values() for t in st.values()
+             if torch.is_tensor(t) and t.numel() > 1]
+    return sum(3 * t.numel() * t.element_size() for t in local) + sum(2 * t.numel() * t.element_size() for t in state)
 
 
 def sharded_units(model: torch.nn.Module, which: str) -> list[torch.nn.Module]:
