@@ -9,7 +9,8 @@ Two parts, each in fp32 and in bf16 (the policies of ``tools/bench_fsdp.py``: bf
 main weights, gradients and reductions for ours and FSDP2; the floor a bf16 copy of the model):
 
 * **World 1, real** (NCCL on ``cuda:0``, gloo on CPU): ``ours``, ``row`` (``layout_policy("auto")``),
-  ``fsdp2``, ``flat`` (``fsdp.FlatAdamW``; in bf16 with BF16 main grads) and ``floor`` (the plain
+  ``fsdp2``, ``flat`` (``fsdp.FlatAdamW``; in bf16 with BF16 main grads), ``flat_bf16_state``
+  (flat with BF16 Adam moments: ``FlatAdamW(state_dtype=torch.bfloat16)``) and ``floor`` (the plain
   model) train their own copies of one model on the same batches (``--micro``: each step over that
   many micro-batches, gradients accumulated). Step time: the median over ``--steps`` steps, methods
   interleaved round-robin, each step from a synchronised start to a synchronised end. Peak memory:
@@ -50,8 +51,8 @@ from tools.kit import launch  # noqa: E402
 from tools.kit.memory import StorageTracker  # noqa: E402
 from tools.step_bench.methods import BenchConfig, build_method, make_batches, model_config, optimizer_bytes  # noqa: E402
 
-METHODS = ("ours", "row", "fsdp2", "flat", "floor")
-SHARDED = ("ours", "row", "fsdp2", "flat")
+METHODS = ("ours", "row", "fsdp2", "flat", "flat_bf16_state", "floor")
+SHARDED = ("ours", "row", "fsdp2", "flat", "flat_bf16_state")
 MEGATRON_FSDP = {"step": 0.80, "peak": 0.77}  # Megatron-FSDP's reported ratios to FSDP2 on GPUs
 
 
@@ -162,7 +163,7 @@ def report(real: dict, fake: dict, cfg: BenchConfig, device: torch.device, fake_
             lines.append(f"| {name} | {1e3 * t[name]:.1f} | {t[name] / t['fsdp2']:.2f} | {t[name] / t['floor']:.2f} | "
                          f"{p[name] / 2**20:.1f} ({p[name] / p['fsdp2']:.2f}) | {world8} | {1e3 * o['s']:.2f} | "
                          f"{o['bytes'] / 1e6:.1f} | {o['bytes'] / o['s'] / 1e9:.1f} | {r['loss'][name]:.4f} |")
-        for name in SHARDED[:2] + ("flat",):
+        for name in ("ours", "row", "flat", "flat_bf16_state"):
             step, peak = t[name] / t["fsdp2"], fp[name] / fp["fsdp2"]
             lines.append(f"{name}/FSDP2: step {step:.2f} (Megatron-FSDP reports {MEGATRON_FSDP['step']:.2f}), "
                          f"peak memory at world {fake_world} {peak:.2f} (Megatron-FSDP {MEGATRON_FSDP['peak']:.2f})")

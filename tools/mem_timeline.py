@@ -301,11 +301,13 @@ def main(argv: Optional[list[str]] = None) -> None:
                         help="rank 0 of a fake world of this size (collectives do nothing: memory only); "
                              "default: world 2 on gloo")
     parser.add_argument("--strategy", choices=bench.STRATEGIES, default="optim_grads_params")
+    parser.add_argument("--model", choices=tuple(bench.MODELS), default="llama",
+                        help="what gets fully_shard: " + "; ".join(f"{k}: {v}" for k, v in bench.MODELS.items()))
     args = parser.parse_args(argv)
     cfg = bench.BenchConfig(
         dtypes=("fp32", "bf16") if args.dtype == "both" else (args.dtype,), vocab=args.vocab, dim=args.dim,
         layers=args.layers, heads=args.heads, hidden=args.hidden, seq=args.seq, batch=args.batch,
-        micro=args.micro, warmup=args.warmup, strategy=args.strategy, data="random",
+        micro=args.micro, warmup=args.warmup, model=args.model, strategy=args.strategy, data="random",
         methods=tuple(m.strip() for m in args.methods.split(",") if m.strip()),
     )
     bench.check_config(cfg)

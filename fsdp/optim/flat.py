@@ -13,7 +13,9 @@ exists at the step and the BF16 main grads save nothing there. :class:`FlatOptim
   copy of the shard; ``param.grad`` stays None for such groups);
 * a kept compute-dtype model shard (host offload, ``Owned`` buckets: where a gather cannot cast
   into its own row) is written from each updated chunk in the same pass;
-* the state is one flat tensor per state name and group, laid out like the main weights; under
+* the state is one flat tensor per state name and group, laid out like the main weights, in the
+  main weights' dtype or in ``state_dtype`` (BF16: Megatron's precision-aware optimizer, half the
+  state's memory; each chunk upcast into FP32 workspaces, stepped, rounded back); under
   ``fsdp.OptimizerStateOffloadPolicy`` a host tensor, streamed through the device (or the
   weights and grads through the host) chunk by chunk (:mod:`fsdp.optim.offloaded`).
 
@@ -65,12 +67,18 @@ class FlatOptimizer(torch.optim.Optimizer):
     local piece of one parameter, so they never exceed what torch.optim's per-parameter step makes;
     under ``fsdp.OptimizerStateOffloadPolicy`` also the piece of state (or of weights and grads)
     streamed between host and device at a time.
+    ``state_dtype``: the dtype the state tensors (Adam's moments, SGD's momentum) are kept in;
+    None (default): the main weights' dtype, as torch.optim. ``torch.bfloat16`` halves the state's
+    memory: each chunk is upcast into FP32 workspaces, stepped by the same kernel, and rounded
+    back to nearest (Megatron's ``exp_avg_dtype``/``exp_avg_sq_dtype``; the results then differ
+    from torch.optim by that rounding).
     ``param_groups`` are one per dict, with ``params`` the groups' flat main-weight buffers, so LR
     schedulers work unchanged. Build it after ``fully_shard`` and after any ``module.to(dtype)``.
 
     Raises ``TypeError`` for another ``optimizer_class``, a single tensor, a parameter not sharded
     by fsdp that requires grad, or an unsharded (gathered) parameter; ``ValueError`` for no
-    trainable sharded parameter, a ``chunk_numel`` that is not a positive int, or an fsdp group
+    trainable sharded parameter, a ``chunk_numel`` that is not a positive int, a ``state_dtype``
+    other than None, float32 or bfloat16 (or with ``fsdp.OptimizerStateOffloadPolicy``), or an fsdp group
     split across param groups or passed in part (put such parameters in their own
     :class:`fsdp.Bucket`).
 
@@ -88,6 +96,7 @@ class FlatOptimizer(torch.optim.Optimizer):
         optimizer_class: type = torch.optim.AdamW,
         *,
         chunk_numel: Optional[int] = None,
+        state_dtype: Optional[torch.dtype] = None,
         **options: Any,
     ) -> None:
         kernel = _KERNELS.get(optimizer_class)
@@ -101,11 +110,17 @@ class FlatOptimizer(torch.optim.Optimizer):
             not isinstance(chunk_numel, int) or isinstance(chunk_numel, bool) or chunk_numel < 1
         ):
             raise ValueError(f"FlatOptimizer: chunk_numel must be a positive int, got {chunk_numel!r}")
+        if state_dtype not in (None, torch.float32, torch.bfloat16):
+            raise ValueError(
+                f"FlatOptimizer: state_dtype must be None (the main weights' dtype), torch.float32 or "
+                f"torch.bfloat16, got {state_dtype!r}"
+            )
         # optimizer_class validates the options and fills in its defaults
         probe = optimizer_class([torch.zeros(1)], **options)
         defaults = dict(probe.defaults)
         specs = param_specs(params)
         self._kernel = kernel
+        self._state_dtype = state_dtype
         self._groups: dict[int, ParameterGroup] = {}  # id(flat main buffer) -> its group
         self._layouts: dict[int, list[Span]] = {}  # id(flat) -> where each parameter lies in it
         flat_groups = []
@@ -125,7 +140,14 @@ class FlatOptimizer(torch.optim.Optimizer):
         for g in self._groups.values():
             g.grads.cast_grads = False  # no full-size cast copy in param.grad: step() upcasts by chunks
         if any(g.offload.optim_state is not None for g in self._groups.values()):
+            if state_dtype is not None:
+                raise ValueError(
+                    "FlatOptimizer: state_dtype with fsdp.OptimizerStateOffloadPolicy is not supported "
+                    "(the state streams through the device in the main weights' dtype); pass one of them"
+                )
             self.register_load_state_dict_post_hook(FlatOptimizer._rehome_loaded)
+        elif state_dtype is not None:
+            self.register_load_state_dict_post_hook(FlatOptimizer._recast_loaded)
 
     # ------------------------------------------------------------------ step
 
@@ -209,7 +231,7 @@ class FlatOptimizer(torch.optim.Optimizer):
             state["steps"] = [0] * len(group.infos)
             if home is None:
                 for name in self._kernel.state_names(opts):
-                    state[name] = torch.zeros_like(flat)
+                    state[name] = torch.zeros_like(flat, dtype=self._state_dtype or flat.dtype)
         if home is not None:  # host tensors (made here, or a loaded state dict's copied in)
             rehome_flat(home, state, self._kernel.state_names(opts), flat, self._homes.setdefault(id(flat), {}))
         return state
@@ -221,6 +243,14 @@ class FlatOptimizer(torch.optim.Optimizer):
                 if self.state.get(flat):
                     self._state_for(flat, self._groups[id(flat)], opts)
 
+    def _recast_loaded(self) -> None:
+        """After ``load_state_dict`` (which casts state to the parameters' dtype, torch's rule):
+        the state back in ``state_dtype``."""
+        for state in self.state.values():
+            for name, value in state.items():
+                if torch.is_tensor(value) and value.is_floating_point() and value.dtype != self._state_dtype:
+                    state[name] = value.to(self._state_dtype)
+
     def _chunks(self, runs: list[_Run]) -> list[Chunk]:
         """Each run cut into ``chunk_numel`` pieces, tagged with the run's step count."""
         c = self._chunk_numel
@@ -231,8 +261,12 @@ class FlatOptimizer(torch.optim.Optimizer):
 
     def _step_chunk(self, weights, grad, states: dict, chunk: Chunk, opts: dict, workspace: "_Workspace") -> None:
         if grad.dtype != weights.dtype:
-            grad = workspace.upcast(grad, weights.dtype)
+            grad = workspace.upcast("grad", grad, weights.dtype)
+        kept = {name: t for name, t in states.items() if t.dtype != weights.dtype}  # state_dtype
+        states = {**states, **{name: workspace.upcast(name, t, weights.dtype) for name, t in kept.items()}}
         self._kernel.step(weights, grad, states, chunk.tag, opts)
+        for name, t in kept.items():
+            t.copy_(states[name])  # rounded to nearest
 
     def bytes_per_step(self) -> int:
         """The bytes a step with every parameter's gradient must read and write at least, on this
@@ -249,7 +283,8 @@ class FlatOptimizer(torch.optim.Optimizer):
                 weights = group.weights
                 shard = weights.model.local_buffer.element_size() if weights.step_writes_model else 0
                 grad = group.grads.main_grad.local_buffer.element_size()
-                total += numel * (2 * flat.element_size() + grad + 2 * len(names) * flat.element_size() + shard)
+                state = (self._state_dtype or flat.dtype).itemsize
+                total += numel * (2 * flat.element_size() + grad + 2 * len(names) * state + shard)
         return total
 
     # ------------------------------------------------------------------ gradients
@@ -300,18 +335,19 @@ class FlatOptimizer(torch.optim.Optimizer):
 
 
 class _Workspace:
-    """One buffer for the upcast gradient chunk (no longer than the longest run), alive for one
-    step, allocated by the first upcast."""
+    """One buffer per upcast tensor (the gradient chunk, each state chunk under ``state_dtype``),
+    no longer than a chunk, alive for one step, allocated by its first upcast."""
 
     def __init__(self, numel: int) -> None:
         self.numel = numel
-        self.buffer: Optional[torch.Tensor] = None
+        self.buffers: dict[str, torch.Tensor] = {}
 
-    def upcast(self, grad: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        if self.buffer is None or self.buffer.dtype != dtype or self.buffer.device != grad.device:
-            self.buffer = torch.empty(self.numel, dtype=dtype, device=grad.device)
-        out = self.buffer[: grad.numel()]
-        out.copy_(grad)
+    def upcast(self, key: str, chunk: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        buffer = self.buffers.get(key)
+        if buffer is None or buffer.dtype != dtype or buffer.device != chunk.device:
+            buffer = self.buffers[key] = torch.empty(self.numel, dtype=dtype, device=chunk.device)
+        out = buffer[: chunk.numel()]
+        out.copy_(chunk)
         return out
 
 

@@ -414,3 +414,82 @@ def test_bytes_per_step_counts_weights_grads_and_state_of_this_rank() -> None:
         assert out["fp32"][0] == out["fp32"][1] * (8 + 4 + 2 * 8)
         assert out["bf16"][0] == out["bf16"][1] * (8 + 2 + 2 * 8)
         assert out["bf16 amsgrad"][0] == out["bf16 amsgrad"][1] * (8 + 2 + 3 * 8)
+
+
+# ----------------------------------------------------------------------------- BF16 optimizer state
+
+
+class _BF16StateAdamW(torch.optim.Optimizer):
+    """The reference, written out: AdamW in FP32 arithmetic whose two moments are stored in BF16
+    (read upcast, written back rounded to nearest), one plain tensor at a time."""
+
+    def __init__(self, params, lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01) -> None:
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for group in self.param_groups:
+            (b1, b2), lr = group["betas"], group["lr"]
+            for p in group["params"]:
+                st = self.state[p]
+                if not st:
+                    st["t"], st["m"], st["v"] = 0, torch.zeros_like(p, dtype=torch.bfloat16), torch.zeros_like(p, dtype=torch.bfloat16)
+                st["t"] += 1
+                m, v = st["m"].float(), st["v"].float()
+                p.mul_(1 - lr * group["weight_decay"])
+                m.lerp_(p.grad, 1 - b1)
+                v.mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
+                denom = (v.sqrt() / (1 - b2 ** st["t"]) ** 0.5).add_(group["eps"])
+                p.addcdiv_(m, denom, value=-lr / (1 - b1 ** st["t"]))
+                st["m"].copy_(m)
+                st["v"].copy_(v)
+
+
+def _bf16_state(model, batches, chunk_numel) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    m = shard(copy.deepcopy(model))
+    opt = fsdp.FlatAdamW(m, lr=LR, weight_decay=0.1, state_dtype=torch.bfloat16, chunk_numel=chunk_numel)
+    train(m, batches[:2], rank=rank, world=world, micro=2, make_opt=lambda params: opt)
+    saved = copy.deepcopy(opt.state_dict())
+    resumed = fsdp.FlatAdamW(m, lr=LR, weight_decay=0.1, state_dtype=torch.bfloat16, chunk_numel=chunk_numel)
+    resumed.load_state_dict(saved)
+    train(m, batches[2:], rank=rank, world=world, micro=2, make_opt=lambda params: resumed)
+    states = [t for st in resumed.state.values() for t in st.values() if torch.is_tensor(t)]
+    return {"state": full_state(m), "dtypes": {t.dtype for t in states},
+            "state_bytes": sum(t.nbytes for t in states), "main_bytes": sum(p.to_local().nbytes for p in m.parameters())}
+
+
+def test_bf16_state_equals_written_out_reference_and_halves_the_state() -> None:
+    """``state_dtype=torch.bfloat16``: the moments live in BF16 (2 B each per element, against
+    the FP32 main weights' 4 B), a state_dict round trip keeps them there, and the weights are the
+    written-out reference's (one process, global batch): bit for bit at world 1 (chunks of 7
+    elements), and at world 2 to where the reduced gradients' rounding flips a BF16 rounding of
+    the state, below FP32-state AdamW's distance from the reference."""
+    model, batches = make_model(), make_batches(STEPS)
+    ref_bf16 = reference(model, batches, micro=2, make_opt=lambda params: _BF16StateAdamW(params, lr=LR, weight_decay=0.1))
+    ref_fp32 = reference(model, batches, micro=2, make_opt=lambda params: torch.optim.AdamW(params, lr=LR, weight_decay=0.1))
+    apart = max_diff(ref_fp32, ref_bf16)
+    for world in (1, 2):
+        for out in run_ranks(_bf16_state, world, model, batches, 7, backend="threaded"):
+            assert out["dtypes"] == {torch.bfloat16}
+            assert out["state_bytes"] == out["main_bytes"]  # two BF16 moments = one FP32 weight
+            vs_ref = max_diff(out["state"], ref_bf16)
+            print(f"world {world}: bf16 state vs written-out reference {vs_ref:.3g}; fp32-state AdamW {apart:.3g}")
+            assert vs_ref == 0.0 if world == 1 else vs_ref < apart
+
+
+def test_state_dtype_refuses_what_it_cannot_keep() -> None:
+    def errors(model) -> list[str]:
+        sharded = shard(copy.deepcopy(model))
+        out = []
+        for bad in (torch.float16, "bf16"):
+            with pytest.raises(ValueError, match="state_dtype must be None") as e:
+                fsdp.FlatAdamW(sharded, lr=LR, state_dtype=bad)
+            out.append(str(e.value))
+        offloaded = shard(copy.deepcopy(model), offload_policy=fsdp.OptimizerStateOffloadPolicy())
+        with pytest.raises(ValueError, match="state_dtype with fsdp.OptimizerStateOffloadPolicy"):
+            fsdp.FlatAdamW(offloaded, lr=LR, state_dtype=torch.bfloat16)
+        return out
+
+    for out in run_ranks(errors, 2, make_model(), backend="threaded"):
+        assert len(out) == 2

@@ -41,25 +41,26 @@ def test_bench_gpu_runs_on_cpu_and_reports_both_worlds() -> None:
                          capture_output=True, text=True, timeout=240)
     assert run.returncode == 0, run.stderr[-3000:]
     rows = _rows(run.stdout)
-    methods = ("ours", "row", "fsdp2", "flat", "floor")
+    methods = ("ours", "row", "fsdp2", "flat", "flat_bf16_state", "floor")
     assert set(rows) == {(m, n) for m in ("fp32", "bf16") for n in methods}, run.stdout
     assert "in 2 micro-batch(es)" in run.stdout
     n = _params()
     # The optimizer's floor of bytes (world 1: every parameter): FP32 weights and AdamW's two
     # states read and written, the gradient read in its dtype (flat's BF16 main grads: 2 B);
-    # the bf16 floor holds everything in bf16.
+    # the bf16 floor holds everything in bf16; BF16 moments are 2 B each.
     moved = {("fp32", m): 28 for m in methods} | {("bf16", m): 28 for m in ("ours", "row", "fsdp2")}
-    moved |= {("bf16", "flat"): 26, ("bf16", "floor"): 14}
+    moved |= {("bf16", "flat"): 26, ("bf16", "floor"): 14, ("fp32", "flat_bf16_state"): 20, ("bf16", "flat_bf16_state"): 18}
     for (mode, name), per_param in moved.items():
         assert float(rows[(mode, name)][6]) == pytest.approx(per_param * n / 1e6, abs=0.051), (mode, name)
         assert float(rows[(mode, name)][5]) > 0 and float(rows[(mode, name)][7]) > 0
     for mode in ("fp32", "bf16"):
         losses = {n: float(rows[(mode, n)][-1]) for n in ("ours", "row", "fsdp2")}
         assert max(losses.values()) - min(losses.values()) < 1e-3, (mode, losses)
-        assert abs(float(rows[(mode, "flat")][-1]) - losses["fsdp2"]) < 1e-2, mode
-        for name in ("ours", "row", "fsdp2", "flat"):
+        for name in ("flat", "flat_bf16_state"):
+            assert abs(float(rows[(mode, name)][-1]) - losses["fsdp2"]) < 1e-2, (mode, name)
+        for name in ("ours", "row", "fsdp2", "flat", "flat_bf16_state"):
             world1 = float(re.match(r"([\d.]+)", rows[(mode, name)][3]).group(1))
             world8 = float(re.match(r"([\d.]+)", rows[(mode, name)][4]).group(1))
             assert 0 < world8 < world1, (mode, name, world1, world8)
         assert rows[(mode, "floor")][4] == ""  # the floor does not shard: no fake-world column
-    assert run.stdout.count("(Megatron-FSDP reports 0.80)") == 6
+    assert run.stdout.count("(Megatron-FSDP reports 0.80)") == 8

@@ -7,6 +7,7 @@ measured; ``tools/mem_timeline.py`` builds the same methods to say where their m
 from __future__ import annotations
 
 import copy
+import functools
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -24,10 +25,12 @@ METHODS = ("ours", "row", "fsdp2", "floor", "c10d", "flat")
 # out of each gather and into each reduction, which ours, on FSDP2's pieces, makes); "flat" =
 # fsdp.FlatAdamW (the step over the flat shards) with BF16 main grads in bf16 mode; "lean" = flat +
 # MixedPrecisionPolicy(persistent_param_shard=False) (not run by default; the same as flat in
-# these packed layouts, whose gathers keep no BF16 shard with either setting).
-VARIANTS = ("row", "flat", "lean")
-ALL_METHODS = METHODS + ("lean",)
-FLAT_OPTIMIZER = ("flat", "lean")  # the variants that step with fsdp.FlatAdamW
+# these packed layouts, whose gathers keep no BF16 shard with either setting); "flat_bf16_state" =
+# flat with FlatAdamW(state_dtype=torch.bfloat16), Megatron's precision-aware optimizer (BF16
+# moments: half the optimizer state; not bit-equal to torch.optim, so not run by default).
+VARIANTS = ("row", "flat", "lean", "flat_bf16_state")
+ALL_METHODS = METHODS + ("lean", "flat_bf16_state")
+FLAT_OPTIMIZER = ("flat", "lean", "flat_bf16_state")  # the variants that step with fsdp.FlatAdamW
 # Which modules get fully_shard and what their weights are; the root is sharded last.
 MODELS = {
     "llama": "Llama, fully_shard per block, then the root (embedding, final norm, lm_head)",
@@ -121,6 +124,7 @@ def policy_text(mode: str) -> dict[str, str]:
             "floor": "plain fp32 model, fp32 AdamW",
             "flat": "no policy (as ours)",
             "lean": "no policy (as ours; nothing to cast)",
+            "flat_bf16_state": "no policy (as ours), FlatAdamW(state_dtype=bfloat16)",
             "row": "no policy (as ours), layout_policy('auto'): flat row-atomic layout",
             "c10d": _REPLAY_TEXT,
         }
@@ -130,6 +134,7 @@ def policy_text(mode: str) -> dict[str, str]:
         "floor": "bf16 copy of the model (.to(bfloat16)): bf16 weights, grads and AdamW states",
         "flat": "param_dtype=bf16, main_params_dtype=fp32, main_grads_dtype=bf16, reduce_dtype=fp32",
         "lean": "as flat, persistent_param_shard=False (cast the shard before each gather)",
+        "flat_bf16_state": "as flat, FlatAdamW(state_dtype=bfloat16): BF16 Adam moments",
         "row": "as ours, layout_policy('auto'): flat row-atomic layout",
         "c10d": _REPLAY_TEXT,
     }
@@ -251,7 +256,10 @@ def build_method(name: str, base: torch.nn.Module, mode: str, cfg: BenchConfig, 
             for unit in units:
                 fsdp.fully_shard(unit, **kw)
             fsdp.fully_shard(model, **kw)
-        return Method(name, model, cfg, torch.optim.AdamW if name in ("ours", "row") else fsdp.FlatAdamW)
+        optimizer = torch.optim.AdamW if name in ("ours", "row") else fsdp.FlatAdamW
+        if name == "flat_bf16_state":
+            optimizer = functools.partial(fsdp.FlatAdamW, state_dtype=torch.bfloat16)
+        return Method(name, model, cfg, optimizer)
     if name == "fsdp2":
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
