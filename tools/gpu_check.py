@@ -75,8 +75,8 @@ SECTIONS = {
     "matrix": (matrix.names, matrix.run, {"cuda": 120, "cpu": 600}),
     "multirank": (multirank.names, multirank.run, {"cuda": 60, "cpu": 600}),
     "profile": (profiling.names, profiling.run, {"cuda": 40, "cpu": 300}),
-    "memory": (lambda s: bench.names(s, "memory"), bench.run_memory, {"cuda": 70, "cpu": 300}),
-    "bench": (lambda s: bench.names(s, "bench"), bench.run_bench, {"cuda": 60, "cpu": 300}),
+    "memory": (lambda s: bench.names(s, "memory"), bench.run_memory, {"cuda": 80, "cpu": 300}),
+    "bench": (lambda s: bench.names(s, "bench"), bench.run_bench, {"cuda": 75, "cpu": 300}),
 }
 DETERMINISTIC = ("matrix", "multirank")  # on CUDA: deterministic kernels, cuBLAS's workspace setting
 TOTAL_SECONDS = {"cuda": 240, "cpu": 1500}  # the whole run; each section gets what is left, at most its own

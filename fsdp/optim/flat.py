@@ -32,13 +32,11 @@ from typing import Any, Callable, Iterable, Optional, Union
 
 import torch
 import torch.nn as nn
-from torch.optim.adam import adam as _adam
-from torch.optim.optimizer import _get_scalar_dtype
-from torch.optim.sgd import sgd as _sgd
 
 from fsdp.group.param_group import ParameterGroup
 from fsdp.group.residence import Chunk
 from fsdp.optim.flat_groups import Span, param_specs, reduce_over_mesh, spans
+from fsdp.optim.flat_kernels import KERNELS, Workspace, fused_by_default, state_dtype_of
 from fsdp.optim.offloaded import flat_offloaded_step, rehome_flat
 
 __all__ = ["FlatAdam", "FlatAdamW", "FlatOptimizer", "FlatSGD", "flat_optimizer"]
@@ -82,8 +80,12 @@ class FlatOptimizer(torch.optim.Optimizer):
     split across param groups or passed in part (put such parameters in their own
     :class:`fsdp.Bucket`).
 
-    Guarantees: every element sees the sequence of torch ops ``torch.optim`` applies to the sharded
-    parameters, so results equal ``torch.optim`` on the same model bit for bit wherever the kernels
+    ``fused``/``foreach`` left unset: on CUDA torch's fused kernel, one call per run of parameters
+    (no chunks where nothing is upcast), since the step is bandwidth-bound there
+    (:func:`~fsdp.optim.flat_kernels.fused_by_default`); elsewhere torch.optim's own choice.
+
+    Guarantees: with the same implementation as ``torch.optim`` (on the CPU by default), every
+    element sees the sequence of torch ops ``torch.optim`` applies to the sharded parameters, so results equal ``torch.optim`` on the same model bit for bit wherever the kernels
     round the same regardless of an element's position (tested: CPU, fp32, AdamW, Adam with
     amsgrad, SGD with Nesterov momentum), and to rounding otherwise; no FP32 tensor the size of a
     gradient shard is made for BF16 main grads. ``clip_grad_norm_`` clips what it steps;
@@ -99,10 +101,10 @@ class FlatOptimizer(torch.optim.Optimizer):
         state_dtype: Optional[torch.dtype] = None,
         **options: Any,
     ) -> None:
-        kernel = _KERNELS.get(optimizer_class)
+        kernel = KERNELS.get(optimizer_class)
         if kernel is None:
             raise TypeError(
-                f"FlatOptimizer: optimizer_class must be one of {', '.join(c.__name__ for c in _KERNELS)}, "
+                f"FlatOptimizer: optimizer_class must be one of {', '.join(c.__name__ for c in KERNELS)}, "
                 f"got {getattr(optimizer_class, '__name__', optimizer_class)!r}; for another optimizer use it "
                 f"on model.parameters() (torch.optim works on fsdp's DTensor parameters)"
             )
@@ -161,7 +163,7 @@ class FlatOptimizer(torch.optim.Optimizer):
                 loss = closure()
         plans = [(opts, self._plan(flat)) for opts in self.param_groups for flat in opts["params"]]
         longest = max((run.end - run.start for _, (_, _, runs) in plans for run in runs), default=0)
-        workspace = _Workspace(min(self._chunk_numel, longest))
+        workspace = Workspace(min(self._chunk_numel, longest))
         for opts, (flat, group, runs) in plans:
             if not runs:
                 continue
@@ -174,8 +176,10 @@ class FlatOptimizer(torch.optim.Optimizer):
             weights = group.weights
             if weights.step_writes_model and not weights.model.is_storage_released():
                 model = weights.model.local_buffer
-            chunks = self._chunks(runs)
             home = group.offload.optim_state
+            opts = self._implementation(opts, flat.device, home is None)
+            whole = opts["fused"] and grads.dtype == flat.dtype and state_dtype_of(state, flat.dtype) == flat.dtype
+            chunks = self._chunks(runs, whole_runs=bool(whole and home is None))
             if home is None:
                 for c in chunks:
                     states = {name: state[name][c.start : c.end] for name in self._kernel.state_names(opts)}
@@ -251,15 +255,24 @@ class FlatOptimizer(torch.optim.Optimizer):
                 if torch.is_tensor(value) and value.is_floating_point() and value.dtype != self._state_dtype:
                     state[name] = value.to(self._state_dtype)
 
-    def _chunks(self, runs: list[_Run]) -> list[Chunk]:
-        """Each run cut into ``chunk_numel`` pieces, tagged with the run's step count."""
-        c = self._chunk_numel
+    def _implementation(self, opts: dict, device: torch.device, on_device: bool) -> dict:
+        """``opts`` with torch's fused kernel chosen where the user left the choice to torch.optim
+        (``fused`` and ``foreach`` None) and :func:`fused_by_default` picks it for ``device``."""
+        if (self._kernel.fusable and on_device and opts.get("fused") is None and opts.get("foreach") is None
+                and fused_by_default(device)):
+            return {**opts, "fused": True}
+        return opts
+
+    def _chunks(self, runs: list[_Run], whole_runs: bool = False) -> list[Chunk]:
+        """Each run cut into ``chunk_numel`` pieces, tagged with the run's step count; one piece
+        per run where nothing is upcast and the kernel makes no temporaries (fused)."""
+        c = max((run.end - run.start for run in runs), default=1) if whole_runs else self._chunk_numel
         return [
             Chunk(pos, min(pos + c, run.end), run.grad_start + pos - run.start, run.count)
             for run in runs for pos in range(run.start, run.end, c)
         ]
 
-    def _step_chunk(self, weights, grad, states: dict, chunk: Chunk, opts: dict, workspace: "_Workspace") -> None:
+    def _step_chunk(self, weights, grad, states: dict, chunk: Chunk, opts: dict, workspace: "Workspace") -> None:
         if grad.dtype != weights.dtype:
             grad = workspace.upcast("grad", grad, weights.dtype)
         kept = {name: t for name, t in states.items() if t.dtype != weights.dtype}  # state_dtype
@@ -333,96 +346,6 @@ class FlatOptimizer(torch.optim.Optimizer):
             else:
                 group.grads.zero_grad_buffer()
 
-
-class _Workspace:
-    """One buffer per upcast tensor (the gradient chunk, each state chunk under ``state_dtype``),
-    no longer than a chunk, alive for one step, allocated by its first upcast."""
-
-    def __init__(self, numel: int) -> None:
-        self.numel = numel
-        self.buffers: dict[str, torch.Tensor] = {}
-
-    def upcast(self, key: str, chunk: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        buffer = self.buffers.get(key)
-        if buffer is None or buffer.dtype != dtype or buffer.device != chunk.device:
-            buffer = self.buffers[key] = torch.empty(self.numel, dtype=dtype, device=chunk.device)
-        out = buffer[: chunk.numel()]
-        out.copy_(chunk)
-        return out
-
-
-# ---------------------------------------------------------------------- kernels
-
-
-class _AdamKernel:
-    """torch.optim.Adam / AdamW (``decoupled_weight_decay``) through ``torch.optim.adam.adam``."""
-
-    @staticmethod
-    def state_names(opts: dict) -> tuple[str, ...]:
-        return ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if opts["amsgrad"] else ("exp_avg", "exp_avg_sq")
-
-    @staticmethod
-    def step(weights, grad, states: dict, count: int, opts: dict) -> None:
-        on_device = opts["capturable"] or opts["fused"]
-        step = torch.tensor(
-            float(count),
-            dtype=_get_scalar_dtype(is_fused=opts["fused"]) if on_device else _get_scalar_dtype(),
-            device=weights.device if on_device else "cpu",
-        )
-        beta1, beta2 = opts["betas"]
-        _adam(
-            [weights],
-            [grad],
-            [states["exp_avg"]],
-            [states["exp_avg_sq"]],
-            [states["max_exp_avg_sq"]] if opts["amsgrad"] else [],
-            [step],
-            foreach=opts["foreach"],
-            capturable=opts["capturable"],
-            differentiable=False,
-            fused=opts["fused"],
-            has_complex=False,
-            decoupled_weight_decay=opts.get("decoupled_weight_decay", False),
-            amsgrad=opts["amsgrad"],
-            beta1=beta1,
-            beta2=beta2,
-            lr=opts["lr"],
-            weight_decay=opts["weight_decay"],
-            eps=opts["eps"],
-            maximize=opts["maximize"],
-        )
-
-
-class _SGDKernel:
-    """torch.optim.SGD through ``torch.optim.sgd.sgd``; the momentum buffer starts as the first
-    gradient (torch's rule), so a parameter's first step passes None and keeps what torch made."""
-
-    @staticmethod
-    def state_names(opts: dict) -> tuple[str, ...]:
-        return ("momentum_buffer",) if opts["momentum"] != 0 else ()
-
-    @staticmethod
-    def step(weights, grad, states: dict, count: int, opts: dict) -> None:
-        buffers = [states["momentum_buffer"] if count > 0 else None] if "momentum_buffer" in states else []
-        _sgd(
-            [weights],
-            [grad],
-            buffers,
-            weight_decay=opts["weight_decay"],
-            momentum=opts["momentum"],
-            lr=opts["lr"],
-            dampening=opts["dampening"],
-            nesterov=opts["nesterov"],
-            maximize=opts["maximize"],
-            has_sparse_grad=False,
-            foreach=opts["foreach"],
-            fused=opts["fused"],
-        )
-        if buffers and count == 0:
-            states["momentum_buffer"].copy_(buffers[0])
-
-
-_KERNELS = {torch.optim.AdamW: _AdamKernel, torch.optim.Adam: _AdamKernel, torch.optim.SGD: _SGDKernel}
 
 
 def flat_optimizer(params, optimizer_class: type = torch.optim.AdamW, **options: Any) -> FlatOptimizer:

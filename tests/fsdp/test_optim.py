@@ -493,3 +493,61 @@ def test_state_dtype_refuses_what_it_cannot_keep() -> None:
 
     for out in run_ranks(errors, 2, make_model(), backend="threaded"):
         assert len(out) == 2
+
+
+# ----------------------------------------------------------------------------- the fused kernel
+
+
+_ADAM_CALLS: dict[int, list] = {}  # thread (a threaded rank) -> (fused, foreach, numel) per kernel call
+
+
+def _fused_choice(model, batches) -> dict:
+    import threading
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    calls = _ADAM_CALLS.setdefault(threading.get_ident(), [])
+    out = {}
+    for name, make in (("flat", lambda m: fsdp.FlatAdamW(m, lr=LR, weight_decay=0.1)),
+                       ("flat, foreach asked", lambda m: fsdp.FlatAdamW(m, lr=LR, weight_decay=0.1, foreach=True)),
+                       ("flat, bf16 grads", lambda m: fsdp.FlatAdamW(m, lr=LR, weight_decay=0.1))):
+        m = shard(copy.deepcopy(model), mp_policy=BF16_GRADS if "bf16" in name else fsdp.MixedPrecisionPolicy())
+        calls.clear()
+        train(m, batches, rank=rank, world=world, make_opt=lambda params: make(m))
+        groups = sum(1 for mod in m.modules() if isinstance(mod, fsdp.FSDPModule))
+        out[name] = (full_state(m), list(calls), groups)
+    m = shard(copy.deepcopy(model))
+    train(m, batches, rank=rank, world=world,
+          make_opt=lambda params: torch.optim.AdamW(params, lr=LR, weight_decay=0.1, fused=True))
+    out["torch fused"] = full_state(m)
+    return out
+
+
+def test_fused_by_default_steps_each_group_in_one_fused_call(monkeypatch) -> None:
+    """Where :func:`fused_by_default` says so (CUDA; here driven on CPU), a FlatAdamW left to
+    choose runs torch's fused kernel once per group per step (FP32 grads: nothing to upcast, so
+    no chunks) and follows ``torch.optim.AdamW(fused=True)`` to rounding (its vectorised loop
+    splits at other places); asked for foreach, it keeps foreach; BF16 main grads are still
+    upcast chunk by chunk."""
+    import threading
+
+    import fsdp.optim.flat as flat
+    import fsdp.optim.flat_kernels as kernels
+
+    real = kernels._adam
+
+    def counting(*args, **kw):
+        _ADAM_CALLS.setdefault(threading.get_ident(), []).append((kw["fused"], kw["foreach"], args[0][0].numel()))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(kernels, "_adam", counting)
+    monkeypatch.setattr(flat, "fused_by_default", lambda device: True)
+    model, batches = make_model(), make_batches(3)
+    for out in run_ranks(_fused_choice, 2, model, batches, backend="threaded"):
+        state, calls, groups = out["flat"]
+        assert {c[:2] for c in calls} == {(True, None)} and len(calls) == 3 * groups, calls
+        assert max_diff(state, out["torch fused"]) <= 1e-6
+        assert {c[:2] for c in out["flat, foreach asked"][1]} == {(None, True)}
+        bf16_calls, bf16_groups = out["flat, bf16 grads"][1], out["flat, bf16 grads"][2]
+        assert {c[:2] for c in bf16_calls} == {(True, None)} and len(bf16_calls) > 3 * bf16_groups
+    monkeypatch.undo()
+    assert not flat.fused_by_default(torch.device("cpu")) and flat.fused_by_default(torch.device("cuda", 0))

@@ -48,7 +48,9 @@ def test_cpu_run_passes_every_row_and_saves_them(tmp_path: Path) -> None:
     assert {"vs plain", "vs FSDP2", "grad norms vs plain", "c10d calls/step", "losses fell"} <= set(fp32)
     assert fp32["c10d calls/step"]["value"] > 0
     assert rows["multirank/w4 hsdp 2x2"]["losses"]["fsdp"][1] < rows["multirank/w4 hsdp 2x2"]["losses"]["fsdp"][0]
-    assert rows["bench/world 1 fp32"]["figures"]["step ms"].keys() == {"ours", "row", "fsdp2", "floor"}
+    methods = {"ours", "row", "fsdp2", "flat", "flat_bf16_state", "floor"}
+    assert rows["bench/world 1 fp32"]["figures"]["step ms"].keys() == methods
+    assert all(v > 0 for v in rows["bench/world 1 fp32"]["figures"]["optimizer GB/s"].values())
     assert "fsdp::all_gather" in rows["profile/fsdp:: ranges"]["figures"]["fsdp:: ranges"]
     text = (tmp_path / "gpu_check-cpu.txt").read_text()
     for name in listed:

@@ -1,6 +1,7 @@
 """Items 3 and 4: memory per rank on a fake world of 8, and bench_gpu's world-1 step time and peak.
 
-Both reuse ``tools/bench_gpu.py`` (its methods ``ours``, ``row``, ``fsdp2``, ``floor`` from
+Both reuse ``tools/bench_gpu.py`` (its methods ``ours``, ``row``, ``fsdp2``, ``flat``,
+``flat_bf16_state``, ``floor`` from
 ``tools/step_bench/methods.py``, on the text data) at a size that fits gpu_check's budget:
 
 * ``memory``: :func:`tools.bench_gpu.measure_fake`, rank 0 of torch's fake process group of 8
@@ -14,7 +15,8 @@ Both reuse ``tools/bench_gpu.py`` (its methods ``ours``, ``row``, ``fsdp2``, ``f
   what a GPU cannot hide). Figures; checked: every unit's pre-forward hook ran once in the
   profiled step.
 * ``bench``: :func:`tools.bench_gpu.measure_real` at world 1 (NCCL on cuda:0, gloo on the CPU):
-  median step time, methods interleaved, and each method's peak alone. Timings are figures, not
+  median step time, methods interleaved, each method's peak alone, and its optimizer step timed
+  alone against the bytes it must move (the bandwidth it reaches). Timings are figures, not
   checks (a shared machine is noisy); checked: the three sharded methods end at the same loss,
   which also shows that the timed code trains. ``singleton_groups_communicate`` stays off here:
   FSDP2 skips its collectives at world 1, so ours does too, as it does by default.
@@ -110,6 +112,9 @@ def _bench_row(setup: Setup, mode: str, row: Row) -> None:
     row.figures["ours/FSDP2 step"] = round(t["ours"] / t["fsdp2"], 3)
     row.figures["peak MiB"] = {name: _mib(v) for name, v in peak.items()}
     row.figures["last loss"] = {name: round(v, 4) for name, v in loss.items()}
+    opt = r["optim"]
+    row.figures["optimizer ms"] = {name: round(1e3 * v["s"], 3) for name, v in opt.items()}
+    row.figures["optimizer GB/s"] = {name: round(v["bytes"] / v["s"] / 1e9, 1) for name, v in opt.items()}
     for name in ("ours", "row"):
         row.check(f"{name} loss - FSDP2's", abs(loss[name] - loss["fsdp2"]), LOSS_AGREE[mode])
 

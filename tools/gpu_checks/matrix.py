@@ -81,7 +81,7 @@ CASES = [
     Case("flat bf16 main grads + FlatAdamW", _bf16(main_grads_dtype=torch.bfloat16), fsdp2="bf16", precision="bf16",
          flat_optimizer=True),
 ]
-SPECIAL = ("dcp save/resume", "float8 all-gather", "muon owned")
+SPECIAL = ("dcp save/resume", "float8 all-gather", "muon owned", "FlatAdamW left to choose")
 # Last: inductor's compile is the slow, uncertain part; if it overruns the section's time, only it is lost.
 COMPILE = Case("compile blocks", _none, fsdp2="compile", precision="compiled", wrap="compile")
 
@@ -336,6 +336,25 @@ def _muon_row(m: Matrix, row: Row) -> None:
     loss_checks(row, {"plain": plain, "fsdp": got})
 
 
+def _flat_choice_row(m: Matrix, row: Row) -> None:
+    """FlatAdamW with ``fused``/``foreach`` unset: on CUDA torch's fused kernel, once per group and
+    step (``fused_by_default``), against the plain model under ``torch.optim.AdamW(fused=True)``
+    (the same kernel per parameter); elsewhere torch.optim's default, as the plain model's."""
+    import fsdp
+    from fsdp.optim.flat_kernels import fused_by_default
+
+    device = m.setup.torch_device
+    fused = fused_by_default(device)
+    kw = dict(lr=m.setup.lr, weight_decay=common.WEIGHT_DECAY)
+    plain = m.plain() if not fused else m.cached(("plain fused",), lambda: m.run(
+        None, make_opt=lambda model: torch.optim.AdamW(model.parameters(), fused=True, **kw)))
+    got = m.run(lambda x: fsdp.fully_shard(x, mesh=m.mesh),
+                make_opt=lambda model: fsdp.FlatAdamW(model.parameters(), **kw))
+    row.check("fused chosen on cuda", fused, device.type == "cuda", op="==")
+    compare(row, m.setup, "fp32", got, plain, None, m.start)
+    loss_checks(row, {"plain": plain, "fsdp": got})
+
+
 def run(ctx: Context) -> None:
     from dbuffer.collectives import singleton_groups_communicate
 
@@ -348,4 +367,5 @@ def run(ctx: Context) -> None:
         ctx.row("dcp save/resume", lambda row: _dcp_row(m, row))
         ctx.row("float8 all-gather", lambda row: _float8_row(m, row))
         ctx.row("muon owned", lambda row: _muon_row(m, row))
+        ctx.row("FlatAdamW left to choose", lambda row: _flat_choice_row(m, row))
         ctx.row(COMPILE.name, lambda row: _training_row(m, COMPILE, row))
