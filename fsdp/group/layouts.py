@@ -101,6 +101,16 @@ class FlatLayout:
         else:
             view.copy_(grad)
 
+    def write_grads(self, grad_in: DBuffer, grads: list[torch.Tensor], add: bool) -> bool:
+        """Every tensor's gradient (``grads[k]`` for tensor ``k``) into ``grad_in`` in one foreach
+        op (one launch, one dispatch: the host's cost per unit); False, writing nothing, where a
+        gradient's shape differs from its view (then :meth:`write_grad` per tensor)."""
+        views = [grad_in.get_local_tensor(k) for k in range(len(grads))]
+        if any(v.shape != g.shape for v, g in zip(views, grads)):
+            return False
+        (torch._foreach_add_ if add else torch._foreach_copy_)(views, grads)
+        return True
+
     def padding(self, grad_in: DBuffer) -> list[tuple[int, int]]:
         """Ranges of ``grad_in``'s (full) local buffer that belong to no tensor."""
         spans = sorted((it.offset, it.offset + it.numel) for it in grad_in.layout.items)
@@ -194,12 +204,26 @@ class ChunkedLayout:
         for k in range(len(self.shapes)):
             self.exchange(k, self.rows(out), unsharded.get_local_tensor(k), to_full=False, ranks=(first, last))
 
+    def _columns(self, grad_in: DBuffer) -> list[torch.Tensor]:
+        """Whole dim-0 pieces (``_split``): per parameter, its ``[world, piece numel]`` columns of
+        the gradient rows, which the gradient viewed so fills exactly."""
+        return self._grad_columns.of(grad_in.local_buffer, lambda: torch.split(
+            self.rows(grad_in.local_buffer)[:, : sum(self._split)], self._split, dim=1
+        ))
+
+    def write_grads(self, grad_in: DBuffer, grads: list[torch.Tensor], add: bool) -> bool:
+        """Every parameter's gradient into its columns in one foreach op (one launch, one
+        dispatch: the host's cost per unit); False, writing nothing, unless every parameter is
+        whole dim-0 pieces and every gradient contiguous (then :meth:`write_grad` per parameter)."""
+        if self._split is None or not all(g.is_contiguous() for g in grads):
+            return False
+        columns = self._columns(grad_in)
+        (torch._foreach_add_ if add else torch._foreach_copy_)(columns, [g.view(c.shape) for c, g in zip(columns, grads)])
+        return True
+
     def write_grad(self, grad_in: DBuffer, k: int, grad: Optional[torch.Tensor], add: bool) -> None:
         if self._split is not None and grad is not None and grad.is_contiguous():
-            # whole dim-0 pieces: the gradient viewed as [world, piece numel] is its columns
-            columns = self._grad_columns.of(grad_in.local_buffer, lambda: torch.split(
-                self.rows(grad_in.local_buffer)[:, : sum(self._split)], self._split, dim=1
-            ))[k]
+            columns = self._columns(grad_in)[k]
             if add:
                 columns.add_(grad.view(columns.shape))
             else:

@@ -1,0 +1,61 @@
+"""A unit's gradients go into its reduction buffer in one foreach op per group (one dispatch and,
+on a GPU, one launch, however many parameters the group has), in both layouts; where a layout
+cannot (a parameter split along another dim), each parameter takes its own copy. Gradients are
+checked against one process on the global batch."""
+
+from __future__ import annotations
+
+import copy
+from collections import Counter
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import Shard
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import fsdp
+from tests.fsdp.models import loss_fn, make_batches, make_model
+from tests.harness import run_ranks
+
+
+class _Ops(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _backward(model, x, y, layout: str, shard_dim: int) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    m = copy.deepcopy(model)
+    kw = {} if shard_dim == 0 else {"shard_placement_fn": lambda p: Shard(shard_dim) if p.ndim > 1 else None}
+    with fsdp.layout_policy(layout):
+        for block in m.blocks:
+            fsdp.fully_shard(block, **kw)
+        fsdp.fully_shard(m, **kw)
+    per = x.shape[0] // world
+    loss = loss_fn(m, x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per])
+    with _Ops() as ops:
+        loss.backward()
+    groups = sum(len(mod._fsdp_state.groups) for mod in m.modules() if isinstance(mod, fsdp.FSDPModule))
+    grads = {n: p.grad.full_tensor() for n, p in m.named_parameters()}
+    return {"ops": ops.counts, "groups": groups, "grads": grads}
+
+
+@pytest.mark.parametrize("layout,shard_dim", [("chunk", 0), ("auto", 0), ("chunk", 1)])
+def test_one_foreach_write_per_group_and_exact_gradients(layout, shard_dim) -> None:
+    model, ((x, y),) = make_model(), make_batches(1)
+    ref = copy.deepcopy(model)
+    loss_fn(ref, x, y).backward()
+    for out in run_ranks(_backward, 2, model, x, y, layout, shard_dim, backend="threaded"):
+        foreach = out["ops"]["_foreach_copy_"]
+        if shard_dim == 0:  # every group written at once
+            assert foreach == out["groups"], (foreach, out["groups"])
+        else:  # dim-1 pieces are strided: a copy per parameter
+            assert foreach == 0 and out["ops"]["copy_"] >= sum(1 for _ in model.parameters())
+        for n, p in ref.named_parameters():
+            assert torch.allclose(out["grads"][n], p.grad, atol=1e-6, rtol=1e-5), n
