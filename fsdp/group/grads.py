@@ -170,18 +170,13 @@ class GradReducer:
     def pack_held(self, before_alloc: Optional[Callable] = None) -> None:
         """Copy the gradients held since the group's first one into ``grad_in`` (allocated now,
         after ``before_alloc(group)`` if given) and drop autograd's tensors."""
-        held, self._held = self._held, {}
-        g = self.group
-        n = len(g.infos)
-        if len(held) == n and not self._local:  # the usual case: every gradient, one foreach op
+        held, self._held, g = self._held, {}, self.group
+        if len(held) == len(g.infos) and not self._local:  # the usual case: every gradient at once
             if before_alloc is not None:
                 before_alloc(g)
             self.grad_in.reallocate_storage()
-            grads = [g.kind.grad_local(k, held[k]) for k in range(n)]
-            if not g.layout.write_grads(self.grad_in, grads, add=False):
-                for k, grad in enumerate(grads):
-                    g.layout.write_grad(self.grad_in, k, grad, False)
-            self._local.update(range(n))
+            g.layout.write_grads(self.grad_in, [g.kind.grad_local(k, held[k]) for k in range(len(held))])
+            self._local.update(held)
             return
         for k, grad in held.items():
             self._pack(k, grad, before_alloc)

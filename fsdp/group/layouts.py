@@ -101,15 +101,16 @@ class FlatLayout:
         else:
             view.copy_(grad)
 
-    def write_grads(self, grad_in: DBuffer, grads: list[torch.Tensor], add: bool) -> bool:
-        """Every tensor's gradient (``grads[k]`` for tensor ``k``) into ``grad_in`` in one foreach
-        op (one launch, one dispatch: the host's cost per unit); False, writing nothing, where a
-        gradient's shape differs from its view (then :meth:`write_grad` per tensor)."""
+    def write_grads(self, grad_in: DBuffer, grads: list[torch.Tensor]) -> None:
+        """Copy every tensor's gradient (``grads[k]`` for tensor ``k``) into ``grad_in``: one
+        foreach op (one dispatch, one launch: the host's cost per unit), or where a gradient's
+        shape differs from its view, :meth:`write_grad` each."""
         views = [grad_in.get_local_tensor(k) for k in range(len(grads))]
         if any(v.shape != g.shape for v, g in zip(views, grads)):
-            return False
-        (torch._foreach_add_ if add else torch._foreach_copy_)(views, grads)
-        return True
+            for k, grad in enumerate(grads):
+                self.write_grad(grad_in, k, grad, add=False)
+            return
+        torch._foreach_copy_(views, grads)
 
     def padding(self, grad_in: DBuffer) -> list[tuple[int, int]]:
         """Ranges of ``grad_in``'s (full) local buffer that belong to no tensor."""
@@ -211,15 +212,16 @@ class ChunkedLayout:
             self.rows(grad_in.local_buffer)[:, : sum(self._split)], self._split, dim=1
         ))
 
-    def write_grads(self, grad_in: DBuffer, grads: list[torch.Tensor], add: bool) -> bool:
-        """Every parameter's gradient into its columns in one foreach op (one launch, one
-        dispatch: the host's cost per unit); False, writing nothing, unless every parameter is
-        whole dim-0 pieces and every gradient contiguous (then :meth:`write_grad` per parameter)."""
+    def write_grads(self, grad_in: DBuffer, grads: list[torch.Tensor]) -> None:
+        """Copy every parameter's gradient into its columns: one foreach op (one dispatch, one
+        launch: the host's cost per unit) where every parameter is whole dim-0 pieces and every
+        gradient contiguous, else :meth:`write_grad` each."""
         if self._split is None or not all(g.is_contiguous() for g in grads):
-            return False
+            for k, grad in enumerate(grads):
+                self.write_grad(grad_in, k, grad, add=False)
+            return
         columns = self._columns(grad_in)
-        (torch._foreach_add_ if add else torch._foreach_copy_)(columns, [g.view(c.shape) for c, g in zip(columns, grads)])
-        return True
+        torch._foreach_copy_(columns, [g.view(c.shape) for c, g in zip(columns, grads)])
 
     def write_grad(self, grad_in: DBuffer, k: int, grad: Optional[torch.Tensor], add: bool) -> None:
         if self._split is not None and grad is not None and grad.is_contiguous():
