@@ -227,7 +227,7 @@ class GradReducer:
         if self.defers_all_reduce():
             partial_pl = g.placements.deferred
             with streams.launch(streams.reduce_scatter):
-                pending = g.reduce_into(self.grad_in, partial_pl, g.sibling(partial_pl, reduce_dtype))
+                pending = g.reduce_into(self.grad_in, partial_pl, g.sibling(partial_pl, reduce_dtype, zero_fill=False))
             self._partial_members |= self._local
             self._local = set()
             self._in_flight = InFlight(pending, Reduction.DEFERRED)
@@ -237,7 +237,7 @@ class GradReducer:
             members = set(range(len(g.infos)))
         if self._partial is not None:  # reduce-scatter now, add the deferred sums, all-reduce below
             partial, self._partial = self._partial, None
-            source = g.reduce_into(self.grad_in, partial.placements, g.sibling(partial.placements, reduce_dtype), async_op=False)
+            source = g.reduce_into(self.grad_in, partial.placements, g.sibling(partial.placements, reduce_dtype, zero_fill=False), async_op=False)
             source.local_buffer.add_(partial.local_buffer)
             members = members | self._partial_members
             self._partial_members = set()
@@ -250,7 +250,7 @@ class GradReducer:
             if direct:
                 pending = g.reduce_into(source, target_pl, self.main_grad)
             elif g.strategy.shard_grads:
-                pending = g.reduce_into(source, target_pl, g.sibling(target_pl, reduce_dtype))
+                pending = g.reduce_into(source, target_pl, g.sibling(target_pl, reduce_dtype, zero_fill=False))
             else:
                 pending = self._allreduce_in_place()
         self._local = set()
