@@ -174,7 +174,11 @@ def classifier(method: bench.Method) -> Callable[[], dict[int, str]]:
             get = getattr(m, "_get_fsdp_state", None)
             if get is None:
                 continue
-            for pg in get()._fsdp_param_groups:
+            state = get()
+            groups = getattr(state, "_fsdp_param_groups", None)  # torch >= 2.12; 2.11 has one group
+            if groups is None:
+                groups = [g for g in [state._fsdp_param_group] if g is not None]
+            for pg in groups:
                 for fp in pg.fsdp_params:
                     for key in _keys(fp.sharded_param, getattr(fp, "_sharded_param_data", None)):
                         cats.setdefault(key, "main")
