@@ -178,8 +178,9 @@ class FlatOptimizer(torch.optim.Optimizer):
                 model = weights.model.local_buffer
             home = group.offload.optim_state
             opts = self._implementation(opts, flat.device, home is None)
-            whole = opts["fused"] and grads.dtype == flat.dtype and state_dtype_of(state, flat.dtype) == flat.dtype
-            chunks = self._chunks(runs, whole_runs=bool(whole and home is None))
+            # fused with nothing to upcast: no temporaries to bound, so a run is one kernel call
+            whole = home is None and opts["fused"] and grads.dtype == state_dtype_of(state, flat.dtype) == flat.dtype
+            chunks = self._chunks(runs, max(run.end - run.start for run in runs) if whole else self._chunk_numel)
             if home is None:
                 for c in chunks:
                     states = {name: state[name][c.start : c.end] for name in self._kernel.state_names(opts)}
@@ -263,10 +264,8 @@ class FlatOptimizer(torch.optim.Optimizer):
             return {**opts, "fused": True}
         return opts
 
-    def _chunks(self, runs: list[_Run], whole_runs: bool = False) -> list[Chunk]:
-        """Each run cut into ``chunk_numel`` pieces, tagged with the run's step count; one piece
-        per run where nothing is upcast and the kernel makes no temporaries (fused)."""
-        c = max((run.end - run.start for run in runs), default=1) if whole_runs else self._chunk_numel
+    def _chunks(self, runs: list[_Run], c: int) -> list[Chunk]:
+        """Each run cut into pieces of ``c`` elements, tagged with the run's step count."""
         return [
             Chunk(pos, min(pos + c, run.end), run.grad_start + pos - run.start, run.count)
             for run in runs for pos in range(run.start, run.end, c)
