@@ -13,7 +13,8 @@ training thread's CPU time per step, split into forward, backward and optimizer 
 divided by the number of units (the blocks and the root): the **host overhead per unit per step**.
 
 Methods: ``ours`` (``fsdp.fully_shard`` + ``torch.optim.AdamW`` over its DTensor parameters),
-``fsdp2`` (torch's ``fully_shard`` + the same AdamW), ``flat`` (ours + ``fsdp.FlatAdamW``, BF16
+``row`` (ours under ``fsdp.layout_policy("auto")``, Megatron's flat row-atomic layout: no copy
+out of each gather or into each reduction), ``fsdp2`` (torch's ``fully_shard`` + the same AdamW), ``flat`` (ours + ``fsdp.FlatAdamW``, BF16
 main grads in bf16), ``floor``. Steps are interleaved (the methods round-robin, rotated every
 step); medians. Printed per mode: the table (ms per unit per step, total and by phase), ours/FSDP2
 and flat/FSDP2 against the target (<= 0.5), and ours' ``fsdp::`` ranges per unit per step (one
@@ -40,7 +41,7 @@ from tools.kit.results import describe_host, host_info  # noqa: E402
 from tools.step_bench.methods import BenchConfig, build_method, make_batches, model_config  # noqa: E402
 from tools.step_bench.report import fsdp_breakdown  # noqa: E402
 
-METHODS = ("ours", "fsdp2", "flat", "floor")
+METHODS = ("ours", "row", "fsdp2", "flat", "floor")
 PHASES = ("forward", "backward", "optimizer")
 TARGET = 0.5  # host overhead per unit per step, ours / FSDP2 (issue: half FSDP2's)
 
@@ -96,7 +97,7 @@ def report(cfg: BenchConfig, world: int, mode: str, result: dict) -> list[str]:
         total = sum(parts)
         lines.append(f"  {name:<7}{total:>8.3f}" + "".join(f"{v:>11.3f}" for v in parts)
                      + f"{total / fsdp2_total:>10.2f}")
-    for name in ("ours", "flat"):
+    for name in ("ours", "row", "flat"):
         ratio = sum(per_unit_ms[name]) / fsdp2_total
         lines.append(f"  target host overhead per unit {name}/FSDP2 <= {TARGET}: {ratio:.2f} "
                      + ("MET" if ratio <= TARGET else "MISSED"))

@@ -24,13 +24,13 @@ def test_bench_host_reports_every_method_phase_and_range() -> None:
         section = out.split(f"== {mode}:")[1].split("== ")[0]
         assert "(4 units;" in section, section
         rows = {m.group(1): [float(x) for x in m.group(2).split()]
-                for m in re.finditer(r"^  (ours|fsdp2|flat)\s+(\S+\s+\S+\s+\S+\s+\S+\s+\S+)$", section, re.M)}
-        assert set(rows) == {"ours", "fsdp2", "flat"}, section
+                for m in re.finditer(r"^  (ours|row|fsdp2|flat)\s+(\S+\s+\S+\s+\S+\s+\S+\s+\S+)$", section, re.M)}
+        assert set(rows) == {"ours", "row", "fsdp2", "flat"}, section
         for name, (total, forward, backward, optimizer, ratio) in rows.items():
             assert abs(total - (forward + backward + optimizer)) < 2e-3, (name, rows[name])
             assert abs(ratio - total / rows["fsdp2"][0]) < 0.01, (name, rows[name])
         assert rows["fsdp2"][-1] == 1.0
-        for name in ("ours", "flat"):
+        for name in ("ours", "row", "flat"):
             assert re.search(rf"target host overhead per unit {name}/FSDP2 <= 0.5: [\d.-]+ (MET|MISSED)", section)
         ranges = {m.group(1): float(m.group(2)) for m in re.finditer(r"(fsdp::\w+)\s+([\d.]+)\s+[\d.]+", section)}
         # every unit (3 blocks + the root) enters its forward and backward hooks once per step

@@ -10,7 +10,7 @@ Both reuse ``tools/bench_gpu.py`` (its methods ``ours``, ``row``, ``fsdp2``, ``f
   :data:`PEAK_LIMIT` of FSDP2's peak (they hold the same shards, so a larger ratio is a leak or a
   buffer kept too long).
 * ``memory`` also runs ``tools/bench_host.py``'s measurement on the same fake world (``host`` rows):
-  the training thread's CPU time per unit per step above the plain model, ours, FSDP2 and ours +
+  the training thread's CPU time per unit per step above the plain model, ours, row, FSDP2 and ours +
   ``FlatAdamW``, by phase, at a launch-bound size on CUDA (many short kernels: the host's time is
   what a GPU cannot hide). Figures; checked: every unit's pre-forward hook ran once in the
   profiled step.
@@ -92,12 +92,12 @@ def _host_row(setup: Setup, mode: str, row: Row) -> None:
     from tools.step_bench.methods import BenchConfig
 
     s = HOST_SIZES[setup.device]
-    cfg = BenchConfig(dtypes=(mode,), data="random", methods=("ours", "fsdp2", "flat", "floor"), **s)
+    cfg = BenchConfig(dtypes=(mode,), data="random", methods=("ours", "row", "fsdp2", "flat", "floor"), **s)
     result = measure(cfg, FAKE_WORLD, mode, setup.torch_device)
     ms = per_unit(cfg, result)
     row.figures["host ms/unit/step"] = {name: round(sum(v), 3) for name, v in ms.items()}
     row.figures["by phase"] = {name: dict(zip(PHASES, (round(x, 3) for x in v))) for name, v in ms.items()}
-    for name in ("ours", "flat"):
+    for name in ("ours", "row", "flat"):
         row.figures[f"{name}/FSDP2 host"] = round(sum(ms[name]) / sum(ms["fsdp2"]), 3)
     calls = sum(e.count for e in result["ranges"] if e.key.split(" (", 1)[0] == "fsdp::pre_forward")
     row.check("fsdp::pre_forward calls / units", calls / (cfg.layers + 1), 1.0, op="==")
