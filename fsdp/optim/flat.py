@@ -36,7 +36,7 @@ import torch.nn as nn
 from fsdp.group.param_group import ParameterGroup
 from fsdp.group.residence import Chunk
 from fsdp.optim.flat_groups import Span, param_specs, reduce_over_mesh, spans
-from fsdp.optim.flat_kernels import KERNELS, Workspace, fused_by_default, state_dtype_of
+from fsdp.optim.flat_kernels import KERNELS, Workspace, fused_by_default
 from fsdp.optim.offloaded import flat_offloaded_step, rehome_flat
 
 __all__ = ["FlatAdam", "FlatAdamW", "FlatOptimizer", "FlatSGD", "flat_optimizer"]
@@ -76,8 +76,8 @@ class FlatOptimizer(torch.optim.Optimizer):
     Raises ``TypeError`` for another ``optimizer_class``, a single tensor, a parameter not sharded
     by fsdp that requires grad, or an unsharded (gathered) parameter; ``ValueError`` for no
     trainable sharded parameter, a ``chunk_numel`` that is not a positive int, a ``state_dtype``
-    other than None, float32 or bfloat16 (or with ``fsdp.OptimizerStateOffloadPolicy``), or an fsdp group
-    split across param groups or passed in part (put such parameters in their own
+    other than None, float32 or bfloat16 (or with ``fsdp.OptimizerStateOffloadPolicy``), or an
+    fsdp group split across param groups or passed in part (put such parameters in their own
     :class:`fsdp.Bucket`).
 
     ``fused``/``foreach`` left unset: on CUDA torch's fused kernel, one call per run of parameters
@@ -85,8 +85,9 @@ class FlatOptimizer(torch.optim.Optimizer):
     (:func:`~fsdp.optim.flat_kernels.fused_by_default`); elsewhere torch.optim's own choice.
 
     Guarantees: with the same implementation as ``torch.optim`` (on the CPU by default), every
-    element sees the sequence of torch ops ``torch.optim`` applies to the sharded parameters, so results equal ``torch.optim`` on the same model bit for bit wherever the kernels
-    round the same regardless of an element's position (tested: CPU, fp32, AdamW, Adam with
+    element sees the sequence of torch ops ``torch.optim`` applies to the sharded parameters, so
+    results equal ``torch.optim`` on the same model bit for bit wherever the kernels round the
+    same regardless of an element's position (tested: CPU, fp32, AdamW, Adam with
     amsgrad, SGD with Nesterov momentum), and to rounding otherwise; no FP32 tensor the size of a
     gradient shard is made for BF16 main grads. ``clip_grad_norm_`` clips what it steps;
     ``zero_grad()`` drops the main grads of groups whose ``param.grad`` stays None.
@@ -179,7 +180,7 @@ class FlatOptimizer(torch.optim.Optimizer):
             home = group.offload.optim_state
             opts = self._implementation(opts, flat.device, home is None)
             # fused with nothing to upcast: no temporaries to bound, so a run is one kernel call
-            whole = home is None and opts["fused"] and grads.dtype == state_dtype_of(state, flat.dtype) == flat.dtype
+            whole = home is None and opts["fused"] and grads.dtype == (self._state_dtype or flat.dtype) == flat.dtype
             chunks = self._chunks(runs, max(run.end - run.start for run in runs) if whole else self._chunk_numel)
             if home is None:
                 for c in chunks:

@@ -36,11 +36,6 @@ def fused_by_default(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
-def state_dtype_of(state: dict, default: torch.dtype) -> torch.dtype:
-    """The dtype the group's state tensors are kept in (``default`` before the first step)."""
-    return next((t.dtype for t in state.values() if torch.is_tensor(t) and t.is_floating_point()), default)
-
-
 # ---------------------------------------------------------------------- kernels
 
 

@@ -178,7 +178,7 @@ class Method:
         """One optimizer step over ``micro`` micro-batches of ``tokens`` (each backward's loss
         divided by ``micro``: the gradients sum to the whole batch's); the phases' costs are the
         micro-batches' forwards, their backwards, then step + zero_grad."""
-        fwd, bwd, total = [], [], torch.zeros(())
+        fwd, bwd, total = [], [], None
         for part in tokens.chunk(self.micro):
             start = cpu_mark()
             loss = self.loss_fn(self.model(part[:, :-1]), part) / self.micro  # no name keeps the logits
@@ -186,7 +186,7 @@ class Method:
             loss.backward()
             fwd.append(phase_costs([start, middle])[0])
             bwd.append(phase_costs([middle, cpu_mark()])[0])
-            total = total + loss.detach()
+            total = loss.detach() if total is None else total + loss.detach()
         start, began = cpu_mark(), self.clock() if self.clock is not None else None
         self.opt.step()
         if began is not None:
