@@ -71,7 +71,7 @@ def check_primitive(kind: str, axis: int, placements: Sequence[AnyPlacement], nd
 def out_problem(buf, out, placements: Sequence[AnyPlacement], dtype: torch.dtype) -> str | None:
     """What makes the DBuffer ``out`` unfit to receive a result of ``buf``'s with ``placements``
     and ``dtype`` (a phrase whose subject is ``out``), or None if it fits."""
-    if out.mesh != buf.mesh:
+    if out.mesh is not buf.mesh and out.mesh != buf.mesh:
         return f"lives on mesh {out.mesh}, not {buf.mesh}"
     if tuple(out.placements) != tuple(placements):
         return f"has placements {list(out.placements)}; the result has {list(placements)}"

@@ -20,6 +20,7 @@ all-gather; :func:`plan_redistribute` orders multi-axis changes so that this alw
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Literal, Sequence, Union
@@ -151,7 +152,7 @@ class Step:
     after: tuple[AnyPlacement, ...]
 
 
-def plan_redistribute(src: Sequence[AnyPlacement], dst: Sequence[AnyPlacement]) -> list[Step]:
+def plan_redistribute(src: Sequence[AnyPlacement], dst: Sequence[AnyPlacement]) -> tuple[Step, ...]:
     """Order the primitives that turn placements ``src`` into ``dst``.
 
     1. Let ``k`` be the outermost axis whose sharded-ness changes. Every axis from ``k`` inward
@@ -163,8 +164,15 @@ def plan_redistribute(src: Sequence[AnyPlacement], dst: Sequence[AnyPlacement]) 
        ``Partial``) or scattered locally (from ``Replicate``), outermost first, so each one is the
        innermost sharded axis when it is cut.
     3. Remaining ``Partial -> Replicate`` axes are all-reduced last, on the smallest data.
+
+    A pure function of hashable placements, planned once per pair: every gather and reduction
+    of a training step asks again.
     """
-    src, dst = tuple(src), tuple(dst)
+    return _plan(tuple(src), tuple(dst))
+
+
+@functools.lru_cache(maxsize=1024)
+def _plan(src: tuple[AnyPlacement, ...], dst: tuple[AnyPlacement, ...]) -> tuple[Step, ...]:
     if len(src) != len(dst):
         raise ValueError(f"placements must have {len(src)} entries (one per mesh axis), got {len(dst)}")
     for axis, (s, d) in enumerate(zip(src, dst)):
@@ -198,4 +206,4 @@ def plan_redistribute(src: Sequence[AnyPlacement], dst: Sequence[AnyPlacement]) 
             cur[axis] = d
             steps.append(Step("allreduce", axis, tuple(cur)))
     assert tuple(cur) == dst, (cur, dst)
-    return steps
+    return tuple(steps)

@@ -32,6 +32,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from dbuffer import DBuffer, Pending
+from fsdp.group.convert import converted
 from fsdp.group.main_grad_state import ALLOWED, MainGrad, check_move
 from fsdp.group.parts import ReducerGroup
 
@@ -124,10 +125,15 @@ class GradReducer:
         if self._callbacks is None or params is None:
             return
         for k, p in enumerate(params):
-            p.register_post_accumulate_grad_hook(_grad_hook(weakref.ref(self), k, self._callbacks))
+            p.register_post_accumulate_grad_hook(_grad_hook(weakref.ref(self), k))
 
-    @torch.no_grad()
-    def _on_grad(self, k: int, p: torch.Tensor, on_group_done, on_group_start) -> None:
+    def _on_grad(self, k: int, p: torch.Tensor) -> None:
+        """Autograd accumulated parameter ``k``'s gradient (once per parameter per backward: the
+        hot path holds it, no tensor op, so no grad-mode switch unless one runs)."""
+        done_ref, start_ref = self._callbacks
+        on_group_done, on_group_start = done_ref(), start_ref()
+        if on_group_done is None or on_group_start is None:  # the unit is gone
+            return
         grad, p.grad = p.grad, None
         if grad is None:
             return
@@ -138,9 +144,14 @@ class GradReducer:
         self._seen.add(k)
         if not self._local:  # hold autograd's gradient; grad_in comes once the group is complete
             held = self._held.get(k)
-            self._held[k] = grad if held is None else held + grad
+            if held is None:
+                self._held[k] = grad
+            else:
+                with torch.no_grad():  # a backward with create_graph=True runs hooks with grad on
+                    self._held[k] = held + grad
         else:
-            self._pack(k, grad, on_group_start)
+            with torch.no_grad():
+                self._pack(k, grad, on_group_start)
         if len(self._seen) == len(self.group.infos):
             # The unit packs what is held (pack_held) once it freed the weights: FSDP2's order,
             # the unsharded weights go before the gradient buffer comes. Counted afresh: a unit
@@ -473,17 +484,6 @@ class GradReducer:
             self.point_grads()
 
 
-def converted(buf: DBuffer, dtype: torch.dtype) -> DBuffer:
-    """``buf`` itself if already in ``dtype``, else rebuilt in it (same mesh, placements, layout,
-    device) with its values cast, if it has storage (the new one always has)."""
-    if buf.dtype == dtype:
-        return buf
-    out = buf.sibling(dtype=dtype, zero_fill=False)
-    if not buf.is_storage_released():
-        out.local_buffer.copy_(buf.local_buffer)
-    return out
-
-
 def _weak_callable(fn: Callable) -> Callable[[], Optional[Callable]]:
     """A weak reference to a bound method; other callables are held strongly."""
     if hasattr(fn, "__self__") and hasattr(fn, "__func__"):
@@ -491,10 +491,10 @@ def _weak_callable(fn: Callable) -> Callable[[], Optional[Callable]]:
     return lambda: fn
 
 
-def _grad_hook(reducer_ref, k: int, callback_refs) -> Callable[[torch.Tensor], None]:
+def _grad_hook(reducer_ref, k: int) -> Callable[[torch.Tensor], None]:
     def hook(p: torch.Tensor) -> None:
-        reducer, callbacks = reducer_ref(), [ref() for ref in callback_refs]
-        if reducer is not None and None not in callbacks:
-            reducer._on_grad(k, p, *callbacks)
+        reducer = reducer_ref()
+        if reducer is not None:
+            reducer._on_grad(k, p)
 
     return hook

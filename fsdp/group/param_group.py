@@ -99,6 +99,8 @@ class ParameterGroup:
         ``weights``: builds the group's weights part (:mod:`fsdp.group.weights`). ``own_gather``:
         never share an all-gather with the unit's other groups (an explicit bucket)."""
         self.infos = infos
+        # every (parameter index, module, name) it is registered under: checked at each registration
+        self._slots = tuple((k, m, name) for k, info in enumerate(infos) for m, name in info.registrations)
         self.mesh = mesh
         self.strategy = strategy
         self.dtypes = dtypes
@@ -245,9 +247,19 @@ class ParameterGroup:
         self._gather_pending = pending
         self._shared = (shared, index)
 
+    def gather_in_flight(self) -> bool:
+        """Whether a gather of this group (its own, or a part of a shared one) is in flight: its
+        source was checked and refreshed at its launch. A query."""
+        return self._gather_pending is not None
+
     def unshard(self, async_op: bool = False) -> None:
         """Make the unsharded weights current: all-gather (ZeRO-3) into the reused buffers."""
         self.prepare_gather()
+        self.launch_gather(async_op)
+
+    def launch_gather(self, async_op: bool = False) -> None:
+        """:meth:`unshard` once :meth:`prepare_gather` ran (a unit prepares all its groups first,
+        to share one gather between them)."""
         if not self.needs_gather():
             if self._gather_pending is not None and not async_op:
                 self.wait_unshard()
@@ -392,21 +404,23 @@ class ParameterGroup:
         expected = self.registered
         if expected is None:
             return
-        for info, want in zip(self.infos, expected):
-            for module, name in info.registrations:
-                have = module._parameters.get(name)
-                if have is not want:
-                    owner = getattr(self.sharded_params[0], "_fsdp_owner", "its fsdp unit")
-                    alias = "" if (module, name) == info.registrations[0] else f" (tied; its {type(module).__name__}.{name})"
-                    what = "removed" if have is None else "replaced"
-                    raise RuntimeError(
-                        f"parameter {info.fqn!r} of {owner}{alias} was {what} after fully_shard; fsdp "
-                        f"registers its own sharded parameter there and would silently drop yours. Assign "
-                        f"parameters before fully_shard, or change the values in place: "
-                        f"fsdp.checkpoint.set_state_dict(model, model_state_dict={{name: full_tensor}}, "
-                        f"options=StateDictOptions(full_state_dict=True, strict=False)), or "
-                        f"fsdp.init_weights(model, fn) with fn copying into the (then full) parameter"
-                    )
+        for k, module, name in self._slots:
+            if module._parameters.get(name) is not expected[k]:
+                self._raise_replaced(k, module, name)
+
+    def _raise_replaced(self, k: int, module: nn.Module, name: str) -> None:
+        info, have = self.infos[k], module._parameters.get(name)
+        owner = getattr(self.sharded_params[0], "_fsdp_owner", "its fsdp unit")
+        alias = "" if (module, name) == info.registrations[0] else f" (tied; its {type(module).__name__}.{name})"
+        what = "removed" if have is None else "replaced"
+        raise RuntimeError(
+            f"parameter {info.fqn!r} of {owner}{alias} was {what} after fully_shard; fsdp "
+            f"registers its own sharded parameter there and would silently drop yours. Assign "
+            f"parameters before fully_shard, or change the values in place: "
+            f"fsdp.checkpoint.set_state_dict(model, model_state_dict={{name: full_tensor}}, "
+            f"options=StateDictOptions(full_state_dict=True, strict=False)), or "
+            f"fsdp.init_weights(model, fn) with fn copying into the (then full) parameter"
+        )
 
 
 def meta_error(fqns: list[str]) -> str:

@@ -233,11 +233,12 @@ class FSDPState:
 
     def unshard(self, async_op: bool = False) -> None:
         for group in self.groups:  # a parameter reassigned since fully_shard raises before any gather
-            group.check_registered()
-            group.prepare_gather()
+            if not group.gather_in_flight():  # a prefetch checked and refreshed it at its launch
+                group.check_registered()
+                group.prepare_gather()
         gather_together(self.groups, self.shared_gathers)  # one collective where groups can share it
         for group in self.groups:
-            group.unshard(async_op=True)
+            group.launch_gather(async_op=True)
         if not async_op:
             self.wait_unshard()
 
