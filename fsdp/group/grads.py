@@ -33,6 +33,7 @@ from torch.distributed.tensor import DTensor
 
 from dbuffer import DBuffer, Pending
 from fsdp.group.convert import converted
+from fsdp.group.grad_mode import without_grad
 from fsdp.group.main_grad_state import ALLOWED, MainGrad, check_move
 from fsdp.group.parts import ReducerGroup
 
@@ -143,15 +144,10 @@ class GradReducer:
             on_group_start(self.group)
         self._seen.add(k)
         if not self._local:  # hold autograd's gradient; grad_in comes once the group is complete
-            held = self._held.get(k)
-            if held is None:
-                self._held[k] = grad
-            else:
-                with torch.no_grad():  # a backward with create_graph=True runs hooks with grad on
-                    self._held[k] = held + grad
+            held = self._held.get(k)  # summed without a graph (create_graph=True runs hooks with grad on)
+            self._held[k] = grad if held is None else held.detach() + grad.detach()
         else:
-            with torch.no_grad():
-                self._pack(k, grad, on_group_start)
+            self._pack(k, grad, on_group_start)
         if len(self._seen) == len(self.group.infos):
             # The unit packs what is held (pack_held) once it freed the weights: FSDP2's order,
             # the unsharded weights go before the gradient buffer comes. Counted afresh: a unit
@@ -161,6 +157,7 @@ class GradReducer:
             self._seen.clear()
             on_group_done(self.group)
 
+    @without_grad
     def _pack(self, k: int, grad: torch.Tensor, before_alloc: Optional[Callable] = None) -> None:
         """Write one gradient into ``grad_in``: the first of a parameter is copied, later ones
         (micro-batches) added; what no gradient wrote is zeroed before the reduction.
@@ -177,7 +174,7 @@ class GradReducer:
         g = self.group
         g.layout.write_grad(self.grad_in, k, g.kind.grad_local(k, grad), add)
 
-    @torch.no_grad()
+    @without_grad
     def pack_held(self, before_alloc: Optional[Callable] = None) -> None:
         """Copy the gradients held since the group's first one into ``grad_in`` (allocated now,
         after ``before_alloc(group)`` if given) and drop autograd's tensors."""
@@ -192,7 +189,7 @@ class GradReducer:
         for k, grad in held.items():
             self._pack(k, grad, before_alloc)
 
-    @torch.no_grad()
+    @without_grad
     def take_assigned_grads(self) -> None:
         """Take the gradients assigned to the unsharded parameters' ``.grad`` outside autograd's
         accumulation (a pipeline's weight-gradient step, ``torch.autograd.grad`` + assignment),
@@ -280,7 +277,7 @@ class GradReducer:
             current = current.allreduce(axis, out=current)
         return current.allreduce(ndim - 1, out=current, async_op=True)
 
-    @torch.no_grad()
+    @without_grad
     def _zero_unwritten(self) -> None:
         """Zero what no gradient wrote since ``grad_in`` was allocated: the layout's padding and
         the parameters that got no gradient (they reduce as 0, as unused parameters should)."""
@@ -303,7 +300,7 @@ class GradReducer:
         self._move(self.state.after_reduction())
         return overwrite
 
-    @torch.no_grad()
+    @without_grad
     def finish_reduce(self) -> bool:
         """Wait for the reduction, fold it into ``main_grad`` and free ``grad_in``. True if one ran."""
         flight, self._in_flight = self._in_flight, None
@@ -408,7 +405,7 @@ class GradReducer:
         """Called before forward: free main_grad if ``zero_grad()`` dropped the gradients."""
         self._detect_zeroed()
 
-    @torch.no_grad()
+    @without_grad
     def attach_grads(self) -> None:
         """Point ``param.grad`` / ``param.main_grad`` of the sharded parameters at ``main_grad``,
         for the parameters that received a gradient (unused ones keep ``grad=None``, as in
@@ -437,7 +434,7 @@ class GradReducer:
             if not self.state.attached:
                 self._move(MainGrad.ATTACHED)
 
-    @torch.no_grad()
+    @without_grad
     def zero_grad_buffer(self) -> None:
         """Zero the main grads (``.grad`` views stay attached) and drop unreduced local grads."""
         if self._in_flight is not None:
@@ -458,7 +455,7 @@ class GradReducer:
 
     # ------------------------------------------------------------------ module.to(dtype)
 
-    @torch.no_grad()
+    @without_grad
     def convert(self, dtypes, in_residence: Callable[[DBuffer], DBuffer]) -> None:
         """Rebuild ``grad_in`` and ``main_grad`` in ``dtypes`` from their current values (after
         the reduction in flight lands), keep held gradients in the new compute dtype, and hook

@@ -38,6 +38,7 @@ from torch.distributed.tensor import Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from dbuffer import DBuffer, Pending
+from fsdp.group.grad_mode import without_grad
 from fsdp.group.comms import DBUFFER_COMMS
 from fsdp.group.grads import GradReducer
 from fsdp.group.layouts import PLAIN, ChunkedLayout, FlatLayout, ParamKind, flat_layout
@@ -188,7 +189,7 @@ class ParameterGroup:
         self._stale = True
         self._written_key = self.weights.version_key() if model_written else None
 
-    @torch.no_grad()
+    @without_grad
     def refresh(self) -> None:
         """Bring the model weights up to date with the main weights, if they changed (the
         optimizer stepped: :meth:`mark_stale`, or an in-place update the version key sees).

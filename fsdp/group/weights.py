@@ -28,6 +28,7 @@ import torch.nn as nn
 from torch.distributed.tensor import Shard
 
 from dbuffer import DBuffer
+from fsdp.group.grad_mode import without_grad
 from fsdp.group.members import check_no_late_extension
 from fsdp.group.parts import GatherKind, PostForwardSlice, WeightsGroup
 from fsdp.group.profiling import label
@@ -171,7 +172,7 @@ class BufferWeights:
         if g.placements.model is None and not model.is_storage_released():
             model.release_storage()
 
-    @torch.no_grad()
+    @without_grad
     def refresh(self, model_current: bool) -> None:
         """Bring the model shard up to date with the main weights: a local cast (unless
         ``model_current``: the optimizer wrote it already, or it is ``main`` itself), or HFSDP's
@@ -235,7 +236,7 @@ class BufferWeights:
         """The buffer an all-gather of the weights fills."""
         return self.unsharded if self.gathered is None else self.gathered
 
-    @torch.no_grad()
+    @without_grad
     def end_gather(self, refill: bool, rows: Optional[torch.Tensor] = None) -> None:
         """After the gather has landed: free the temporaries it read, and let a layout that
         copies move the gathered pieces (from ``rows``, where a gather shared with other groups
@@ -286,7 +287,7 @@ class BufferWeights:
         target = self._init_buffer if self._init_buffer is not None else g.main
         return [g.kind.unsharded(k, target.get_local_tensor(k), g.requires_grad) for k in range(len(g.infos))]
 
-    @torch.no_grad()
+    @without_grad
     def commit_init(self, commit: bool) -> None:
         """Keep this rank's part of the initialised full weights (a local copy, no
         communication) and drop the temporary buffer; ``commit=False`` only drops it."""

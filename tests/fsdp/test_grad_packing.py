@@ -59,3 +59,40 @@ def test_one_foreach_write_per_group_and_exact_gradients(layout, shard_dim) -> N
             assert foreach == 0 and out["ops"]["copy_"] >= sum(1 for _ in model.parameters())
         for n, p in ref.named_parameters():
             assert torch.allclose(out["grads"][n], p.grad, atol=1e-6, rtol=1e-5), n
+
+
+def _micro_batches_with_graph(model, x, y) -> dict:
+    """Two micro-batches, the first without gradient sync (the second adds its gradients into
+    the kept reduction buffer), each backward keeping a graph (``create_graph=True``: autograd
+    runs the hooks with grad mode on)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    m = copy.deepcopy(model)
+    for block in m.blocks:
+        fsdp.fully_shard(block)
+    fsdp.fully_shard(m)
+    for j, (xs, ys) in enumerate(_micro(x, y, rank, world)):
+        m.set_requires_gradient_sync(j == 1)
+        loss_fn(m, xs, ys).backward(create_graph=True)
+    reducers = [g.grads for mod in m.modules() if isinstance(mod, fsdp.FSDPModule) for g in mod._fsdp_state.groups]
+    graphs = [b.local_buffer.requires_grad for r in reducers for b in (r.grad_in, r.main_grad)]
+    return {"grads": {n: p.grad.full_tensor() for n, p in m.named_parameters()}, "graphs": graphs}
+
+
+def _micro(x, y, rank: int, world: int) -> list:
+    """This rank's two micro-batches (rank-major halves of its share of the global batch)."""
+    per = x.shape[0] // world
+    mine = (x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per])
+    return [(t[: per // 2] for t in mine), (t[per // 2:] for t in mine)]
+
+
+def test_micro_batch_gradients_add_without_a_graph_under_create_graph() -> None:
+    model, ((x, y),) = make_model(), make_batches(1)
+    ref = copy.deepcopy(model)
+    for j in range(2):  # micro-batch j of every rank, as one global batch
+        xs, ys = (torch.cat([list(_micro(x, y, r, 2)[j])[i] for r in range(2)]) for i in range(2))
+        loss_fn(ref, xs, ys).backward()
+    for out in run_ranks(_micro_batches_with_graph, 2, model, x, y, backend="threaded"):
+        assert out["graphs"] and not any(out["graphs"]), out["graphs"]  # no buffer joined a graph
+        for n, p in ref.named_parameters():
+            assert not out["grads"][n].requires_grad, n
+            assert torch.allclose(out["grads"][n], p.grad, atol=1e-6, rtol=1e-5), n
