@@ -14,14 +14,13 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from dbuffer import DBuffer
 from fsdp.group.meta_init import check_swappable, swap_in
-from fsdp.group.policy import Dtypes, MixedPrecisionPolicy
+from fsdp.group.policy import Dtypes, MixedPrecisionPolicy, converted
 
 if TYPE_CHECKING:  # annotations only
     from fsdp.group.param_group import ParameterGroup
 
-__all__ = ["accepts_device", "check_convert", "convert", "converted", "dtypes_after_to"]
+__all__ = ["accepts_device", "check_convert", "convert", "dtypes_after_to"]
 
 
 def dtypes_after_to(group: ParameterGroup, dtype: torch.dtype) -> Dtypes:
@@ -101,14 +100,3 @@ def convert(group: ParameterGroup, dtype: Optional[torch.dtype] = None, device=N
     if group.grads is not None:
         group.grads.reattach_after_swap()
     return True
-
-
-def converted(buf: DBuffer, dtype: torch.dtype) -> DBuffer:
-    """``buf`` itself if already in ``dtype``, else rebuilt in it (same mesh, placements, layout,
-    device) with its values cast, if it has storage (the new one always has)."""
-    if buf.dtype == dtype:
-        return buf
-    out = buf.sibling(dtype=dtype, zero_fill=False)
-    if not buf.is_storage_released():
-        out.local_buffer.copy_(buf.local_buffer)
-    return out

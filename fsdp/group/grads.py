@@ -32,10 +32,10 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from dbuffer import DBuffer, Pending
-from fsdp.group.convert import converted
 from fsdp.group.grad_mode import without_grad
 from fsdp.group.main_grad_state import ALLOWED, MainGrad, check_move
 from fsdp.group.parts import ReducerGroup
+from fsdp.group.policy import converted
 
 __all__ = ["GradReducer", "InFlight", "Reduction"]
 

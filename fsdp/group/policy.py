@@ -1,17 +1,21 @@
 """What is sharded and in which dtype: the sharding strategy and the mixed-precision policy.
 
 Both are plain values, validated when built, so every misuse raises before any buffer exists or
-any collective runs.
+any collective runs. :func:`converted` takes a group's buffer into the dtype a policy change (or
+``module.to(dtype)``) gives it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 
-__all__ = ["MixedPrecisionPolicy", "Strategy", "parse_strategy", "reduces_in_grad_dtype"]
+if TYPE_CHECKING:  # annotations only
+    from dbuffer import DBuffer
+
+__all__ = ["MixedPrecisionPolicy", "Strategy", "converted", "parse_strategy", "reduces_in_grad_dtype"]
 
 
 @dataclass(frozen=True)
@@ -176,3 +180,14 @@ def reduces_in_grad_dtype(fsdp2_param: Optional[type] = None) -> bool:
     if fsdp2_param is None:
         from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam as fsdp2_param
     return hasattr(fsdp2_param, "unsharded_grad_dtype")
+
+
+def converted(buf: DBuffer, dtype: torch.dtype) -> DBuffer:
+    """``buf`` itself if already in ``dtype``, else rebuilt in it (same mesh, placements, layout,
+    device) with its values cast, if it has storage (the new one always has)."""
+    if buf.dtype == dtype:
+        return buf
+    out = buf.sibling(dtype=dtype, zero_fill=False)
+    if not buf.is_storage_released():
+        out.local_buffer.copy_(buf.local_buffer)
+    return out
