@@ -339,7 +339,6 @@ class DBuffer(TensorViews, StorageLifetime):
 
     def _run(self, step: Step, out: "DBuffer | None", async_op: bool) -> Pending:
         """Run one step (arguments already validated). The Pending's wait() returns a DBuffer."""
-        group = self.mesh.get_group(step.axis)
         size = self.mesh.shape[step.axis]
         if out is None:
             if step.kind == "scatter":
@@ -347,6 +346,7 @@ class DBuffer(TensorViews, StorageLifetime):
                 out = self._like(step.after, local_buffer=piece)
                 return done(out)
             out = self._like(step.after, local_buffer=_empty_for(self, step.after))
+        group = self.mesh.get_group(step.axis) if step.kind != "scatter" else None  # a local slice needs none
         dst = out.local_buffer
         src = self.local_buffer
         with out._refill_guard():

@@ -65,6 +65,7 @@ class BufferWeights:
         self._init_buffer: Optional[DBuffer] = None  # full main-dtype weights during init_weights
         self._version_before_gather = 0
         self._row: Optional[DBuffer] = None  # the gather's own row, cast from main by begin_gather
+        self._row_of: Optional[tuple[DBuffer, DBuffer]] = None  # (target, its own row): a view, made once
 
     # ------------------------------------------------------------------ building
 
@@ -219,8 +220,15 @@ class BufferWeights:
         target = self.gathered_buffer()
         target.reallocate_storage()
         if into_row:
-            self._row = g.main.cast(g.dtypes.model, out=target.scatter(target.mesh.ndim - 1))
+            self._row = g.main.cast(g.dtypes.model, out=self._own_row(target))
         return target
+
+    def _own_row(self, target: DBuffer) -> DBuffer:
+        """This rank's row of ``target`` (a local scatter: a view), made at the first gather into
+        ``target``: releasing and reallocating its storage keeps the storage object the view reads."""
+        if self._row_of is None or self._row_of[0] is not target:
+            self._row_of = (target, target.scatter(target.mesh.ndim - 1))
+        return self._row_of[1]
 
     def gather_source(self) -> DBuffer:
         """The sharded compute weights a gather reads: the target's own row that

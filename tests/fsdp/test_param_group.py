@@ -203,6 +203,11 @@ def _lean_vs_persistent(model, batches) -> dict:
                     groups = [g for u in m._fsdp_state.units for g in u.groups]
                     sharded = strategy != "no_shard"
                     assert [g.weights.casts_into_gather for g in groups] == [sharded and not owned] * len(groups), case
+                    for g in groups:  # the row cast into is made once and stays a view of the gather's target
+                        if g.weights.casts_into_gather:
+                            target, row = g.weights._row_of
+                            assert target is g.weights.gathered_buffer(), case
+                            assert row.local_buffer._base is target.local_buffer, case
                     lean = [g.weights.lean_model for g in groups]
                     assert lean == [sharded and not (owned and persistent)] * len(groups), case
                     # Between steps a kept shard holds storage only where a gather still reads it:
