@@ -45,7 +45,7 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.nn as nn
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten
 
 from dbuffer.collectives import release_workspaces
 from fsdp.group.meta_init import adopt_assigned
@@ -54,6 +54,7 @@ from fsdp.group.policy import MixedPrecisionPolicy
 from fsdp.group.profiling import label
 from fsdp.group.shared_gather import gather_together
 from fsdp.unit import finalization, pipelining
+from fsdp.unit.casting import cast_floats, cast_inputs
 from fsdp.unit.finalization import finish_grad_sync
 from fsdp.unit.lazy_init import find_tree
 from fsdp.unit.root import MAX_REDUCTIONS_IN_FLIGHT, Finalization, RootContext
@@ -323,7 +324,7 @@ class FSDPState:
 
     def _cast_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if self.policy.param_dtype is not None and self.policy.cast_forward_inputs:
-            args, kwargs = _cast_floats((args, kwargs), self.policy.param_dtype)
+            args, kwargs = cast_inputs(args, kwargs, self.policy.param_dtype)
         return args, kwargs
 
     def reshards_after_forward(self) -> bool:
@@ -360,7 +361,7 @@ class FSDPState:
 
     def _cast_output(self, output: Any) -> Any:
         if self.policy.output_dtype is not None:
-            output = _cast_floats(output, self.policy.output_dtype)
+            output = cast_floats(output, self.policy.output_dtype)
         return output
 
     def _next_units(self, explicit: Optional[list["FSDPState"]], step: int) -> list["FSDPState"]:
@@ -487,12 +488,3 @@ class FSDPState:
                 unit.reshard()
                 unit._enter(TrainingState.IDLE)
             release_workspaces()
-
-
-def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
-    def cast(x: Any) -> Any:
-        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype:
-            return x.to(dtype)
-        return x
-
-    return tree_map(cast, tree)
