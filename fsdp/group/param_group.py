@@ -38,8 +38,8 @@ from torch.distributed.tensor import Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from dbuffer import DBuffer, Pending
-from fsdp.group.grad_mode import without_grad
 from fsdp.group.comms import DBUFFER_COMMS
+from fsdp.group.grad_mode import without_grad
 from fsdp.group.grads import GradReducer
 from fsdp.group.layouts import PLAIN, ChunkedLayout, FlatLayout, ParamKind, flat_layout
 from fsdp.group.members import GroupPlacements, ParamInfo
