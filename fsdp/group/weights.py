@@ -87,6 +87,7 @@ class BufferWeights:
             if d.model != d.main:
                 self.cast_main = g.sibling(g.main.placements, d.model, zero_fill=False)
         self.gathered = None
+        self._row_of = None  # a row of the buffers replaced here
         if g.layout.copies:
             self.gathered = g.sibling(pl.replicated, d.model, zero_fill=False)
             self.gathered.release_storage()

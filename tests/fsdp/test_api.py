@@ -250,6 +250,12 @@ def _to_details(model, batches) -> dict:
     )
     loss_fn(m, x, y).backward()  # runs in bf16, gradients land in the float64 main grads
     out["bf16_compute"] = all(p.dtype == p.grad.dtype == torch.float64 for p in m.parameters())
+    # A converted group keeps no view of the gather buffers it replaced (freed with them).
+    m = fsdp.fully_shard(copy.deepcopy(model), mp_policy=bf16)
+    loss_fn(m, x, y).backward()
+    rows = [g.weights._row_of for g in m._fsdp_state.groups]
+    m.double()
+    out["rows_dropped"] = all(r is not None for r in rows) and all(g.weights._row_of is None for g in m._fsdp_state.groups)
     # Gradients already reduced are converted with the parameters (nn.Module._apply does too).
     m = fsdp.fully_shard(copy.deepcopy(model))
     loss_fn(m, x, y).backward()
