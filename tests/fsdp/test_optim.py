@@ -21,6 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
 import fsdp
+from dbuffer import collectives
 from tests.fsdp.models import TinyLM, full_state, loss_fn, make_batches, make_model, max_diff, reference, train
 from tests.harness import run_ranks
 
@@ -92,13 +93,33 @@ BF16_GRADS = fsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, main_grads_dt
 
 class _FP32Allocations(TorchDispatchMode):
     """FP32 tensors made while active (DTensors count their local tensors); ``peak``: the most
-    bytes of them alive at once after any op run while ``measuring``."""
+    bytes of them alive at once after any op run while ``measuring``.
+
+    gloo's reduce-scatter scratch (dbuffer's workspace pool) is not counted: it is backend memory
+    (NCCL's is not even visible here), not a gradient copy, and gloo's worker thread may drop its
+    reference to a finished collective's buffers a moment after ``wait()`` returns, so whether it
+    is still alive at the step is a matter of thread timing."""
 
     def __init__(self) -> None:
         super().__init__()
         self.alive: list = []
         self.peak = 0
         self.measuring = False
+        self.scratch: list = []  # weak references to the workspaces taken while active
+        self._take = collectives._WORKSPACES.take
+
+    def __enter__(self):
+        collectives._WORKSPACES.take = self._recording_take
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        collectives._WORKSPACES.take = self._take
+        return super().__exit__(*exc)
+
+    def _recording_take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        workspace = self._take(numel, dtype)  # the pool's buffer, or a leading view of it
+        self.scratch.append(weakref.ref(workspace if workspace._base is None else workspace._base))
+        return workspace
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -109,7 +130,9 @@ class _FP32Allocations(TorchDispatchMode):
                 self.alive.append(weakref.ref(t))
         if self.measuring:
             self.alive = [r for r in self.alive if r() is not None]
+            scratch = {r().untyped_storage().data_ptr() for r in self.scratch if r() is not None}
             live = {r().untyped_storage().data_ptr(): r().untyped_storage().nbytes() for r in self.alive}
+            live = {ptr: nbytes for ptr, nbytes in live.items() if ptr not in scratch}
             self.peak = max(self.peak, sum(live.values()))
         return out
 
