@@ -24,7 +24,6 @@ the gradient state to itself.
 from __future__ import annotations
 
 import enum
-import weakref
 from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
@@ -32,10 +31,12 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from dbuffer import DBuffer, Pending
+from fsdp.group.comms import DBUFFER_COMMS
 from fsdp.group.grad_mode import without_grad
 from fsdp.group.main_grad_state import ALLOWED, MainGrad, check_move
 from fsdp.group.parts import ReducerGroup
 from fsdp.group.policy import converted
+from fsdp.group.weak_hooks import post_accumulate_grad_hook, weak_callable
 
 __all__ = ["GradReducer", "InFlight", "Reduction"]
 
@@ -52,6 +53,7 @@ class Reduction(enum.Enum):
 class InFlight:
     pending: Pending
     kind: Reduction
+    folded: bool = False  # divided and folded into main_grad at its launch: nothing left to do with it
 
 
 class GradReducer:
@@ -114,10 +116,8 @@ class GradReducer:
         The unit finishes the reductions still in flight there; both points count: the first
         frees their buffers before this group's gradients pile up beside them, the second
         catches a reduction launched since, by another group of the same unit."""
-        # The hooks live on our own parameters: holding the reducer or the unit strongly would
-        # make a reference cycle through autograd's C++ hook table, which the garbage collector
-        # cannot see, and a sharded module would never be freed.
-        self._callbacks = [_weak_callable(f) for f in (on_group_done, on_group_start)]
+        # Held weakly, as the hooks hold the reducer (fsdp.group.weak_hooks says why).
+        self._callbacks = [weak_callable(f) for f in (on_group_done, on_group_start)]
         self.hook_params()
 
     def hook_params(self) -> None:
@@ -126,7 +126,7 @@ class GradReducer:
         if self._callbacks is None or params is None:
             return
         for k, p in enumerate(params):
-            p.register_post_accumulate_grad_hook(_grad_hook(weakref.ref(self), k))
+            p.register_post_accumulate_grad_hook(post_accumulate_grad_hook(self, k))
 
     def _on_grad(self, k: int, p: torch.Tensor) -> None:
         """Autograd accumulated parameter ``k``'s gradient (once per parameter per backward: the
@@ -254,15 +254,21 @@ class GradReducer:
         direct = overwrite and reduce_dtype == g.dtypes.main_grad and not g.offload.on_host
         if overwrite:
             self.main_grad.reallocate_storage()
+        kind, folded = Reduction.OVERWRITE if overwrite else Reduction.ACCUMULATE, False
         with streams.launch(streams.reduce_scatter):
             if direct:
                 pending = g.reduce_into(source, target_pl, self.main_grad)
             elif g.strategy.shard_grads:
                 pending = g.reduce_into(source, target_pl, g.sibling(target_pl, reduce_dtype, zero_fill=False))
+                # A sharded temporary: folded now, on this stream, if that blocks no host (FSDP2's
+                # order), so that it is not alive through the next unit's backward.
+                if not g.offload.on_host and g.comms is DBUFFER_COMMS and streams.wait_is_free(pending):
+                    self._fold(pending.wait(), kind)
+                    folded = True
             else:
                 pending = self._allreduce_in_place()
         self._local = set()
-        self._in_flight = InFlight(pending, Reduction.OVERWRITE if overwrite else Reduction.ACCUMULATE)
+        self._in_flight = InFlight(pending, kind, folded)
 
     def defers_all_reduce(self) -> bool:
         """Whether a reduction now would reduce-scatter only and keep partial sums (HSDP with
@@ -315,28 +321,33 @@ class GradReducer:
             else:
                 self._partial.local_buffer.add_(result.local_buffer)
                 result.release_storage()
-        else:
-            overwrite = flight.kind is Reduction.OVERWRITE
-            g.reduction.finish(result.local_buffer, g.mesh, g.streams)  # divide, hook (FSDP2's knobs)
-            if g.offload.on_host:  # to the host, off the compute stream (which need not wait)
-                with g.streams.launch(g.streams.reduce_scatter):
-                    g.offload.download(result.local_buffer, self.main_grad.local_buffer, add=not overwrite)
-            elif result is not self.main_grad:
-                if overwrite:
-                    self.main_grad.local_buffer.copy_(result.local_buffer)
-                else:
-                    self.main_grad.local_buffer.add_(result.local_buffer)
-                if result is not self.grad_in:  # a sharded temporary: free it now, not at the next gc
-                    result.release_storage()  # (the collective's handle and the buffer refer to each other)
+        elif not flight.folded:
+            self._fold(result, flight.kind)
         if not self._local:
             self.grad_in.release_storage()
         return True
+
+    def _fold(self, result: DBuffer, kind: Reduction) -> None:
+        """Bring a landed reduction's ``result`` to FSDP2's gradient (divide, hook) and write it
+        into ``main_grad`` (replace or add, as ``kind`` says); a sharded temporary is freed."""
+        g, overwrite = self.group, kind is Reduction.OVERWRITE
+        g.reduction.finish(result.local_buffer, g.mesh, g.streams)  # divide, hook (FSDP2's knobs)
+        if g.offload.on_host:  # to the host, off the compute stream (which need not wait)
+            with g.streams.launch(g.streams.reduce_scatter):
+                g.offload.download(result.local_buffer, self.main_grad.local_buffer, add=not overwrite)
+        elif result is not self.main_grad:
+            if overwrite:
+                self.main_grad.local_buffer.copy_(result.local_buffer)
+            else:
+                self.main_grad.local_buffer.add_(result.local_buffer)
+            if result is not self.grad_in:  # a sharded temporary: free it now, not at the next gc
+                result.release_storage()  # (the collective's handle and the buffer refer to each other)
 
     def discard_in_flight(self) -> None:
         """Drop every gradient not yet folded into ``main_grad`` (after a failed forward or
         backward, FSDP2's ``reset_iter_state``): reductions in flight are waited for and their
         results dropped, local and deferred gradients freed. ``main_grad`` keeps what earlier
-        steps reduced."""
+        steps reduced, and an accumulation folded in at its launch (as FSDP2's is)."""
         flight, self._in_flight = self._in_flight, None
         if flight is not None:
             flight.pending.wait()
@@ -480,18 +491,3 @@ class GradReducer:
         if self.state.attached:
             self.point_grads()
 
-
-def _weak_callable(fn: Callable) -> Callable[[], Optional[Callable]]:
-    """A weak reference to a bound method; other callables are held strongly."""
-    if hasattr(fn, "__self__") and hasattr(fn, "__func__"):
-        return weakref.WeakMethod(fn)
-    return lambda: fn
-
-
-def _grad_hook(reducer_ref, k: int) -> Callable[[torch.Tensor], None]:
-    def hook(p: torch.Tensor) -> None:
-        reducer = reducer_ref()
-        if reducer is not None:
-            reducer._on_grad(k, p)
-
-    return hook

@@ -31,9 +31,12 @@ real.
    event for the same reason).
 3. *Reduce-scatter.* The gradients are packed into ``grad_in`` on the current stream;
    ``launch(reduce_scatter)`` waits for it and queues the collective, whose temporaries are
-   allocated on that stream. ``wait(reduce_scatter)`` orders the current stream after it before
-   the result is divided and folded into ``main_grad``; ``grad_in`` is then freed on the stream it
-   was allocated on, which has waited for the reduction.
+   allocated on that stream. A result in a temporary is divided and folded into ``main_grad``
+   inside the same launch when :meth:`wait_is_free` (FSDP2 accumulates on its side stream too),
+   so the temporary, that stream's memory, is freed at once; otherwise after
+   ``wait(reduce_scatter)``, which orders the current stream after the launch either way before
+   anything reads ``main_grad``. ``grad_in`` is freed then, on the stream it was allocated on,
+   which has waited for the reduction.
 4. *All-reduce* (HSDP across replicas, ``no_shard`` / ``optim``'s unsharded gradients): on the
    reduce-scatter stream, in the same launch (one ``redistribute``), so one ordering covers both.
 5. *Memory read across streams.* Instead of ``record_stream``:
@@ -156,6 +159,12 @@ class CommStreams:
         event = self._last_launch.get(id(stream)) if stream is not None else None
         if event is not None:
             self.current().wait_event(event)
+
+    def wait_is_free(self, pending: Any) -> bool:
+        """Whether waiting for ``pending`` (a collective's handle) now costs the host nothing:
+        with real streams the wait only orders the current stream after the collective; without,
+        only if the collective has already completed (a query: it waits for nothing)."""
+        return self.enabled or pending.is_completed()
 
     def after_read(self, event: Any) -> None:
         """``event`` (on the reading stream) ends a read of memory a side stream allocated: each
