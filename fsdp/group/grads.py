@@ -261,7 +261,8 @@ class GradReducer:
             elif g.strategy.shard_grads:
                 pending = g.reduce_into(source, target_pl, g.sibling(target_pl, reduce_dtype, zero_fill=False))
                 # A sharded temporary: folded now, on this stream, if that blocks no host (FSDP2's
-                # order), so that it is not alive through the next unit's backward.
+                # order), so that it is not alive through the next unit's backward. Not under host
+                # offload (a download) nor a custom comm (its staging is read on the compute stream).
                 if not g.offload.on_host and g.comms is DBUFFER_COMMS and streams.wait_is_free(pending):
                     self._fold(pending.wait(), kind)
                     folded = True
