@@ -62,7 +62,19 @@ def test_an_accumulating_reduction_folds_at_launch_when_waiting_is_free(monkeypa
             with lock:
                 launched.append((flight.kind, flight.folded, temporary is not None and not temporary.is_storage_released()))
 
+    on_side_stream: list[bool] = []  # per accumulating fold: inside the reduce-scatter launch?
+    fold = GradReducer._fold
+
+    def watched_fold(self: GradReducer, result, kind: Reduction) -> None:
+        if kind is Reduction.ACCUMULATE:  # the first micro-batch's reductions overwrite, in place
+            # this thread's open launches (CPU stand-in streams are one process-wide state, which
+            # threaded ranks share; the launch frames are per thread)
+            with lock:
+                on_side_stream.append(bool(self.group.streams._frames()))
+        fold(self, result, kind)
+
     monkeypatch.setattr(GradReducer, "launch_reduce", watched)
+    monkeypatch.setattr(GradReducer, "_fold", watched_fold)
     monkeypatch.setattr(CommStreams, "wait_is_free", lambda self, pending: free)
     for grads in run_ranks(_two_synced_micro_batches, WORLD, model, x, y, backend="threaded"):
         for n, p in ref.named_parameters():
@@ -71,6 +83,9 @@ def test_an_accumulating_reduction_folds_at_launch_when_waiting_is_free(monkeypa
     assert len(launched) == WORLD * units, launched  # the second micro-batch of every unit on every rank
     assert all(folded is free for _, folded, _ in launched), launched
     assert not any(alive for _, _, alive in launched), launched  # a folded temporary is freed at once
+    # At its launch the fold runs on the reduce-scatter stream, ordered after the collective
+    # (on a GPU the compute stream has not waited yet); later, on the compute stream after the wait.
+    assert len(on_side_stream) == WORLD * units and all(s is free for s in on_side_stream), on_side_stream
 
 
 class _Handle:
