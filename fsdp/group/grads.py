@@ -254,7 +254,8 @@ class GradReducer:
         direct = overwrite and reduce_dtype == g.dtypes.main_grad and not g.offload.on_host
         if overwrite:
             self.main_grad.reallocate_storage()
-        kind, folded = Reduction.OVERWRITE if overwrite else Reduction.ACCUMULATE, False
+        kind = Reduction.OVERWRITE if overwrite else Reduction.ACCUMULATE
+        folded = False
         with streams.launch(streams.reduce_scatter):
             if direct:
                 pending = g.reduce_into(source, target_pl, self.main_grad)

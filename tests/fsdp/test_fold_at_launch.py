@@ -96,7 +96,7 @@ class _Handle:
         return self.completed
 
 
-def test_waiting_is_free_on_real_streams_or_for_a_finished_collective(monkeypatch) -> None:
+def test_waiting_is_free_on_real_streams_or_for_a_finished_collective() -> None:
     cpu = CommStreams(torch.device("cpu"))
     assert not cpu.enabled
     assert not cpu.wait_is_free(_Handle(False)) and cpu.wait_is_free(_Handle(True))
