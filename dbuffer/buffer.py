@@ -132,7 +132,7 @@ class DBuffer(TensorViews, StorageLifetime):
         self.device = torch.device(device) if device is not None else collectives.mesh_device(mesh)
         self.num_shards = num_shards(mesh.shape, self.placements)
         self.shard_index = shard_index(mesh.shape, self.placements, self._coordinate)
-        numel = self.layout.shard_numel_for(self.num_shards)
+        numel = self._shard_numel = self.layout.shard_numel_for(self.num_shards)
         if local_buffer is not None:
             check_local_buffer(local_buffer, numel, dtype, self.device)
         if check_ranks:  # the arguments are valid: the one collective of the constructor
@@ -221,7 +221,7 @@ class DBuffer(TensorViews, StorageLifetime):
         out.dtype = dtype or self.dtype
         out.num_shards = num_shards(self.mesh.shape, out.placements)
         out.shard_index = shard_index(self.mesh.shape, out.placements, self._coordinate)
-        numel = self.layout.shard_numel_for(out.num_shards)
+        numel = out._shard_numel = self.layout.shard_numel_for(out.num_shards)
         if local_buffer is None:
             local_buffer = torch.zeros(numel, dtype=out.dtype, device=self.device)
         out.local_buffer = local_buffer
@@ -248,9 +248,7 @@ class DBuffer(TensorViews, StorageLifetime):
         With ``async_op=True`` the last collective is left in flight and a handle is returned whose
         ``wait()`` gives the result; earlier steps of a multi-step plan run synchronously.
         """
-        target = check_placements(placements, self.mesh.ndim)
-        check_layout_kind(target, self.is_owned)
-        steps = plan_redistribute(self.placements, target)
+        target, steps = self._plan_to(placements)
         if out is not None:
             self._check_out(out, target, self.dtype, "redistribute")
         if not steps:
@@ -265,6 +263,36 @@ class DBuffer(TensorViews, StorageLifetime):
             if not last:
                 current = pending.wait()
         return pending if async_op else pending.wait()
+
+    # Plans kept per buffer: more distinct targets than this (a user's loop over many) start over.
+    _PLANS_KEPT = 8
+
+    def _plan_to(self, placements: Sequence[AnyPlacement]) -> tuple[tuple, list]:
+        """The validated target placements and the steps that reach them from this buffer's.
+        Pure in this buffer's placements, mesh and layout kind, all fixed at construction: kept
+        per tuple object (immutable, and what fsdp passes each step), so a repeated redistribute
+        skips validation and planning; a list is validated every time (it could change)."""
+        plans = self.__dict__.setdefault("_plans", {})
+        hit = plans.get(id(placements)) if isinstance(placements, tuple) else None
+        if hit is not None and hit[0] is placements:
+            return hit[1], hit[2]
+        target = check_placements(placements, self.mesh.ndim)
+        check_layout_kind(target, self.is_owned)
+        steps = plan_redistribute(self.placements, target)
+        if isinstance(placements, tuple):
+            if len(plans) >= self._PLANS_KEPT:
+                plans.clear()
+            plans[id(placements)] = (placements, target, steps)  # holds it: its id is not reused
+        return target, steps
+
+    def _axis_group(self, axis: int) -> tuple[int, torch.distributed.ProcessGroup]:
+        """``(size, process group)`` of mesh ``axis``: fixed for the mesh, asked by every
+        collective (DeviceMesh computes both in Python at each call)."""
+        groups = self.__dict__.setdefault("_axis_groups", {})
+        hit = groups.get(axis)
+        if hit is None or hit[0] is not self.mesh:
+            hit = groups[axis] = (self.mesh, self.mesh.shape[axis], self.mesh.get_group(axis))
+        return hit[1], hit[2]
 
     def allgather(self, axis: int, *, out: "DBuffer | None" = None, async_op: bool = False):
         """All-gather over mesh ``axis``: ``Shard(0) -> Replicate()`` (or ``Owned() ->
@@ -339,14 +367,15 @@ class DBuffer(TensorViews, StorageLifetime):
 
     def _run(self, step: Step, out: "DBuffer | None", async_op: bool) -> Pending:
         """Run one step (arguments already validated). The Pending's wait() returns a DBuffer."""
-        size = self.mesh.shape[step.axis]
-        if out is None:
-            if step.kind == "scatter":
+        if step.kind == "scatter":  # a local slice: no group
+            size, group = self.mesh.shape[step.axis], None
+            if out is None:
                 piece = self.local_buffer.view(size, -1)[self._coordinate[step.axis]]
-                out = self._like(step.after, local_buffer=piece)
-                return done(out)
+                return done(self._like(step.after, local_buffer=piece))
+        else:
+            size, group = self._axis_group(step.axis)
+        if out is None:
             out = self._like(step.after, local_buffer=_empty_for(self, step.after))
-        group = self.mesh.get_group(step.axis) if step.kind != "scatter" else None  # a local slice needs none
         dst = out.local_buffer
         src = self.local_buffer
         with out._refill_guard():

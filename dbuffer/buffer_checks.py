@@ -84,7 +84,7 @@ def out_problem(buf, out, placements: Sequence[AnyPlacement], dtype: torch.dtype
         return f"has dtype {out.dtype}; the result has {dtype}"
     if out.device != buf.device:
         return f"is on {out.device}; the result is on {buf.device}"
-    if out.local_buffer.numel() != out.layout.shard_numel_for(out.num_shards) or out.is_storage_released():
+    if out.local_buffer.numel() != out._shard_numel or out.is_storage_released():
         return "has released storage; call out.reallocate_storage() first"
     return None
 

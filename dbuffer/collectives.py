@@ -41,8 +41,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-import threading
-from typing import Callable, Iterator
+import weakref
+from typing import Callable, Iterator, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -50,6 +50,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from dbuffer import compat
 from dbuffer import debug as _debug
+from dbuffer.workspaces import WorkspacePool
 
 __all__ = [
     "Pending",
@@ -152,8 +153,28 @@ class Pending:
         return self._done or all(w is None or w.is_completed() for w in self._works)
 
 
+class _GroupFacts(NamedTuple):
+    size: int
+    backend: str  # lower case: "nccl", "gloo", "fake", "threaded", ...
+
+
+# A process group's size and backend never change (the same on every rank, unlike the rank, which
+# a group object shared by threads would not have), and c10d's getters cost a dozen Python calls
+# each: every collective of every unit asks. Weakly keyed: a destroyed group is forgotten.
+_FACTS: "weakref.WeakKeyDictionary[dist.ProcessGroup, _GroupFacts]" = weakref.WeakKeyDictionary()
+
+
+def _facts(group: dist.ProcessGroup | None) -> _GroupFacts:
+    facts = _FACTS.get(group) if group is not None else None  # None: the default group, asked each time
+    if facts is None:
+        facts = _GroupFacts(dist.get_world_size(group), str(dist.get_backend(group)).lower())
+        if group is not None:
+            _FACTS[group] = facts
+    return facts
+
+
 def _backend(group: dist.ProcessGroup) -> str:
-    return str(dist.get_backend(group)).lower()
+    return _facts(group).backend
 
 
 def _reduce_op(op: str, backend: str) -> tuple[dist.ReduceOp, bool]:
@@ -247,12 +268,12 @@ def _div_by(size: int, t: torch.Tensor) -> Callable[[], torch.Tensor]:
 
 def all_gather(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False) -> Pending:
     """Concatenate every rank's ``inp`` into ``out`` (``out.numel() == size * inp.numel()``)."""
-    size = dist.get_world_size(group)
+    size, backend = _facts(group)
     if _alone(size):
         return _copied(out, inp)
     if _debug.ENABLED:
         _debug.check(group, "all_gather", _describe(out, inp))
-    if _backend(group) == "gloo" and _gloo_p2p_ok(out, inp) and _big(inp):
+    if backend == "gloo" and _gloo_p2p_ok(out, inp) and _big(inp):
         _check_sizes("all_gather", out, inp, size)
         rank = dist.get_rank(group)
         chunks = out.view(size, inp.numel())
@@ -272,12 +293,11 @@ def reduce_scatter(
     out: torch.Tensor, inp: torch.Tensor, op: str, group: dist.ProcessGroup, async_op: bool = False
 ) -> Pending:
     """``out`` = chunk ``group rank`` of the reduction over ranks of ``inp``."""
-    size = dist.get_world_size(group)
+    size, backend = _facts(group)
     if _alone(size):
         return _copied(out, inp)
     if _debug.ENABLED:
         _debug.check(group, f"reduce_scatter({op})", _describe(out, inp))
-    backend = _backend(group)
     c10d_op, divide = _reduce_op(op, backend)
     if backend == "gloo" and _gloo_p2p_ok(out, inp):
         _check_sizes("reduce_scatter", inp, out, size)
@@ -329,13 +349,13 @@ def reduce_scatter(
 
 def all_reduce(t: torch.Tensor, op: str, group: dist.ProcessGroup, async_op: bool = False) -> Pending:
     """Reduce ``t`` in place over the group."""
-    if _alone(dist.get_world_size(group)):
+    size, backend = _facts(group)
+    if _alone(size):
         return _copied(t, t)
     if _debug.ENABLED:
         _debug.check(group, f"all_reduce({op})", _describe(t))
-    c10d_op, divide = _reduce_op(op, _backend(group))
+    c10d_op, divide = _reduce_op(op, backend)
     work = dist.all_reduce(t, op=c10d_op, group=group, async_op=async_op)
-    size = dist.get_world_size(group)
     return _maybe_wait(Pending([work], _div_by(size, t) if divide else (lambda: t)), async_op)
 
 
@@ -452,43 +472,7 @@ def _check_sizes(op: str, full: torch.Tensor, chunk: torch.Tensor, size: int) ->
         )
 
 
-class _WorkspacePool:
-    """Scratch buffers reused across calls, so that a collective neither allocates nor faults in
-    fresh memory each time. A buffer is held for the life of one collective and given back by its
-    ``finish``; collectives in flight together get separate buffers. At most ``keep`` idle buffers
-    per dtype are kept, the largest ones."""
-
-    def __init__(self, keep: int = 2) -> None:
-        self._keep = keep
-        self._idle: dict[torch.dtype, list[torch.Tensor]] = {}
-        self._lock = threading.Lock()
-
-    def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """A 1-D tensor of ``numel`` elements; its contents are undefined."""
-        with self._lock:
-            idle = self._idle.get(dtype)
-            if idle:  # sorted largest first: the last one that fits is the smallest that fits
-                for i in range(len(idle) - 1, -1, -1):
-                    if idle[i].numel() >= numel:
-                        base = idle.pop(i)
-                        return base if base.numel() == numel else base[:numel]
-        return torch.empty(numel, dtype=dtype, device="cpu")
-
-    def give(self, workspace: torch.Tensor) -> None:
-        base = workspace if workspace._base is None else workspace._base
-        with self._lock:
-            idle = self._idle.setdefault(base.dtype, [])
-            idle.append(base)
-            if len(idle) > 1:
-                idle.sort(key=torch.Tensor.numel, reverse=True)
-                del idle[self._keep :]
-
-    def clear(self) -> None:
-        with self._lock:
-            self._idle.clear()
-
-
-_WORKSPACES = _WorkspacePool()
+_WORKSPACES = WorkspacePool()
 
 
 def release_workspaces() -> None:

@@ -21,6 +21,8 @@ from dbuffer.collectives import Pending
 
 __all__ = ["StorageLifetime"]
 
+_NO_REFILL = contextlib.nullcontext()  # stateless: shared by every write that refills nothing
+
 
 class StorageLifetime:
     """Mixin of :class:`~dbuffer.buffer.DBuffer`: release and reallocation of its local storage
@@ -69,7 +71,7 @@ class StorageLifetime:
 
     def _refill_guard(self):
         if not self._refill_pending:
-            return contextlib.nullcontext()
+            return _NO_REFILL
         self._refill_pending = False
         return torch.autograd._unsafe_preserve_version_counter(self.local_buffer)
 

@@ -9,15 +9,17 @@ on the host is a microsecond the GPU waits. This measures it without a GPU: this
 0 of torch's **fake process group** (collectives do nothing, so values are meaningless but every
 framework line runs), on a Llama with many small blocks (compute near zero). For each method, the
 training thread's CPU time per step, split into forward, backward and optimizer (``step`` +
-``zero_grad``), minus the plain model's (``floor``: the same model unsharded, the same optimizer),
-divided by the number of units (the blocks and the root): the **host overhead per unit per step**.
+``zero_grad``), minus the plain model's (``floor``: the same model unsharded, the same optimizer)
+in the same round, divided by the number of units (the blocks and the root): the **host overhead
+per unit per step**.
 
 Methods: ``ours`` (``fsdp.fully_shard`` + ``torch.optim.AdamW`` over its DTensor parameters),
 ``row`` (ours under ``fsdp.layout_policy("auto")``, Megatron's flat row-atomic layout: no copy
 out of each gather or into each reduction), ``fsdp2`` (torch's ``fully_shard`` + the same AdamW), ``flat`` (ours + ``fsdp.FlatAdamW``, BF16
 main grads in bf16), ``floor``. Steps are interleaved (the methods round-robin, rotated every
-step); medians. Printed per mode: the table (ms per unit per step, total and by phase), ours/FSDP2
-and flat/FSDP2 against the target (<= 0.5), and ours' ``fsdp::`` ranges per unit per step (one
+step); per phase, the median over rounds of each method's time minus the floor's in that round
+(paired: a round the host slowed slows the floor too). Printed per mode: the table (ms per unit
+per step, total and by phase), ours/FSDP2 and flat/FSDP2 against the target (<= 0.5), and ours' ``fsdp::`` ranges per unit per step (one
 profiled step: what the overhead is made of). ``torch.optim``'s per-parameter DTensor dispatch is
 in the optimizer column of ``ours`` and ``fsdp2`` alike; ``flat`` shows what a user gains with
 ``fsdp.FlatAdamW``.
@@ -64,25 +66,28 @@ def measure(cfg: BenchConfig, world: int, mode: str, device: torch.device) -> di
         for i, tokens in enumerate(batches[: cfg.warmup + cfg.steps]):
             for name in METHODS[i % len(METHODS):] + METHODS[: i % len(METHODS)]:
                 methods[name].step(tokens)
-        phases = {}
+        phases, above = {}, {}
+        floor = methods["floor"].phases[cfg.warmup:]
         for name, method in methods.items():
             timed = method.phases[cfg.warmup:]  # per step: (own thread ms, other threads ms, faults) per phase
             phases[name] = [statistics.median(step[k][0] for step in timed) for k in range(len(PHASES))]
+            # paired: step i of every method ran in round i, so a slow round slows the floor too
+            above[name] = [statistics.median(step[k][0] - base[k][0] for step, base in zip(timed, floor))
+                           for k in range(len(PHASES))]
         from torch.profiler import ProfilerActivity, profile
 
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             methods["ours"].step(batches[-1])
-        return {"phases": phases, "ranges": prof.key_averages()}
+        return {"phases": phases, "above": above, "ranges": prof.key_averages()}
     finally:
         dist.destroy_process_group()
 
 
 def per_unit(cfg: BenchConfig, result: dict) -> dict[str, list[float]]:
-    """Per sharded method, ms per unit per step above the floor, by phase (:data:`PHASES`)."""
+    """Per sharded method, ms per unit per step above the floor, by phase (:data:`PHASES`): the
+    median over rounds of the method's time minus the floor's in the same round."""
     units = cfg.layers + 1  # the blocks and the root
-    floor = result["phases"]["floor"]
-    return {name: [(ms - f) / units for ms, f in zip(result["phases"][name], floor)]
-            for name in METHODS if name != "floor"}
+    return {name: [ms / units for ms in result["above"][name]] for name in METHODS if name != "floor"}
 
 
 def report(cfg: BenchConfig, world: int, mode: str, result: dict) -> list[str]:
@@ -115,7 +120,7 @@ def main(argv=None) -> list[str]:
     parser.add_argument("--foreach", choices=("default", "on", "off"), default="default",
                         help="AdamW's foreach (default: torch's choice, the for-loop on CPU; GPUs default to on)")
     for name, default in (("layers", 16), ("dim", 64), ("heads", 4), ("hidden", 176), ("vocab", 512),
-                          ("seq", 32), ("batch", 2), ("steps", 8), ("warmup", 2)):
+                          ("seq", 32), ("batch", 2), ("steps", 20), ("warmup", 2)):
         parser.add_argument(f"--{name}", type=int, default=default)
     args = parser.parse_args(argv)
     if args.world < 2:
@@ -133,7 +138,7 @@ def main(argv=None) -> list[str]:
     lines = [f"host overhead per unit per step: Llama dim {cfg.dim} x {cfg.layers} blocks, vocab {cfg.vocab}, "
              f"batch {cfg.batch} x {cfg.seq}; {'cuda:0' if args.cuda else 'CPU'}, rank 0 of a fake world "
              f"of {args.world}; AdamW foreach "
-             f"{args.foreach}; median of {cfg.steps} interleaved steps after {cfg.warmup}",
+             f"{args.foreach}; medians over {cfg.steps} interleaved rounds after {cfg.warmup}, paired with the floor's",
              f"host: {describe_host({'host': host_info()})}"]
     print("\n".join(lines), flush=True)
     device = torch.device("cuda", 0) if args.cuda else torch.device("cpu")

@@ -22,12 +22,14 @@ A move outside the table is a bug in the reducer: :func:`check_move` raises nami
 
 from __future__ import annotations
 
-from enum import Enum, auto
+from enum import auto
+
+from fsdp.group.state_enum import StateEnum
 
 __all__ = ["ALLOWED", "MainGrad", "MainGradStateError", "check_move"]
 
 
-class MainGrad(Enum):
+class MainGrad(StateEnum):
     """What ``main_grad`` holds, and whether ``.grad`` views it (see the module docstring)."""
 
     EMPTY = auto()

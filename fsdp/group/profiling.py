@@ -17,10 +17,12 @@ from torch.profiler import record_function
 
 __all__ = ["label"]
 
+_OFF = contextlib.nullcontext()  # stateless: one instance serves every label outside a profiler
+
 
 def label(name: str, unit: Optional[str] = None):
     """``record_function(name)``, with ``unit`` (a unit's name below the root) appended, while a
     profiler records; a no-op context otherwise."""
     if not _profiler_enabled():
-        return contextlib.nullcontext()
+        return _OFF
     return record_function(f"{name} ({unit})" if unit else name)

@@ -19,13 +19,15 @@ optimizer stepped since), lands in ``GATHERED``; after forward, ``GATHERED -> SL
 
 from __future__ import annotations
 
-from enum import Enum, auto
+from enum import auto
 from typing import Callable, Optional
+
+from fsdp.group.state_enum import StateEnum
 
 __all__ = ["ALLOWED", "Unsharded", "UnshardedLife", "UnshardedStateError"]
 
 
-class Unsharded(Enum):
+class Unsharded(StateEnum):
     """Where a group's unsharded weights are in their life (see the module docstring)."""
 
     SHARDED = auto()

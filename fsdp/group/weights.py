@@ -20,6 +20,7 @@ through ``group`` and owns only the buffers it creates. The methods below are th
 
 from __future__ import annotations
 
+import operator
 import weakref
 from typing import Optional
 
@@ -34,6 +35,8 @@ from fsdp.group.parts import GatherKind, PostForwardSlice, WeightsGroup
 from fsdp.group.profiling import label
 
 __all__ = ["BufferWeights", "GatherKind"]
+
+_VERSION = operator.attrgetter("_version")  # summed at every refresh: no Python frame per parameter
 
 
 class BufferWeights:
@@ -121,7 +124,7 @@ class BufferWeights:
         (:func:`~fsdp.group.members.check_no_late_extension`)."""
         g = self.group
         check_no_late_extension(g)
-        return sum(p._version for p in g.sharded_params) + g.main.local_buffer._version
+        return sum(map(_VERSION, g.sharded_params)) + g.main.local_buffer._version
 
     def _can_cast_into_gather(self) -> bool:
         """Whether a gather can cast the main shard straight into its own row of the target and

@@ -30,14 +30,16 @@ next backward would lose its end-of-backward callback and never attach its gradi
 
 from __future__ import annotations
 
-from enum import Enum, auto
+from enum import auto
 
 import torch
+
+from fsdp.group.state_enum import StateEnum
 
 __all__ = ["ALLOWED", "TrainingState", "TrainingStateError", "check_transition", "in_backward"]
 
 
-class TrainingState(Enum):
+class TrainingState(StateEnum):
     """One unit's place in a step."""
 
     IDLE = auto()  # between steps, between a forward and its backward
