@@ -426,6 +426,10 @@ class SubclassWeights:
             self._free_storage()
         self._alive = False
 
+    def release_unsharded_tail(self, tail) -> bool:
+        """Tensor subclasses keep their gathered outputs whole: never freed in part."""
+        return False
+
     # ------------------------------------------------------------------ init_weights
 
     def init_params(self) -> list[nn.Parameter]:

@@ -11,8 +11,9 @@ Guarantees, all checked in :func:`plan_buckets` before any buffer or collective 
 
 * every parameter lands in exactly one bucket (a name matching two buckets, or a bucket matching
   nothing, is an error naming them);
-* inside a bucket the payload keeps parameter registration order, so every rank packs the same
-  bytes in the same order whatever order the gradients arrive in (bitwise reproducibility).
+* inside a bucket the payload keeps parameter registration order (in a default group, the
+  parameters only forward reads last: :mod:`fsdp.group.forward_only`), so every rank packs the
+  same bytes in the same order whatever order the gradients arrive in (bitwise reproducibility).
 """
 
 from __future__ import annotations
@@ -110,6 +111,7 @@ def plan_buckets(
     shard_dims: Optional[Sequence[Optional[int]]] = None,
     default_dim: Optional[int] = None,
     param_meshes: Optional[Sequence[Optional[DeviceMesh]]] = None,
+    forward_only: Optional[Sequence[bool]] = None,
 ) -> list[GroupSpec]:
     """Assign the unit's parameters (registration order) to groups. Explicit buckets come first,
     in the order given; the rest is grouped by (dtype, requires_grad), split at ``bucket_size``
@@ -121,7 +123,10 @@ def plan_buckets(
     ``param_meshes``: per parameter, the mesh ``shard_placement_fn`` put it on (torch 2.15's
     ``ShardPlacementResult``; None: ``mesh``); such parameters form groups of their own on it.
     Parameters of different compute dtypes (``MixedPrecisionPolicy.param_dtype_override_fn``)
-    never share a group, and each group gets its members' resolved policy."""
+    never share a group, and each group gets its members' resolved policy. ``forward_only``:
+    per parameter, whether only forward reads it (:func:`fsdp.group.forward_only.reads_only_in_forward`);
+    those go last in their default group, where a unit keeping its weights after forward can free
+    them (explicit buckets keep registration order)."""
     if bucket_size is not None and (not isinstance(bucket_size, int) or bucket_size <= 0):
         raise ValueError(f"bucket_size must be a positive number of bytes or None, got {bucket_size!r}")
     owner: dict[int, int] = {}
@@ -161,8 +166,10 @@ def plan_buckets(
         if dims[k] is None and params[k].dim() and (mesh_key(params[k]) is not None or default_dim is not None):
             dims[k] = 0 if default_dim is None else default_dim
     chunked = [k for k in rest if dims[k] is not None] if strategy.shard_optim else []
-    specs.extend(_default([k for k in rest if k not in chunked], params, mesh, meshes, strategy, policies, bucket_size))
-    for spec in _default(chunked, params, mesh, meshes, strategy, policies, bucket_size):
+    last = (lambda k: bool(forward_only[k])) if forward_only is not None else (lambda k: False)
+    flat = [k for k in rest if k not in chunked]
+    specs.extend(_default(flat, params, mesh, meshes, strategy, policies, bucket_size, last))
+    for spec in _default(chunked, params, mesh, meshes, strategy, policies, bucket_size, last):
         specs.append(replace(spec, dims=[dims[k] for k in spec.members]))
     return specs
 
@@ -205,7 +212,9 @@ def _explicit(b, bucket, members, names, params, mesh, strategy, policy) -> list
     ]
 
 
-def _default(members, params, mesh, meshes, strategy, policies, bucket_size) -> list[GroupSpec]:
+def _default(members, params, mesh, meshes, strategy, policies, bucket_size, last) -> list[GroupSpec]:
+    """The default groups, split at ``bucket_size`` in registration order; inside each, the
+    members ``last`` names (forward-only) moved to the end (stable)."""
     specs = []
     for group, (policy, on) in _by_dtype(members, params, policies, meshes):
         on = mesh if on is None else on
@@ -214,11 +223,12 @@ def _default(members, params, mesh, meshes, strategy, policies, bucket_size) -> 
         size = 0
         for k, nbytes in zip(group, main_bytes):
             if current and bucket_size is not None and size + nbytes > bucket_size:
-                specs.append(GroupSpec(current, on, Shard(0), strategy, policy, own_collectives=True))
+                specs.append(GroupSpec(sorted(current, key=last), on, Shard(0), strategy, policy, own_collectives=True))
                 current, size = [], 0
             current.append(k)
             size += nbytes
-        specs.append(GroupSpec(current, on, Shard(0), strategy, policy, own_collectives=bucket_size is not None))
+        specs.append(GroupSpec(sorted(current, key=last), on, Shard(0), strategy, policy,
+                               own_collectives=bucket_size is not None))
     return specs
 
 

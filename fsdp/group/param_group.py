@@ -39,6 +39,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from dbuffer import DBuffer, Pending
 from fsdp.group.comms import DBUFFER_COMMS
+from fsdp.group.forward_only import ForwardOnlyTail
 from fsdp.group.grad_mode import without_grad
 from fsdp.group.grads import GradReducer
 from fsdp.group.layouts import PLAIN, ChunkedLayout, FlatLayout, ParamKind, flat_layout
@@ -85,6 +86,7 @@ class ParameterGroup:
         placements: Optional[GroupPlacements] = None,
         weights: Callable[["ParameterGroup"], Weights] = BufferWeights,
         own_gather: bool = False,
+        forward_only: Optional[ForwardOnlyTail] = None,
     ) -> None:
         """``shard``: ``Shard(0)`` (row-atomic packing) or ``dbuffer.Owned()`` (whole tensors on
         balanced owners) for the flat layouts. ``gradient_divide_factor``: divide the summed
@@ -98,7 +100,9 @@ class ParameterGroup:
         ``kind``: how parameters are wrapped (:class:`~fsdp.group.layouts.ParamKind`).
         ``placements``: default :meth:`GroupPlacements.for_mesh` (HFSDP passes its own).
         ``weights``: builds the group's weights part (:mod:`fsdp.group.weights`). ``own_gather``:
-        never share an all-gather with the unit's other groups (an explicit bucket)."""
+        never share an all-gather with the unit's other groups (an explicit bucket).
+        ``forward_only``: the part freeing the parameters only forward reads, last in ``infos``,
+        after a forward that keeps the rest (:mod:`fsdp.group.forward_only`)."""
         self.infos = infos
         # every (parameter index, module, name) it is registered under: checked at each registration
         self._slots = tuple((k, m, name) for k, info in enumerate(infos) for m, name in info.registrations)
@@ -109,6 +113,7 @@ class ParameterGroup:
         self.requires_grad = requires_grad
         self.kind = kind
         self.own_gather = own_gather
+        self.forward_only = forward_only
         self.comms: Comms = DBUFFER_COMMS  # FSDP2's custom comm objects replace it (fsdp.compose.custom_comm)
         self.reduction = ReduceSettings(divide_factor=gradient_divide_factor)  # FSDP2's reduction knobs
         op = self.reduction.op
@@ -339,6 +344,29 @@ class ParameterGroup:
         else:
             self._free_unsharded()
 
+    def release_forward_only(self) -> None:
+        """After a forward that keeps the unsharded weights for backward: free the parameters
+        only forward reads (registering them sharded), if nothing took hold of them in forward
+        (:mod:`fsdp.group.forward_only`); otherwise keep everything, as FSDP2 does."""
+        tail = self.forward_only
+        if tail is None or self.unsharded.state is not Unsharded.GATHERED or self.unsharded_params is None:
+            return
+        self.wait_unshard()
+        params = self.unsharded_params
+        if not tail.unheld(params) or not self.weights.release_unsharded_tail(tail):
+            return
+        self.unsharded.free_forward_only()
+        self.register(self._forward_registration())
+
+    def forward_only_freed(self) -> bool:
+        """Whether the parameters only forward reads are freed (backward needs no gather for them)."""
+        return self.unsharded.state is Unsharded.FORWARD_ONLY_FREED
+
+    def _forward_registration(self) -> list[nn.Parameter]:
+        """What the modules hold once the forward-only tail is freed: unsharded before it, sharded from it."""
+        start = cast(ForwardOnlyTail, self.forward_only).start
+        return self.unsharded_params[:start] + self.sharded_params[start:]
+
     def reshard(self) -> None:
         """Free the unsharded weights (ZeRO-3 only: the other strategies keep them), and a
         post-forward slice kept for backward."""
@@ -377,7 +405,12 @@ class ParameterGroup:
         :meth:`check_registered` for when that raises instead (registering nothing)."""
         if self.unsharded_params is None:
             raise RuntimeError(f"parameters {self.names()} were never gathered; unshard the module first")
+        if self.forward_only_freed():  # backward's registration: the freed tail stays sharded
+            self.register(self._forward_registration())
+            return
         self.register(self.unsharded_params)
+        if self.forward_only is not None:
+            self.forward_only.note_registration(self.unsharded_params)
 
     def register_sharded_params(self) -> None:
         """Register the sharded (DTensor) parameters on their modules (raises as

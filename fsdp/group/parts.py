@@ -139,6 +139,10 @@ class Weights(Protocol):
     def free_unsharded(self) -> None:
         """Release the gathered weights' storage."""
 
+    def release_unsharded_tail(self, tail: Any) -> bool:
+        """Free the gathered weights from ``tail``'s start on (a
+        :class:`~fsdp.group.forward_only.ForwardOnlyTail`); False if this part cannot."""
+
     def keep_slice(self, post: PostForwardSlice) -> None:
         """Let ``post`` keep its slice of the gathered weights."""
 

@@ -10,10 +10,12 @@ fsdp tracks it per group, where the gathers happen, and adds the gather in fligh
   while no refresh came since. ZeRO-0/1/2 keep them here between steps.
 * ``SLICE_KEPT``: freed after forward, a ``1/n`` slice of them kept for backward's gather
   (``reshard_after_forward=n``, :mod:`fsdp.compose.post_forward`).
+* ``FORWARD_ONLY_FREED``: kept after forward but for the parameters only forward reads, freed
+  (:mod:`fsdp.group.forward_only`): enough for backward, not for another forward.
 
 The moves (:data:`ALLOWED`): a gather starts from any state but ``GATHERING`` (``GATHERED``: the
-optimizer stepped since), lands in ``GATHERED``; after forward, ``GATHERED -> SLICE_KEPT`` or
-``-> SHARDED``; a reshard or a rebuild of the buffers (``module.to``, ``to_empty``) returns to
+optimizer stepped since), lands in ``GATHERED``; after forward, ``GATHERED -> SLICE_KEPT``,
+``-> FORWARD_ONLY_FREED`` or ``-> SHARDED``; a reshard or a rebuild of the buffers (``module.to``, ``to_empty``) returns to
 ``SHARDED`` from any state but ``GATHERING`` (waited for first).
 """
 
@@ -34,6 +36,7 @@ class Unsharded(StateEnum):
     GATHERING = auto()
     GATHERED = auto()
     SLICE_KEPT = auto()
+    FORWARD_ONLY_FREED = auto()
 
 
 _U = Unsharded
@@ -42,8 +45,9 @@ _U = Unsharded
 ALLOWED: dict[Unsharded, frozenset[Unsharded]] = {
     _U.SHARDED: frozenset({_U.SHARDED, _U.GATHERING}),
     _U.GATHERING: frozenset({_U.GATHERED}),
-    _U.GATHERED: frozenset({_U.GATHERING, _U.SLICE_KEPT, _U.SHARDED}),
+    _U.GATHERED: frozenset({_U.GATHERING, _U.SLICE_KEPT, _U.FORWARD_ONLY_FREED, _U.SHARDED}),
     _U.SLICE_KEPT: frozenset({_U.GATHERING, _U.SHARDED}),
+    _U.FORWARD_ONLY_FREED: frozenset({_U.GATHERING, _U.SHARDED}),
 }
 
 
@@ -75,6 +79,10 @@ class UnshardedLife:
     def keep_slice(self) -> None:
         """Freed after forward, a slice of the same version kept."""
         self._move(Unsharded.SLICE_KEPT)
+
+    def free_forward_only(self) -> None:
+        """After forward, the parameters only forward reads were freed; the rest is kept."""
+        self._move(Unsharded.FORWARD_ONLY_FREED)
 
     def freed(self) -> None:
         self._move(Unsharded.SHARDED)

@@ -29,6 +29,7 @@ import torch.nn as nn
 from torch.distributed.tensor import Shard
 
 from dbuffer import DBuffer
+from fsdp.group.forward_only import ForwardOnlyTail
 from fsdp.group.grad_mode import without_grad
 from fsdp.group.members import check_no_late_extension
 from fsdp.group.parts import GatherKind, PostForwardSlice, WeightsGroup
@@ -276,6 +277,14 @@ class BufferWeights:
         unless :attr:`keep_unsharded_storage`, when the next gather refills it in place."""
         if not self.keep_unsharded_storage and not self.unsharded.is_storage_released():
             self.unsharded.release_storage()
+
+    def release_unsharded_tail(self, tail: ForwardOnlyTail) -> bool:
+        """Free the unsharded storage from ``tail``'s first parameter on (the rest stays, for
+        backward: :mod:`fsdp.group.forward_only`); False, freeing nothing, where the storage is
+        kept between gathers (``keep_unsharded_storage``)."""
+        if self.keep_unsharded_storage or self.unsharded_params is None or not self.has_unsharded():
+            return False
+        return tail.release(self.unsharded.local_buffer, self.unsharded_params)
 
     def keep_slice(self, post: PostForwardSlice) -> None:
         """Let ``post`` (:mod:`fsdp.compose.post_forward`) keep its slice of the gathered

@@ -30,6 +30,7 @@ from fsdp.compose.outer_shard import check_outer_sharding, outer_sharded
 from fsdp.compose.post_forward import enable_post_forward_slices
 from fsdp.compose.tensor_parallel import DataParallelDims, TensorParallelKind, check_params as _check_tensor_parallel
 from fsdp.group.bucket import Bucket, GroupSpec, plan_buckets
+from fsdp.group.forward_only import ForwardOnlyTail, reads_only_in_forward
 from fsdp.group.layout_choice import chunk_by_default
 from fsdp.group.layouts import PLAIN, ChunkedLayout, describe_layout
 from fsdp.group.members import ParamInfo
@@ -191,6 +192,7 @@ def fully_shard(
         dims,
         default_dim=0 if chunk_by_default() and outer_dp_sharding_strategy == "no_shard" else None,
         param_meshes=param_meshes,
+        forward_only=[reads_only_in_forward(i) for i in infos],
     )
     for spec in specs:
         if spec.mesh is not mesh:
@@ -317,6 +319,7 @@ def _build_groups(
                     mesh, kw["placements"] = outer_sharded(mesh, spec.placement)
             grad_dtype = first.grad_dtype if getattr(first, "_has_grad_dtype_override", False) else None
             dtypes = spec.policy.dtypes_for(first.dtype, grad_dtype)
+            kw["forward_only"] = _forward_only_tail(members, spec, kw)
             groups.append(ParameterGroup(members, mesh, spec.strategy, dtypes, first.requires_grad, **kw))
     if log.isEnabledFor(logging.DEBUG):
         for group in groups:
@@ -326,6 +329,17 @@ def _build_groups(
                 type(group.weights).__name__, group.strategy.name, group.dtypes, group.mesh,
             )
     return groups
+
+
+def _forward_only_tail(members: list[ParamInfo], spec: GroupSpec, kw: dict) -> Optional[ForwardOnlyTail]:
+    """The part that frees the group's forward-only tail after forward (ZeRO-3 groups of plain
+    parameters; None where the group has no such tail)."""
+    if not spec.strategy.shard_params or "kind" in kw:
+        return None
+    start = len(members)
+    while start and reads_only_in_forward(members[start - 1]):
+        start -= 1
+    return ForwardOnlyTail(start) if start < len(members) else None
 
 
 def _offload_of(spec: GroupSpec, offload: Optional[AnyOffload]) -> Optional[AnyOffload]:

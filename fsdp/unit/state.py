@@ -233,12 +233,19 @@ class FSDPState:
     # ------------------------------------------------------------------ unshard / reshard
 
     def unshard(self, async_op: bool = False) -> None:
-        for group in self.groups:  # a parameter reassigned since fully_shard raises before any gather
+        self._unshard_groups(self.groups, async_op)
+
+    def unshard_for_backward(self, async_op: bool = False) -> None:
+        """:meth:`unshard`, but what only forward reads stays freed (:mod:`fsdp.group.forward_only`)."""
+        self._unshard_groups([g for g in self.groups if not g.forward_only_freed()], async_op)
+
+    def _unshard_groups(self, groups: list[ParameterGroup], async_op: bool) -> None:
+        for group in groups:  # a parameter reassigned since fully_shard raises before any gather
             if not group.gather_in_flight():  # a prefetch checked and refreshed it at its launch
                 group.check_registered()
                 group.prepare_gather()
-        gather_together(self.groups, self.shared_gathers)  # one collective where groups can share it
-        for group in self.groups:
+        gather_together(groups, self.shared_gathers)  # one collective where groups can share it
+        for group in groups:
             group.launch_gather(async_op=True)
         if not async_op:
             self.wait_unshard()
@@ -275,10 +282,10 @@ class FSDPState:
         self.registered_unsharded = False
 
     def register_unsharded_params(self) -> None:
-        if not self.registered_unsharded:
-            for group in self.groups:
+        for group in self.groups:  # again where a freed forward-only tail was gathered back
+            if not self.registered_unsharded or group.registered is not group.unsharded_params:
                 group.register_unsharded_params()
-            self.registered_unsharded = True
+        self.registered_unsharded = True
 
     # ------------------------------------------------------------------ forward
 
@@ -351,6 +358,8 @@ class FSDPState:
             if not resharded or grad:
                 for group in self.groups:
                     group.release_model_shard()
+                    if grad and not resharded and self.reshard_after_backward:  # backward comes, then a reshard
+                        group.release_forward_only()
             # Otherwise the unsharded parameters stay registered and gathered (with or without
             # grad, as in FSDP2) until the end of backward or reshard().
             if grad:
@@ -393,12 +402,12 @@ class FSDPState:
         with label("fsdp::pre_backward", self.fqn):
             self._enter(TrainingState.PRE_BACKWARD)
             if self.unshard_in_backward or recompute:  # set_unshard_in_backward(False): not needed
-                self.unshard()
+                self.unshard() if recompute else self.unshard_for_backward()
                 self.register_unsharded_params()
             if prepared:
                 return
             for prev in self._next_units(self.backward_prefetch, -1):
-                prev.unshard(async_op=True)
+                prev.unshard_for_backward(async_op=True)
 
     def _finish_reductions_in_flight(self, group: ParameterGroup) -> None:
         """A group got its first gradient of this backward, or is about to allocate its gradient

@@ -262,8 +262,9 @@ def _unshard_in_backward(model, x, y, ref) -> dict:
         fsdp.fully_shard(m)
         m.embed.set_unshard_in_backward(flag)
         state, calls = m.embed._fsdp_state, []
-        real = state.unshard
-        state.unshard = lambda async_op=False: (calls.append(torch.is_grad_enabled()), real(async_op))[1]
+        for name in ("unshard", "unshard_for_backward"):  # forward's gather, backward's
+            real = getattr(state, name)
+            setattr(state, name, lambda async_op=False, real=real: (calls.append(torch.is_grad_enabled()), real(async_op))[1])
         logits = m(_local(x, y, rank, WORLD)[0])
         forward_calls = len(calls)
         nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), _local(x, y, rank, WORLD)[1].reshape(-1)).backward()

@@ -26,6 +26,9 @@ def test_the_table_refuses_what_would_lose_a_gather_or_a_slice() -> None:
         (U.GATHERING, U.GATHERING), (U.GATHERING, U.SHARDED),  # a gather in flight is waited for
         (U.GATHERING, U.SLICE_KEPT), (U.GATHERED, U.GATHERED),
         (U.SLICE_KEPT, U.SLICE_KEPT), (U.SLICE_KEPT, U.GATHERED),  # a slice is gathered first
+        (U.SHARDED, U.FORWARD_ONLY_FREED), (U.GATHERING, U.FORWARD_ONLY_FREED),  # only kept weights lose a tail
+        (U.SLICE_KEPT, U.FORWARD_ONLY_FREED), (U.FORWARD_ONLY_FREED, U.FORWARD_ONLY_FREED),
+        (U.FORWARD_ONLY_FREED, U.GATHERED), (U.FORWARD_ONLY_FREED, U.SLICE_KEPT),  # the tail is gathered first
     }
     life = UnshardedLife(lambda: "'w'")
     life.begin_gather()
@@ -37,6 +40,13 @@ def test_the_table_refuses_what_would_lose_a_gather_or_a_slice() -> None:
     assert life.version == 3 and not life.is_current(3)
     life.freed()
     assert life.version is None and life.state is U.SHARDED
+    life.begin_gather()
+    life.gathered(4)
+    life.free_forward_only()
+    assert life.version == 4 and not life.is_current(4)  # enough for backward, not for a forward
+    with pytest.raises(UnshardedStateError, match="FORWARD_ONLY_FREED to SLICE_KEPT"):
+        life.keep_slice()
+    life.begin_gather()  # a recomputed forward gathers the whole group again
 
 
 def _walk(model, batches, strategy: str) -> dict:
