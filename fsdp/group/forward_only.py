@@ -1,7 +1,7 @@
 """Weights only forward reads: freed after forward by a unit that keeps the rest for backward.
 
-The root unit (and any unit with ``reshard_after_forward=False``) keeps its gathered weights from
-its forward to the end of its backward, as in FSDP2: its backward would gather them again at once.
+The root unit keeps its gathered weights from its forward to the end of its backward, as in
+FSDP2 (``reshard_after_forward=None``, the default): its backward would gather them again at once.
 But an ``nn.Embedding``'s weight is read by the lookup and never by its backward (the gradient is
 scattered into rows by index), and in the usual root, embedding + final norm + output head, that
 is half of the root's gathered bytes held through the loss and the whole backward for nothing.
@@ -23,8 +23,12 @@ How fsdp frees it, without a collective more:
   of them) keep their storage and offsets; the tail's memory is returned. The tail parameters
   are registered sharded on their modules, as after a reshard, so nothing reads the freed part.
 
-Backward then gathers nothing for the tail (the unit's ``unshard_for_backward``); a recomputed
-forward (activation checkpointing) or a user's ``unshard()`` gathers the whole group again.
+Backward then gathers nothing for the tail (the unit's ``unshard_for_backward``). A recomputed
+forward (activation checkpointing: the unit's, or the embedding module's own, hooked for it) or a
+user's ``unshard()`` gathers the whole group again. A second forward before the backward (two
+losses) would gather it again each time, so the group stops freeing its tail from then on; an
+explicit ``reshard_after_forward=False`` (pipeline stages: several forwards before their
+backwards) keeps everything, as asked.
 """
 
 from __future__ import annotations

@@ -358,6 +358,17 @@ class ParameterGroup:
         self.unsharded.free_forward_only()
         self.register(self._forward_registration())
 
+    def forward_only_modules(self) -> list[nn.Module]:
+        """The modules reading the forward-only tail (a recomputation of one in backward must
+        gather it again); [] without a tail."""
+        start = self.forward_only.start if self.forward_only is not None else len(self.infos)
+        return [m for info in self.infos[start:] for m, _ in info.registrations]
+
+    def keep_forward_only(self) -> None:
+        """Stop freeing the forward-only tail: a second forward came before the backward (two
+        losses, a pipeline's micro-batches), and each would otherwise gather it again."""
+        self.forward_only = None
+
     def forward_only_freed(self) -> bool:
         """Whether the parameters only forward reads are freed (backward needs no gather for them)."""
         return self.unsharded.state is Unsharded.FORWARD_ONLY_FREED

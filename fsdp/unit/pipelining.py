@@ -19,9 +19,9 @@ else of FSDP2's internals is offered: torch 2.15 and later go through the public
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
-__all__ = ["PostBackward", "TreeView"]
+__all__ = ["FSDP2Names", "PostBackward", "TreeView"]
 
 Unit = Any  # an fsdp.unit.state.FSDPState (not imported: it imports this module)
 
@@ -58,3 +58,27 @@ class PostBackward:
                 group.grads.launch_reduce()
         if unit.reshard_after_backward:
             unit.reshard()
+
+
+class FSDP2Names:
+    """The names a pipeline schedule of torch 2.11 to 2.14 reads on a stage's FSDP2 state, for
+    :class:`~fsdp.unit.state.FSDPState` to inherit (it has ``groups``, ``root`` and
+    ``_final_callback``)."""
+
+    groups: list
+    root: Any
+
+    @property
+    def _state_ctx(self) -> TreeView:
+        return TreeView(self)
+
+    @property
+    def _fsdp_param_groups(self) -> list[PostBackward]:
+        return [PostBackward(self)] if self.groups else []
+
+    @property
+    def _fsdp_param_group(self) -> Optional[PostBackward]:  # torch 2.11's name
+        return PostBackward(self) if self.groups else None
+
+    def _root_post_backward_final_callback(self) -> None:
+        (self.root if self.root is not None else self)._final_callback()

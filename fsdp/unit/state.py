@@ -100,7 +100,7 @@ def _disabled(fn: Callable) -> Callable:
     return torch.compiler.disable(fn, recursive=True, reason="fsdp's hooks communicate and register parameters")
 
 
-class FSDPState:
+class FSDPState(pipelining.FSDP2Names):
     def __init__(
         self,
         modules: list[nn.Module],
@@ -135,6 +135,9 @@ class FSDPState:
                 # reductions in flight first (the second is a no-op after the first).
                 group.grads.register_hooks(self._on_group_grads_done, self._finish_reductions_in_flight)
         self._pre_backward_hook = _run_eagerly(self._pre_backward)
+        for group in self.groups:  # such a module recomputed in backward reads its freed weight
+            for module in group.forward_only_modules():
+                module.register_forward_pre_hook(_run_eagerly(self._forward_only_pre_forward))
         for module in self.modules:
             module.register_forward_pre_hook(_run_eagerly(self._pre_forward), prepend=True, with_kwargs=True)
             module.register_forward_hook(_run_eagerly(self._post_forward))
@@ -159,24 +162,6 @@ class FSDPState:
         so the model right after the load already holds fsdp's layout."""
         for group in self.groups:
             adopt_assigned(group)
-
-    # ------------------------------------------------------------------ torch.distributed.pipelining < 2.15
-
-    @property
-    def _state_ctx(self) -> pipelining.TreeView:
-        """FSDP2's name, read by pipeline schedules of torch 2.11-2.14 (:mod:`fsdp.unit.pipelining`)."""
-        return pipelining.TreeView(self)
-
-    @property
-    def _fsdp_param_groups(self) -> list[pipelining.PostBackward]:
-        return [pipelining.PostBackward(self)] if self.groups else []
-
-    @property
-    def _fsdp_param_group(self) -> Optional[pipelining.PostBackward]:  # torch 2.11's name
-        return pipelining.PostBackward(self) if self.groups else None
-
-    def _root_post_backward_final_callback(self) -> None:
-        (self.root if self.root is not None else self)._final_callback()
 
     # ------------------------------------------------------------------ identity, state, root
 
@@ -305,6 +290,9 @@ class FSDPState:
             ctx.ran_forward(self)
             if self.root is not self:
                 self.release_dropped_grads()
+            for group in self.groups:  # another forward before backward: freeing costs a gather each
+                if group.forward_only_freed():
+                    group.keep_forward_only()
             self.unshard()
             self.register_unsharded_params()
             for nxt in self._next_units(self.forward_prefetch, +1):
@@ -358,8 +346,8 @@ class FSDPState:
             if not resharded or grad:
                 for group in self.groups:
                     group.release_model_shard()
-                    if grad and not resharded and self.reshard_after_backward:  # backward comes, then a reshard
-                        group.release_forward_only()
+                    if grad and self.reshard_after_forward is None and not resharded and self.reshard_after_backward:
+                        group.release_forward_only()  # the root's default; False keeps all, as asked
             # Otherwise the unsharded parameters stay registered and gathered (with or without
             # grad, as in FSDP2) until the end of backward or reshard().
             if grad:
@@ -367,6 +355,13 @@ class FSDPState:
                     if isinstance(t, torch.Tensor) and t.requires_grad:
                         t.register_hook(self._pre_backward_hook)
             return self._cast_output(output)
+
+    def _forward_only_pre_forward(self, module: nn.Module, args: tuple) -> None:
+        """A module whose weight the unit freed after forward runs inside backward (activation
+        checkpointing recomputes it): gather the unit's groups again for it."""
+        if in_backward() and any(group.forward_only_freed() for group in self.groups):
+            self.unshard()
+            self.register_unsharded_params()
 
     def _cast_output(self, output: Any) -> Any:
         if self.policy.output_dtype is not None:

@@ -13,7 +13,6 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
@@ -21,7 +20,7 @@ from torch.utils.checkpoint import checkpoint
 import fsdp
 from fsdp.group.bucket import plan_buckets
 from fsdp.group.policy import MixedPrecisionPolicy, parse_strategy
-from tests.fsdp.models import DIM, TinyLM, full_state, loss_fn, make_batches, make_model, max_diff, reference, train
+from tests.fsdp.models import TinyLM, full_state, loss_fn, make_batches, make_model, max_diff, reference, train
 from tests.harness import run_ranks
 
 
@@ -147,29 +146,21 @@ def test_a_weight_backward_may_read_is_kept(how) -> None:
         assert max_diff(out["weights"], ref) <= 1e-5
 
 
-class _CheckpointedFront(nn.Module):
-    """An embedding and a projection in a unit of their own that keeps its weights after forward
-    (reshard_after_forward=False) and is recomputed in backward (activation checkpointing)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.front = nn.Sequential(nn.Embedding(16, DIM), nn.Linear(DIM, DIM))
-        self.rest = TinyLM()
+class _CheckpointedFront(TinyLM):
+    """TinyLM whose forward recomputes its embedding in backward (activation checkpointing of a
+    submodule of the root, not a unit of its own)."""
 
     def forward(self, tokens):
-        x = checkpoint(self.front, tokens, use_reentrant=False)
-        for block in self.rest.blocks:
+        x = checkpoint(self.embed, tokens, use_reentrant=False) * 1.0
+        for block in self.blocks:
             x = block(x)
-        return self.rest.head(self.rest.norm(x))
+        return self.head(self.norm(x))
 
 
-def _checkpointed(model, batches) -> dict:
+def _watched(model, batches, build, losses: int = 1) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
-    m = copy.deepcopy(model)
-    fsdp.fully_shard(m.front, reshard_after_forward=False)
-    fsdp.fully_shard(m)
-    [group] = m.front._fsdp_state.groups
+    m = build(copy.deepcopy(model))
+    group = _root_group(m)
     freed = []
     orig = group.release_forward_only
 
@@ -178,15 +169,52 @@ def _checkpointed(model, batches) -> dict:
         freed.append(group.forward_only_freed())
 
     group.release_forward_only = watch
-    train(m, batches, rank=rank, world=world)
-    return {"freed": freed, "weights": full_state(m)}
+    reads = []  # per embedding call: (inside backward, the weight it reads is sharded)
+    m.embed.register_forward_pre_hook(lambda mod, args: reads.append(
+        (torch._C._current_graph_task_id() != -1, isinstance(mod.weight, DTensor))))
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1)
+    for x, y in batches:
+        per = x.shape[0] // world
+        x, y = x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
+        halves = list(zip(x.chunk(losses), y.chunk(losses)))
+        total = sum(loss_fn(m, xm, ym) for xm, ym in halves) / losses  # every forward, then one backward
+        total.backward()
+        opt.step()
+        opt.zero_grad()
+    return {"freed": freed, "reads": reads, "weights": full_state(m)}
 
 
-def test_a_recomputed_forward_gathers_the_freed_weights_again() -> None:
-    """A unit that freed its embedding after forward and is recomputed in backward gathers its
-    whole group for the recomputation (which reads the embedding), and trains exactly."""
+def test_a_recomputed_embedding_gathers_the_freed_weight_again() -> None:
+    """The root frees its embedding after forward; activation checkpointing recomputes the
+    embedding in backward, which gathers the root's group again for it: exact training."""
     model, batches = _CheckpointedFront(), make_batches(2)
     ref = reference(model, batches, world=1)
-    for out in run_ranks(_checkpointed, 2, model, batches, backend="threaded"):
+    for out in run_ranks(_watched, 2, model, batches, _units, backend="threaded"):
         assert out["freed"] == [True, True]
+        assert out["reads"] == [(False, False), (True, False)] * 2  # the recomputation reads it gathered
         assert max_diff(out["weights"], ref) <= 1e-5
+
+
+def test_two_forwards_before_a_backward_stop_the_freeing() -> None:
+    """A second forward before backward finds the embedding freed and gathers the group again
+    (once); from then on the group keeps it, as FSDP2 does, instead of a gather per forward."""
+    model, batches = make_model(), make_batches(3)
+    ref = reference(model, batches, world=1)
+    for out in run_ranks(_watched, 2, model, batches, _units, 2, backend="threaded"):
+        assert out["freed"] == [True, False, False, False, False, False], out["freed"]
+        assert max_diff(out["weights"], ref) <= 1e-5
+
+
+def test_reshard_after_forward_false_keeps_every_weight() -> None:
+    """An explicit ``reshard_after_forward=False`` keeps the root's weights whole, as asked
+    (pipeline stages run several forwards before their backwards)."""
+    model, batches = make_model(), make_batches(2)
+
+    def build(m):
+        for block in m.blocks:
+            fsdp.fully_shard(block)
+        return fsdp.fully_shard(m, reshard_after_forward=False)
+
+    for out in run_ranks(_train_and_watch, 2, model, batches, 1, build, backend="threaded"):
+        for nbytes, full, prefix, sharded in out["seen"]:
+            assert nbytes == full and not sharded, out["seen"]
