@@ -20,7 +20,8 @@ How fsdp frees it, without a collective more:
   or a Python reference kept by the model (``ctx.weight = weight``) is one more, and the tail
   is then kept, as FSDP2 keeps it.
 * **Release.** The buffer's storage is resized to the prefix: its tensors (and any tensor saved
-  of them) keep their storage and offsets; the tail's memory is returned. The tail parameters
+  of them) keep their storage and offsets; the tail's memory is returned. ``resize_`` moves the
+  prefix into a new allocation: one device copy of the kept bytes per forward. The tail parameters
   are registered sharded on their modules, as after a reshard, so nothing reads the freed part.
 
 Backward then gathers nothing for the tail (the unit's ``unshard_for_backward``). A recomputed

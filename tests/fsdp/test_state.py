@@ -58,8 +58,8 @@ def _registration(model, batches) -> dict:
     for units that reshard after forward, the unsharded plain tensors (equal to the full weights)
     for those that do not (by default the root), with and without grad; the sharded ones again
     after backward, after reshard() and for state dicts. One difference: with a backward to come,
-    a unit that keeps its weights frees what only forward reads (the root's ``nn.Embedding``
-    weight, fsdp.group.forward_only) and registers it sharded, as a resharded unit would."""
+    the root at its default (None) frees what only forward reads (its ``nn.Embedding`` weight,
+    fsdp.group.forward_only) and registers it sharded, as a resharded unit would."""
     rank, world = dist.get_rank(), dist.get_world_size()
     x, y = batches[0]
     per = x.shape[0] // world
@@ -76,7 +76,7 @@ def _registration(model, batches) -> dict:
             with torch.set_grad_enabled(grad):
                 loss = loss_fn(m, x, y)
             embed = isinstance(m.embed.weight, DTensor)
-            out[(raf, grad, "embedding sharded")] = embed == (root == "dtensor" or grad)
+            out[(raf, grad, "embedding sharded")] = embed == (root == "dtensor" or (grad and raf is None))
             root_kinds = {"plain", "dtensor"} if embed and root == "plain" else {root}
             out[(raf, grad, "after_forward")] = (_kinds(m), _kinds(m.blocks[0])) == (root_kinds, expected[1])
             plain = {n: p for n, p in m.named_parameters() if not isinstance(p, DTensor)}
