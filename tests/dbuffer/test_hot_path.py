@@ -49,22 +49,16 @@ def _plans_follow_their_arguments() -> bool:
     target[0] = S
     same = src.redistribute(target)
     assert same is src, "Shard(0) -> Shard(0) is no move"
-    # a kept plan does not excuse a bad out: an out with the wrong placements still raises
+    # a kept plan does not excuse a bad out: wrong placements, or a released storage, still raise
     wrong = DBuffer(mesh, [S], SHAPES, torch.float32, layout=src.layout)
-    try:
-        src.redistribute(gather_to, out=wrong)
-    except ValueError as e:
-        assert "placements" in str(e)
-    else:
-        raise AssertionError("redistribute into an out of the wrong placements did not raise")
-    # ... nor an out whose storage was released
     out.release_storage()
-    try:
-        src.redistribute(gather_to, out=out)
-    except ValueError as e:
-        assert "released storage" in str(e)
-    else:
-        raise AssertionError("redistribute into a released out did not raise")
+    for bad, words in ((wrong, "placements"), (out, "released storage")):
+        try:
+            src.redistribute(gather_to, out=bad)
+        except ValueError as e:
+            assert words in str(e), e
+        else:
+            raise AssertionError(f"redistribute into an out with bad {words} did not raise")
     # more distinct tuples than a buffer keeps: each still gets its own, correct plan
     for k in range(3 * DBuffer._PLANS_KEPT):
         fresh = tuple([R])
