@@ -61,11 +61,15 @@ class StorageLifetime:
 
         The first primitive that then writes into this buffer (as ``out=``) refills it without
         bumping autograd's version counter, so tensors saved for backward before the release
-        stay usable: the refill restores data, it is not an in-place modification.
+        stay usable: the refill restores data, it is not an in-place modification. A storage
+        cut to a prefix (fsdp's forward-only release) is freed first: growing it would copy the
+        prefix into the new allocation, bytes the refill overwrites.
         """
         self._check_owns_storage("reallocate_storage")
         storage = self.local_buffer.untyped_storage()
         if storage.nbytes() != self._capacity_bytes:
+            if storage.nbytes():
+                storage.resize_(0)
             storage.resize_(self._capacity_bytes)
             self._refill_pending = True
 
