@@ -18,7 +18,9 @@ How fsdp frees it, without a collective more:
   Python object and that accumulator, or the tail is kept. After forward the counts must be the
   same: a tensor saved for backward (the parameter, or any view of it: a view keeps its base)
   or a Python reference kept by the model (``ctx.weight = weight``) is one more, and the tail
-  is then kept, as FSDP2 keeps it.
+  is then kept, as FSDP2 keeps it. What no count sees: an alias made outside autograd
+  (``weight.detach()``, ``weight.data``) and read in backward; such a model passes
+  ``reshard_after_forward=False`` to the root, which keeps everything.
 * **Release.** The buffer's storage is resized to the prefix: its tensors (and any tensor saved
   of them) keep their storage and offsets; the tail's memory is returned. ``resize_`` moves the
   prefix into a new allocation: one device copy of the kept bytes per forward. The tail parameters
