@@ -94,6 +94,7 @@ class ForwardOnlyTail:
         if any(uses0 != 1 + held for _, uses0 in before):
             return False
         return now == before
+
     def release(self, buffer: torch.Tensor, unsharded: Sequence[torch.Tensor]) -> bool:
         """Shrink ``buffer``'s storage (the unsharded parameters' one) to the bytes before the
         tail; False, changing nothing, if the parameters are not views of it with the tail last."""
