@@ -15,8 +15,9 @@ fsdp tracks it per group, where the gathers happen, and adds the gather in fligh
 
 The moves (:data:`ALLOWED`): a gather starts from any state but ``GATHERING`` (``GATHERED``: the
 optimizer stepped since), lands in ``GATHERED``; after forward, ``GATHERED -> SLICE_KEPT``,
-``-> FORWARD_ONLY_FREED`` or ``-> SHARDED``; a reshard or a rebuild of the buffers (``module.to``, ``to_empty``) returns to
-``SHARDED`` from any state but ``GATHERING`` (waited for first).
+``-> FORWARD_ONLY_FREED`` or ``-> SHARDED``; a reshard or a rebuild of the buffers
+(``module.to``, ``to_empty``) returns to ``SHARDED`` from any state but ``GATHERING`` (waited for
+first).
 """
 
 from __future__ import annotations
