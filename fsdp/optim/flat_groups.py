@@ -94,13 +94,17 @@ def param_specs(params) -> list[tuple[dict, list[ParameterGroup]]]:
 
 def reduce_over_mesh(local: torch.Tensor, group: ParameterGroup, op: str) -> torch.Tensor:
     """``local`` (this rank's share) combined over the axes where ``group``'s main weights are
-    sharded (replicated axes hold copies: counted once), as DTensor does for a Partial."""
+    sharded (replicated axes hold copies: counted once), as DTensor does for a Partial; on
+    ``local``'s device."""
     from torch.distributed.tensor import DTensor, Partial, Replicate
 
     placements = [Replicate() if isinstance(p, Replicate) else Partial(op) for p in group.main.placements]
     if all(isinstance(p, Replicate) for p in placements):
         return local
-    return DTensor.from_local(local, group.mesh, placements, run_check=False).full_tensor()
+    reduced = DTensor.from_local(local, group.mesh, placements, run_check=False).full_tensor()
+    # A host partial (CPU offload on an accelerator mesh) was reduced on the mesh's device, where
+    # from_local copied it; the total goes back to the host, whose gradients it scales.
+    return reduced.to(local.device)
 
 
 def _group_of(p: torch.Tensor) -> Optional[ParameterGroup]:

@@ -16,7 +16,9 @@ test_activation_checkpoint.py), ``block.compile()`` after sharding (inductor on 
 (on the CPU FSDP2 refuses ``pin_memory=True``, so both compare with its pageable run, and fsdp runs
 under ``tests/models/device_standins.py``'s stand-ins so that it takes the GPU's branches), the four
 strategies, both layouts, BF16 main grads with ``fsdp.FlatAdamW``, a DCP save and resume, float8
-all-gather weights (test_extensions.py) and Muon on ``Owned`` buckets (test_owned_muon.py).
+all-gather weights (test_extensions.py), Muon on ``Owned`` buckets (test_owned_muon.py), and
+``FlatAdamW.clip_grad_norm_`` with the groups offloaded (its norm is reduced on the device, and
+scales the host's gradients: a device/host mix no CPU run can show).
 """
 
 from __future__ import annotations
@@ -81,7 +83,8 @@ CASES = [
     Case("flat bf16 main grads + FlatAdamW", _bf16(main_grads_dtype=torch.bfloat16), fsdp2="bf16", precision="bf16",
          flat_optimizer=True),
 ]
-SPECIAL = ("dcp save/resume", "float8 all-gather", "muon owned", "FlatAdamW left to choose")
+CLIP_ROW = "FlatAdamW clip_grad_norm_ offload"
+SPECIAL = ("dcp save/resume", "float8 all-gather", "muon owned", "FlatAdamW left to choose", CLIP_ROW)
 # Last: inductor's compile is the slow, uncertain part; if it overruns the section's time, only it is lost.
 COMPILE = Case("compile blocks", _none, fsdp2="compile", precision="compiled", wrap="compile")
 
@@ -355,6 +358,67 @@ def _flat_choice_row(m: Matrix, row: Row) -> None:
     loss_checks(row, {"plain": plain, "fsdp": got})
 
 
+class _Clipping:
+    """An optimizer that clips the gradients to ``max_norm`` through ``clip`` before each step and
+    records, per step, the norm ``clip`` returned, its device, and the gradients' float64 norm
+    before and after (:func:`common.grad_norm`: independent of either library's clipping)."""
+
+    def __init__(self, model: torch.nn.Module, opt, clip: Callable[[float], torch.Tensor], max_norm: float) -> None:
+        self.model, self.opt, self.clip, self.max_norm = model, opt, clip, max_norm
+        self.norms: list[float] = []
+        self.before: list[float] = []
+        self.after: list[float] = []
+        self.devices: set[str] = set()
+
+    def step(self) -> None:
+        self.before.append(common.grad_norm(self.model))
+        norm = self.clip(self.max_norm)
+        self.norms.append(float(norm))
+        self.devices.add(norm.device.type)
+        self.after.append(common.grad_norm(self.model))
+        self.opt.step()
+
+    def zero_grad(self) -> None:
+        self.opt.zero_grad()
+
+
+def _flat_clip_row(m: Matrix, row: Row) -> None:
+    """``FlatAdamW.clip_grad_norm_`` with every group on the host (CPU offload, pinned): its
+    partial norms are reduced on the mesh's device and the total scales the host's gradients, so
+    the norm must come back to the host. Against the plain model under torch.optim.AdamW and
+    torch's ``clip_grad_norm_``, clipped at every step."""
+    import fsdp
+
+    kw = dict(lr=m.setup.lr, weight_decay=common.WEIGHT_DECAY)
+    max_norm = 1e-3  # below every step's norm: each step scales
+    clips: dict[str, _Clipping] = {}
+
+    def plain_opt(model):
+        params = list(model.parameters())
+        clips["plain"] = _Clipping(model, torch.optim.AdamW(params, **kw),
+                                   lambda n: torch.nn.utils.clip_grad_norm_(params, n), max_norm)
+        return clips["plain"]
+
+    def flat_opt(model):
+        opt = fsdp.FlatAdamW(model.parameters(), **kw)
+        clips["fsdp"] = _Clipping(model, opt, opt.clip_grad_norm_, max_norm)
+        return clips["fsdp"]
+
+    plain = m.cached(("plain clipped",), lambda: m.run(None, make_opt=plain_opt))
+    with _offload_stand_ins(m.setup):
+        got = m.run(lambda x: fsdp.fully_shard(x, mesh=m.mesh, offload_policy=fsdp.CPUOffloadPolicy(pin_memory=True)),
+                    make_opt=flat_opt)
+    ours, ref = clips["fsdp"], clips.get("plain")
+    row.check("clipped at every step", min(ours.before) > max_norm, True, op="==")
+    row.check("norm vs float64 norm", max(abs(a - b) / b for a, b in zip(ours.norms, ours.before)), 1e-5, metric="rel")
+    row.check("norm after clipping", max(abs(a / max_norm - 1) for a in ours.after), 1e-4, metric="rel")
+    row.check("norm on the gradients' device (host)", ours.devices == {"cpu"}, True, op="==")
+    if ref is not None:  # the plain run is cached: its norms exist only where this row made it
+        row.check("norm vs torch's", max(abs(a - b) / b for a, b in zip(ours.norms, ref.norms)), 1e-5, metric="rel")
+    compare(row, m.setup, "fp32", got, plain, None, m.start)
+    loss_checks(row, {"plain": plain, "fsdp": got})
+
+
 def run(ctx: Context) -> None:
     from dbuffer.collectives import singleton_groups_communicate
 
@@ -368,4 +432,5 @@ def run(ctx: Context) -> None:
         ctx.row("float8 all-gather", lambda row: _float8_row(m, row))
         ctx.row("muon owned", lambda row: _muon_row(m, row))
         ctx.row("FlatAdamW left to choose", lambda row: _flat_choice_row(m, row))
+        ctx.row(CLIP_ROW, lambda row: _flat_clip_row(m, row))
         ctx.row(COMPILE.name, lambda row: _training_row(m, COMPILE, row))
