@@ -131,7 +131,9 @@ class _Source(NamedTuple):
                 # the mesh's device: under CPU offload the shards are on the host, but the
                 # broadcast runs on the mesh's backend
                 return _Source(broadcast, mesh.get_group(0), is_src, mesh_device(mesh))
-        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        # an HSDP mesh: the default group broadcasts, on the mesh's device (not the host's shards)
+        device = next((mesh_device(p.device_mesh) if isinstance(p, DTensor) else p.device
+                       for p in model.parameters()), torch.device("cpu"))
         is_src = not broadcast or torch.distributed.get_rank() == 0
         return _Source(broadcast, None, is_src, device)
 

@@ -335,7 +335,7 @@ class FlatOptimizer(torch.optim.Optimizer):
         for group in self._groups.values():
             if group.grads.params_with_grads() and not group.grads.main_grad.is_storage_released():
                 buf = group.grads.main_grad.local_buffer
-                buf.mul_(coef)  # as torch: the fp32 coefficient applied in the gradients' dtype
+                buf.mul_(coef.to(buf.device))  # as torch: the fp32 coefficient in the gradients' dtype, where they are
         return norm
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -17,8 +17,9 @@ test_activation_checkpoint.py), ``block.compile()`` after sharding (inductor on 
 under ``tests/models/device_standins.py``'s stand-ins so that it takes the GPU's branches), the four
 strategies, both layouts, BF16 main grads with ``fsdp.FlatAdamW``, a DCP save and resume, float8
 all-gather weights (test_extensions.py), Muon on ``Owned`` buckets (test_owned_muon.py), and
-``FlatAdamW.clip_grad_norm_`` with the groups offloaded (its norm is reduced on the device, and
-scales the host's gradients: a device/host mix no CPU run can show).
+gradient clipping (``FlatAdamW.clip_grad_norm_``, ``fsdp.clip_grad_norm_``) with the blocks
+offloaded and the root on the device (norms reduced on the device scale host and device
+gradients: a device/host mix no CPU run can show).
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ CASES = [
     Case("flat bf16 main grads + FlatAdamW", _bf16(main_grads_dtype=torch.bfloat16), fsdp2="bf16", precision="bf16",
          flat_optimizer=True),
 ]
-CLIP_ROW = "FlatAdamW clip_grad_norm_ offload"
+CLIP_ROW = "clip_grad_norm_ offload"
 SPECIAL = ("dcp save/resume", "float8 all-gather", "muon owned", "FlatAdamW left to choose", CLIP_ROW)
 # Last: inductor's compile is the slow, uncertain part; if it overruns the section's time, only it is lost.
 COMPILE = Case("compile blocks", _none, fsdp2="compile", precision="compiled", wrap="compile")
@@ -382,11 +383,13 @@ class _Clipping:
         self.opt.zero_grad()
 
 
-def _flat_clip_row(m: Matrix, row: Row) -> None:
-    """``FlatAdamW.clip_grad_norm_`` with every group on the host (CPU offload, pinned): its
-    partial norms are reduced on the mesh's device and the total scales the host's gradients, so
-    the norm must come back to the host. Against the plain model under torch.optim.AdamW and
-    torch's ``clip_grad_norm_``, clipped at every step."""
+def _clip_row(m: Matrix, row: Row) -> None:
+    """Gradient clipping with the blocks offloaded (CPU offload, pinned) and the root on the
+    device, clipped at every step: ``FlatAdamW.clip_grad_norm_`` and ``fsdp.clip_grad_norm_`` under
+    torch.optim.AdamW. Their partial norms of host gradients are reduced on the mesh's device (an
+    accelerator-only backend cannot reduce host tensors), and one total, wherever it ends, scales
+    gradients on the host and on the device. Against the plain model under torch.optim.AdamW and
+    torch's ``clip_grad_norm_``, and the gradients' own float64 norms before and after."""
     import fsdp
 
     kw = dict(lr=m.setup.lr, weight_decay=common.WEIGHT_DECAY)
@@ -401,22 +404,34 @@ def _flat_clip_row(m: Matrix, row: Row) -> None:
 
     def flat_opt(model):
         opt = fsdp.FlatAdamW(model.parameters(), **kw)
-        clips["fsdp"] = _Clipping(model, opt, opt.clip_grad_norm_, max_norm)
-        return clips["fsdp"]
+        clips["FlatAdamW"] = _Clipping(model, opt, opt.clip_grad_norm_, max_norm)
+        return clips["FlatAdamW"]
+
+    def torch_opt(model):
+        params = list(model.parameters())
+        clips["fsdp.clip"] = _Clipping(model, torch.optim.AdamW(params, **kw),
+                                       lambda n: fsdp.clip_grad_norm_(params, n), max_norm)
+        return clips["fsdp.clip"]
+
+    def shard(x):  # the blocks on the host, the root (which holds them) on the device
+        on_host = {} if hasattr(x, "layers") else {"offload_policy": fsdp.CPUOffloadPolicy(pin_memory=True)}
+        fsdp.fully_shard(x, mesh=m.mesh, **on_host)
 
     plain = m.cached(("plain clipped",), lambda: m.run(None, make_opt=plain_opt))
-    with _offload_stand_ins(m.setup):
-        got = m.run(lambda x: fsdp.fully_shard(x, mesh=m.mesh, offload_policy=fsdp.CPUOffloadPolicy(pin_memory=True)),
-                    make_opt=flat_opt)
-    ours, ref = clips["fsdp"], clips.get("plain")
-    row.check("clipped at every step", min(ours.before) > max_norm, True, op="==")
-    row.check("norm vs float64 norm", max(abs(a - b) / b for a, b in zip(ours.norms, ours.before)), 1e-5, metric="rel")
-    row.check("norm after clipping", max(abs(a / max_norm - 1) for a in ours.after), 1e-4, metric="rel")
-    row.check("norm on the gradients' device (host)", ours.devices == {"cpu"}, True, op="==")
-    if ref is not None:  # the plain run is cached: its norms exist only where this row made it
-        row.check("norm vs torch's", max(abs(a - b) / b for a, b in zip(ours.norms, ref.norms)), 1e-5, metric="rel")
-    compare(row, m.setup, "fp32", got, plain, None, m.start)
-    loss_checks(row, {"plain": plain, "fsdp": got})
+    trained = {}
+    for name, make_opt in (("FlatAdamW", flat_opt), ("fsdp.clip", torch_opt)):
+        with _offload_stand_ins(m.setup):
+            trained[name] = m.run(shard, make_opt=make_opt)
+        ours, ref = clips[name], clips.get("plain")
+        row.check(f"{name} clipped at every step", min(ours.before) > max_norm, True, op="==")
+        row.check(f"{name} norm vs float64 norm", max(abs(a - b) / b for a, b in zip(ours.norms, ours.before)), 1e-5,
+                  metric="rel")
+        row.check(f"{name} norm after clipping", max(abs(a / max_norm - 1) for a in ours.after), 1e-4, metric="rel")
+        if ref is not None:  # the plain run is cached: its norms exist only where this row made it
+            row.check(f"{name} norm vs torch's", max(abs(a - b) / b for a, b in zip(ours.norms, ref.norms)), 1e-5,
+                      metric="rel")
+        compare(row, m.setup, "fp32", trained[name], plain, None, m.start)
+    loss_checks(row, {"plain": plain, **trained})
 
 
 def run(ctx: Context) -> None:
@@ -432,5 +447,5 @@ def run(ctx: Context) -> None:
         ctx.row("float8 all-gather", lambda row: _float8_row(m, row))
         ctx.row("muon owned", lambda row: _muon_row(m, row))
         ctx.row("FlatAdamW left to choose", lambda row: _flat_choice_row(m, row))
-        ctx.row(CLIP_ROW, lambda row: _flat_clip_row(m, row))
+        ctx.row(CLIP_ROW, lambda row: _clip_row(m, row))
         ctx.row(COMPILE.name, lambda row: _training_row(m, COMPILE, row))
