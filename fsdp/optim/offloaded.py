@@ -192,7 +192,12 @@ class TorchStateOffload:
                 shadow = e.shadows[k]
                 optimizer.param_groups[i]["params"][pos] = shadow
                 if p in optimizer.state:
-                    optimizer.state[shadow] = optimizer.state.pop(p)
+                    state = optimizer.state[shadow] = optimizer.state.pop(p)
+                    for name, v in state.items():
+                        # A step count, which a fused kernel keeps by its parameter: a
+                        # ``load_state_dict`` put it by the device one; this step runs on the host.
+                        if isinstance(v, torch.Tensor) and not _like(v, p):
+                            state[name] = v.to(shadow.device)
                 self._swapped.append((i, pos, p, shadow))
 
     def after_step(self, optimizer: torch.optim.Optimizer) -> None:

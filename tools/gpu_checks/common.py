@@ -142,6 +142,27 @@ def grad_norm(model: torch.nn.Module) -> float:
     return math.sqrt(total)
 
 
+class Clipping:
+    """An optimizer that clips the gradients to ``max_norm`` through ``clip`` before each step and
+    records, per step, the norm ``clip`` returned and the gradients' float64 norm before and after
+    (:func:`grad_norm`: independent of either library's clipping)."""
+
+    def __init__(self, model: torch.nn.Module, opt, clip: Callable[[float], torch.Tensor], max_norm: float) -> None:
+        self.model, self.opt, self.clip, self.max_norm = model, opt, clip, max_norm
+        self.norms: list[float] = []
+        self.before: list[float] = []
+        self.after: list[float] = []
+
+    def step(self) -> None:
+        self.before.append(grad_norm(self.model))
+        self.norms.append(float(self.clip(self.max_norm)))
+        self.after.append(grad_norm(self.model))
+        self.opt.step()
+
+    def zero_grad(self) -> None:
+        self.opt.zero_grad()
+
+
 def train(model: torch.nn.Module, opt: torch.optim.Optimizer, batches: list[torch.Tensor], *, micro: int = 1,
           rank: int = 0, world: int = 1, norms: Optional[list] = None,
           finalize: Optional[Callable[[], object]] = None) -> list[float]:

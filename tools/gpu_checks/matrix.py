@@ -19,7 +19,9 @@ strategies, both layouts, BF16 main grads with ``fsdp.FlatAdamW``, a DCP save an
 all-gather weights (test_extensions.py), Muon on ``Owned`` buckets (test_owned_muon.py), and
 gradient clipping (``FlatAdamW.clip_grad_norm_``, ``fsdp.clip_grad_norm_``) with the blocks
 offloaded and the root on the device (norms reduced on the device scale host and device
-gradients: a device/host mix no CPU run can show).
+gradients: a device/host mix no CPU run can show), and the optimizer state offloaded
+(``OptimizerStateOffloadPolicy``, device and host steps; a host step under fused AdamW resumed
+from a loaded state dict).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from tools.gpu_checks import common
-from tools.gpu_checks.common import Context, Setup, Trained, compare, full_state, loss_checks, move, train
+from tools.gpu_checks.common import Clipping, Context, Setup, Trained, compare, full_state, loss_checks, move, train
 from tools.gpu_checks.rows import Row
 
 
@@ -51,6 +53,7 @@ class Case:
     wrap: str = ""
     offload_pin: Optional[bool] = None
     flat_optimizer: bool = False
+    host_state: bool = False  # optimizer state offloaded: on the CPU, under the offload stand-ins
 
 
 def _bf16(**extra):
@@ -63,6 +66,12 @@ def _offload(pin: bool):
     import fsdp
 
     return lambda: {"offload_policy": fsdp.CPUOffloadPolicy(pin_memory=pin)}
+
+
+def _state_offload(step: str):
+    import fsdp
+
+    return lambda: {"offload_policy": fsdp.OptimizerStateOffloadPolicy(step=step)}
 
 
 def _none() -> dict:
@@ -79,13 +88,16 @@ CASES = [
     Case("activation checkpointing", _none, fsdp2="checkpoint", wrap="checkpoint"),
     Case("offload pinned", _offload(True), fsdp2="offload pinned", offload_pin=True),
     Case("offload pageable", _offload(False), fsdp2="offload pageable", offload_pin=False),
+    Case("state offload, device step", _state_offload("device"), fsdp2="", host_state=True),
+    Case("state offload, host step", _state_offload("host"), fsdp2="", host_state=True),
 ] + [Case(f"strategy {s}", (lambda s=s: {"sharding_strategy": s})) for s in
      ("no_shard", "optim", "optim_grads", "optim_grads_params")] + [
     Case("flat bf16 main grads + FlatAdamW", _bf16(main_grads_dtype=torch.bfloat16), fsdp2="bf16", precision="bf16",
          flat_optimizer=True),
 ]
 CLIP_ROW = "clip_grad_norm_ offload"
-SPECIAL = ("dcp save/resume", "float8 all-gather", "muon owned", "FlatAdamW left to choose", CLIP_ROW)
+STATE_RESUME_ROW = "state offload, host step, fused AdamW resumed"
+SPECIAL = ("dcp save/resume", "float8 all-gather", "muon owned", "FlatAdamW left to choose", CLIP_ROW, STATE_RESUME_ROW)
 # Last: inductor's compile is the slow, uncertain part; if it overruns the section's time, only it is lost.
 COMPILE = Case("compile blocks", _none, fsdp2="compile", precision="compiled", wrap="compile")
 
@@ -191,7 +203,7 @@ def _training_row(m: Matrix, case: Case, row: Row) -> None:
     plain = m.plain(case.micro)
     fsdp2 = m.fsdp2(case.fsdp2) if case.fsdp2 else None
     inspect, stand_ins = None, contextlib.nullcontext([])
-    if case.offload_pin is not None:
+    if case.offload_pin is not None or case.host_state:
         stand_ins = _offload_stand_ins(m.setup)
     counter = CommCounter() if case.name == "fp32" else None
     breaks = _graph_breaks() if case.wrap == "compile" else None
@@ -359,30 +371,6 @@ def _flat_choice_row(m: Matrix, row: Row) -> None:
     loss_checks(row, {"plain": plain, "fsdp": got})
 
 
-class _Clipping:
-    """An optimizer that clips the gradients to ``max_norm`` through ``clip`` before each step and
-    records, per step, the norm ``clip`` returned, its device, and the gradients' float64 norm
-    before and after (:func:`common.grad_norm`: independent of either library's clipping)."""
-
-    def __init__(self, model: torch.nn.Module, opt, clip: Callable[[float], torch.Tensor], max_norm: float) -> None:
-        self.model, self.opt, self.clip, self.max_norm = model, opt, clip, max_norm
-        self.norms: list[float] = []
-        self.before: list[float] = []
-        self.after: list[float] = []
-        self.devices: set[str] = set()
-
-    def step(self) -> None:
-        self.before.append(common.grad_norm(self.model))
-        norm = self.clip(self.max_norm)
-        self.norms.append(float(norm))
-        self.devices.add(norm.device.type)
-        self.after.append(common.grad_norm(self.model))
-        self.opt.step()
-
-    def zero_grad(self) -> None:
-        self.opt.zero_grad()
-
-
 def _clip_row(m: Matrix, row: Row) -> None:
     """Gradient clipping with the blocks offloaded (CPU offload, pinned) and the root on the
     device, clipped at every step: ``FlatAdamW.clip_grad_norm_`` and ``fsdp.clip_grad_norm_`` under
@@ -394,22 +382,22 @@ def _clip_row(m: Matrix, row: Row) -> None:
 
     kw = dict(lr=m.setup.lr, weight_decay=common.WEIGHT_DECAY)
     max_norm = 1e-3  # below every step's norm: each step scales
-    clips: dict[str, _Clipping] = {}
+    clips: dict[str, Clipping] = {}
 
     def plain_opt(model):
         params = list(model.parameters())
-        clips["plain"] = _Clipping(model, torch.optim.AdamW(params, **kw),
+        clips["plain"] = Clipping(model, torch.optim.AdamW(params, **kw),
                                    lambda n: torch.nn.utils.clip_grad_norm_(params, n), max_norm)
         return clips["plain"]
 
     def flat_opt(model):
         opt = fsdp.FlatAdamW(model.parameters(), **kw)
-        clips["FlatAdamW"] = _Clipping(model, opt, opt.clip_grad_norm_, max_norm)
+        clips["FlatAdamW"] = Clipping(model, opt, opt.clip_grad_norm_, max_norm)
         return clips["FlatAdamW"]
 
     def torch_opt(model):
         params = list(model.parameters())
-        clips["fsdp.clip"] = _Clipping(model, torch.optim.AdamW(params, **kw),
+        clips["fsdp.clip"] = Clipping(model, torch.optim.AdamW(params, **kw),
                                        lambda n: fsdp.clip_grad_norm_(params, n), max_norm)
         return clips["fsdp.clip"]
 
@@ -434,6 +422,43 @@ def _clip_row(m: Matrix, row: Row) -> None:
     loss_checks(row, {"plain": plain, **trained})
 
 
+def _state_resume_row(m: Matrix, row: Row) -> None:
+    """``OptimizerStateOffloadPolicy(step="host")`` under ``AdamW(fused=True)``: torch's fused
+    kernel steps the host copies. Two steps, the optimizer's state dict loaded into a fresh AdamW
+    (on a GPU, torch's load puts the fused kernel's step count by the device parameter, where the
+    host step cannot read it), two more: bitwise the four uninterrupted steps, and against the
+    plain model under the same fused AdamW."""
+    import fsdp
+
+    half = m.setup.steps // 2
+    kw = dict(lr=m.setup.lr, weight_decay=common.WEIGHT_DECAY)
+
+    def build():
+        model = move(m.base, m.setup)
+        host = fsdp.OptimizerStateOffloadPolicy(step="host")
+        _shard_all(model, lambda x: fsdp.fully_shard(x, mesh=m.mesh, offload_policy=host))
+        return model, torch.optim.AdamW(model.parameters(), fused=True, **kw)
+
+    with _offload_stand_ins(m.setup):
+        whole, whole_opt = build()
+        losses = train(whole, whole_opt, m.batches)
+        model, opt = build()
+        first = train(model, opt, m.batches[:half])
+        saved = opt.state_dict()  # cloned: its tensors are views of the host buffers the load rewrites
+        saved = {"state": {k: {n: v.clone() if isinstance(v, torch.Tensor) else v for n, v in s.items()}
+                           for k, s in saved["state"].items()}, "param_groups": saved["param_groups"]}
+        fresh = torch.optim.AdamW(model.parameters(), fused=True, **kw)
+        fresh.load_state_dict(saved)
+        rest = train(model, fresh, m.batches[half:])
+    row.check("resumed vs uninterrupted", common.max_diff(full_state(model), full_state(whole)), 0.0, metric="max|dW|")
+    row.check("resumed losses == uninterrupted", first + rest == losses, True, op="==")
+    plain = m.cached(("plain fused",), lambda: m.run(
+        None, make_opt=lambda model: torch.optim.AdamW(model.parameters(), fused=True, **kw)))
+    compare(row, m.setup, "fp32", Trained(full_state(whole), losses, []), Trained(plain.state, plain.losses, []),
+            None, m.start)
+    loss_checks(row, {"plain": plain, "fsdp": losses})
+
+
 def run(ctx: Context) -> None:
     from dbuffer.collectives import singleton_groups_communicate
 
@@ -448,4 +473,5 @@ def run(ctx: Context) -> None:
         ctx.row("muon owned", lambda row: _muon_row(m, row))
         ctx.row("FlatAdamW left to choose", lambda row: _flat_choice_row(m, row))
         ctx.row(CLIP_ROW, lambda row: _clip_row(m, row))
+        ctx.row(STATE_RESUME_ROW, lambda row: _state_resume_row(m, row))
         ctx.row(COMPILE.name, lambda row: _training_row(m, COMPILE, row))
