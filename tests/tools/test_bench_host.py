@@ -32,6 +32,12 @@ def test_bench_host_reports_every_method_phase_and_range() -> None:
         assert rows["fsdp2"][-1] == 1.0
         for name in ("ours", "row", "flat"):
             assert re.search(rf"target host overhead per unit {name}/FSDP2 <= 0.5: [\d.-]+ (MET|MISSED)", section)
+        cycle = re.search(r"unshard\(\)\+reshard\(\), host us: ours ([\d.]+) warm, ([\d.]+) after a 16 MiB cache flush; "
+                          r"FSDP2 ([\d.]+) warm, ([\d.]+) flushed; ours/FSDP2 ([\d.]+) warm, ([\d.]+) flushed", section)
+        assert cycle, section
+        ours_warm, ours_cold, fsdp2_warm, fsdp2_cold, warm, cold = (float(x) for x in cycle.groups())
+        assert min(ours_warm, ours_cold, fsdp2_warm, fsdp2_cold) > 0, cycle.group(0)
+        assert abs(warm - ours_warm / fsdp2_warm) < 0.01 and abs(cold - ours_cold / fsdp2_cold) < 0.01, cycle.group(0)
         ranges = {m.group(1): float(m.group(2)) for m in re.finditer(r"(fsdp::\w+)\s+([\d.]+)\s+[\d.]+", section)}
         # every unit (3 blocks + the root) enters its forward and backward hooks once per step
         assert ranges["fsdp::pre_forward"] == ranges["fsdp::post_forward"] == ranges["fsdp::pre_backward"] == 1.0, ranges

@@ -99,6 +99,8 @@ def _host_row(setup: Setup, mode: str, row: Row) -> None:
     row.figures["by phase"] = {name: dict(zip(PHASES, (round(x, 3) for x in v))) for name, v in ms.items()}
     for name in ("ours", "row", "flat"):
         row.figures[f"{name}/FSDP2 host"] = round(sum(ms[name]) / sum(ms["fsdp2"]), 3)
+    row.figures["block unshard+reshard us (warm, cache flushed)"] = {
+        name: [round(x, 1) for x in result["cycles"][name]] for name in ("ours", "fsdp2")}
     calls = sum(e.count for e in result["ranges"] if e.key.split(" (", 1)[0] == "fsdp::pre_forward")
     row.check("fsdp::pre_forward calls / units", calls / (cfg.layers + 1), 1.0, op="==")
 
