@@ -328,7 +328,6 @@ class TensorParallelKind(ParamKind):
 # ---------------------------------------------------------------------------- clip_grad_norm_
 
 
-@torch.no_grad()
 def _full_on_mesh_device(norm: DTensor) -> torch.Tensor:
     """``norm.full_tensor()`` reduced on the mesh's device and returned where its local piece
     is: under CPU offload that piece is on the host, which an accelerator-only backend (NCCL)
@@ -338,6 +337,7 @@ def _full_on_mesh_device(norm: DTensor) -> torch.Tensor:
     return DTensor.from_local(on_mesh, norm.device_mesh, norm.placements, run_check=False).full_tensor().to(local.device)
 
 
+@torch.no_grad()
 def clip_grad_norm_(
     parameters: Union[torch.Tensor, Iterable[torch.Tensor]],
     max_norm: float,

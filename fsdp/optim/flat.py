@@ -140,14 +140,24 @@ class FlatOptimizer(torch.optim.Optimizer):
             chunk_numel = max((span.numel for spans in self._layouts.values() for span in spans), default=1)
         self._chunk_numel = max(chunk_numel, 1)
         self._homes: dict[int, dict] = {}  # id(flat) -> its host state tensors (OptimizerStateOffloadPolicy)
-        for g in self._groups.values():
-            g.grads.cast_grads = False  # no full-size cast copy in param.grad: step() upcasts by chunks
-        if any(g.offload.optim_state is not None for g in self._groups.values()):
+        offloaded = any(g.offload.optim_state is not None for g in self._groups.values())
+        if offloaded:  # refused before the groups are changed
             if state_dtype is not None:
                 raise ValueError(
                     "FlatOptimizer: state_dtype with fsdp.OptimizerStateOffloadPolicy is not supported "
                     "(the state streams through the device in the main weights' dtype); pass one of them"
                 )
+            for i, opts in enumerate(self.param_groups):
+                homes = [self._groups[id(flat)].offload.optim_state for flat in opts["params"]]
+                if opts.get("capturable") and any(h is not None and h.step_on == "host" for h in homes):
+                    raise ValueError(
+                        f"FlatOptimizer: param_groups[{i}] has capturable=True, which needs the weights on the "
+                        f"device; fsdp.OptimizerStateOffloadPolicy(step='host') steps them on the host: build "
+                        f"the optimizer with capturable=False, or use step='device'"
+                    )
+        for g in self._groups.values():
+            g.grads.cast_grads = False  # no full-size cast copy in param.grad: step() upcasts by chunks
+        if offloaded:
             self.register_load_state_dict_post_hook(FlatOptimizer._rehome_loaded)
         elif state_dtype is not None:
             self.register_load_state_dict_post_hook(FlatOptimizer._recast_loaded)

@@ -331,13 +331,22 @@ def _host_step_refusals(model) -> list[str]:
             opt.step(**kwargs)
         except RuntimeError as e:
             caught.append(str(e))
+    try:  # refused when built (torch's own check would fail at the first step, with an assertion)
+        fsdp.FlatAdamW(m, capturable=True)
+    except ValueError as e:
+        caught.append(str(e))
+    # and before it changed the groups: param.grad still gets its cast copy for torch.optim
+    caught.append(all(g.grads.cast_grads for g in _groups(m)))
     return caught
 
 
 def test_host_step_refuses_a_closure_and_capturable() -> None:
     for caught in run_ranks(_host_step_refusals, 2, make_model(), backend="threaded"):
-        assert len(caught) == 2 and "closure" in caught[0] and "capturable=True" in caught[1], caught
+        *caught, groups_unchanged = caught
+        assert len(caught) == 3 and "closure" in caught[0] and "capturable=True" in caught[1], caught
+        assert "FlatOptimizer: param_groups[0] has capturable=True" in caught[2], caught
         assert all("step='device'" in c for c in caught)
+        assert groups_unchanged is True
 
 
 # ----------------------------------------------------------------------------- checkpoints
