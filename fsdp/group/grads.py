@@ -315,8 +315,8 @@ class GradReducer:
         if flight is None:
             return False
         g = self.group
+        g.streams.wait(g.streams.reduce_scatter)  # first, as in wait_unshard: a custom comm copies in its wait
         result = flight.pending.wait()
-        g.streams.wait(g.streams.reduce_scatter)
         if flight.kind is Reduction.DEFERRED:  # keep the reduce-scattered sums for a later all-reduce
             if self._partial is None:
                 self._partial = result
@@ -451,6 +451,7 @@ class GradReducer:
     def zero_grad_buffer(self) -> None:
         """Zero the main grads (``.grad`` views stay attached) and drop unreduced local grads."""
         if self._in_flight is not None:
+            self.group.streams.wait(self.group.streams.reduce_scatter)  # a folded reduction still adds on it
             self._in_flight.pending.wait()
             self._in_flight = None
         self.group.offload.settle()

@@ -302,8 +302,10 @@ class ParameterGroup:
         unsharded weights current for this refresh."""
         if self._gather_pending is None:
             return
-        self._gather_pending.wait()
+        # The launch's event first: a custom comm's wait copies its output on this stream, and one
+        # that returned no work is ordered by that event alone (FSDP2 waits in the same order).
         self.streams.wait(self.streams.all_gather)
+        self._gather_pending.wait()
         self._gather_pending = None
         shared, self._shared = self._shared, None
         if shared is None:

@@ -246,3 +246,72 @@ def test_an_all_reduce_hook_on_its_own_stream_is_ordered_both_ways(fake) -> None
     assert ran_on == ["hook"] and torch.equal(reduced, torch.full((3,), 2.0))
     assert dev.log.calls == [("wait_stream", "hook", "compute"), ("wait_stream", "compute", "hook")], dev.log.calls
     assert dev.current is dev.compute
+
+
+# ----------------------------------------------------------------------------- the protocol in fsdp's waits
+
+
+class _Logged:
+    """A collective's handle whose ``wait`` is logged (a custom comm copies its output there)."""
+
+    def __init__(self, pending, log: list) -> None:
+        self.pending, self.log = pending, log
+
+    def wait(self):
+        self.log.append("handle")
+        return self.pending.wait()
+
+
+def _waits_in_order() -> dict:
+    import torch.nn as nn
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import fsdp
+
+    mesh = init_device_mesh("cpu", (1,))
+    m = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    fsdp.fully_shard(m[0], mesh=mesh)
+    fsdp.fully_shard(m, mesh=mesh)
+    block = m[0]._fsdp_state
+    group = block.groups[0]
+    streams, log = group.streams, []
+    streams.wait = lambda stream: log.append("gather stream" if stream is streams.all_gather else "reduce stream")
+    out = {}
+    try:
+        # a gather: the compute stream waits for the launch's event before the handle's copy-out
+        block.unshard(async_op=True)
+        group._gather_pending = _Logged(group._gather_pending, log)
+        block.wait_unshard()
+        out["gather"], log[:] = list(log), []
+        block.reshard()
+        # accumulating backwards: the reductions stay in flight, folded on the reduce-scatter stream
+        m.set_is_last_backward(False)
+        for _ in range(2):
+            m(torch.randn(4, 8)).sum().backward()
+        out["folded"] = group.grads._in_flight is not None and group.grads._in_flight.folded
+        flight = group.grads._in_flight
+        flight.pending = _Logged(flight.pending, log)
+        log[:] = []
+        group.grads.finish_reduce()
+        out["finish"], log[:] = list(log), []
+        m(torch.randn(4, 8)).sum().backward()  # in flight again, then zeroed by the user
+        log[:] = []
+        m.zero_grad_buffer()
+        out["zero"] = list(log)
+    finally:
+        del streams.wait
+    return out
+
+
+def test_fsdp_waits_for_a_launch_event_before_the_handle_and_before_zeroing() -> None:
+    """On a GPU the order matters (on the CPU the same lines run): the compute stream waits for a
+    launch's event before a handle's ``wait`` copies its output (a custom comm; one that returned
+    no work is ordered by the event alone), and ``zero_grad_buffer`` waits for the reduce-scatter
+    stream, where a folded reduction still adds into ``main_grad``, before zeroing it."""
+    from tests.harness import run_ranks
+
+    (out,) = run_ranks(_waits_in_order, 1, backend="threaded")
+    assert out["gather"] == ["gather stream", "handle"], out
+    assert out["folded"], out
+    assert out["finish"] == ["reduce stream", "handle"], out
+    assert out["zero"] and set(out["zero"]) == {"reduce stream"}, out  # one wait per reducer in flight
