@@ -21,12 +21,13 @@ real.
    collective is queued there. Its target's storage was allocated before the launch; the
    ``Pending`` handle keeps source and target referenced until waited. The launch ends by
    recording an event on the stream.
-2. *Copy-out.* The handle is waited (c10d's ``wait`` orders the current stream after the
-   collective itself), then ``wait(all_gather)``: the current stream waits for the event of the
-   latest all-gather launch (the work queued on the side stream; a later launch of another group
-   is waited for too, which costs only that launch's copy-in), then copies the gathered values
-   into place (chunked groups, extensions' post-all-gather) and the parameters are used. The next gather into that
-   buffer is launched later, and its launch waits for the current stream: it cannot overwrite the
+2. *Copy-out.* ``wait(all_gather)``: the current stream waits for the event of the latest
+   all-gather launch (the work queued on the side stream; a later launch of another group is
+   waited for too, which costs only that launch's copy-in); then the handle is waited (c10d's
+   ``wait`` orders the current stream after the collective itself; a custom comm copies its
+   output there, and one that returned no work is ordered by the event alone), then copies the
+   gathered values into place (chunked groups, extensions' post-all-gather) and the parameters
+   are used. The next gather into that buffer is launched later, and its launch waits for the current stream: it cannot overwrite the
    buffer before the copy-out read it (FSDP2 makes its all-gather streams wait for a copy-out
    event for the same reason).
 3. *Reduce-scatter.* The gradients are packed into ``grad_in`` on the current stream;
@@ -34,8 +35,8 @@ real.
    allocated on that stream. A result in a temporary is divided and folded into ``main_grad``
    inside the same launch when :meth:`wait_is_free` (FSDP2 accumulates on its side stream too),
    so the temporary, that stream's memory, is freed at once; otherwise after
-   ``wait(reduce_scatter)``, which orders the current stream after the launch either way before
-   anything reads ``main_grad``. ``grad_in`` is freed then, on the stream it was allocated on,
+   ``wait(reduce_scatter)`` and then the handle's wait, as in 2. ``wait(reduce_scatter)`` orders
+   the current stream after the launch either way before anything reads or zeroes ``main_grad``. ``grad_in`` is freed then, on the stream it was allocated on,
    which has waited for the reduction.
 4. *All-reduce* (HSDP across replicas, ``no_shard`` / ``optim``'s unsharded gradients): on the
    reduce-scatter stream, in the same launch (one ``redistribute``), so one ordering covers both.
