@@ -27,9 +27,9 @@ real.
    ``wait`` orders the current stream after the collective itself; a custom comm copies its
    output there, and one that returned no work is ordered by the event alone), then copies the
    gathered values into place (chunked groups, extensions' post-all-gather) and the parameters
-   are used. The next gather into that buffer is launched later, and its launch waits for the current stream: it cannot overwrite the
-   buffer before the copy-out read it (FSDP2 makes its all-gather streams wait for a copy-out
-   event for the same reason).
+   are used. The next gather into that buffer is launched later, and its launch waits for the
+   current stream: it cannot overwrite the buffer before the copy-out read it (FSDP2 makes its
+   all-gather streams wait for a copy-out event for the same reason).
 3. *Reduce-scatter.* The gradients are packed into ``grad_in`` on the current stream;
    ``launch(reduce_scatter)`` waits for it and queues the collective, whose temporaries are
    allocated on that stream. A result in a temporary is divided and folded into ``main_grad``
