@@ -36,8 +36,9 @@ real.
    inside the same launch when :meth:`wait_is_free` (FSDP2 accumulates on its side stream too),
    so the temporary, that stream's memory, is freed at once; otherwise after
    ``wait(reduce_scatter)`` and then the handle's wait, as in 2. ``wait(reduce_scatter)`` orders
-   the current stream after the launch either way before anything reads or zeroes ``main_grad``. ``grad_in`` is freed then, on the stream it was allocated on,
-   which has waited for the reduction.
+   the current stream after the launch either way before anything reads or zeroes
+   ``main_grad``. ``grad_in`` is freed then, on the stream it was allocated on, which has waited
+   for the reduction.
 4. *All-reduce* (HSDP across replicas, ``no_shard`` / ``optim``'s unsharded gradients): on the
    reduce-scatter stream, in the same launch (one ``redistribute``), so one ordering covers both.
 5. *Memory read across streams.* Instead of ``record_stream``:
