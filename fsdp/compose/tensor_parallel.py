@@ -63,8 +63,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
-from dbuffer import dtensor_view, mesh_device
+from dbuffer import dtensor_view
 from fsdp.group.bucket import mesh_key
+from fsdp.group.comms import full_on_mesh_device
 from fsdp.group.layouts import ParamKind
 from fsdp.group.members import ParamInfo
 
@@ -328,15 +329,6 @@ class TensorParallelKind(ParamKind):
 # ---------------------------------------------------------------------------- clip_grad_norm_
 
 
-def _full_on_mesh_device(norm: DTensor) -> torch.Tensor:
-    """``norm.full_tensor()`` reduced on the mesh's device and returned where its local piece
-    is: under CPU offload that piece is on the host, which an accelerator-only backend (NCCL)
-    cannot reduce. The same steps on every device (on the CPU the moves are no-ops)."""
-    local = norm.to_local()
-    on_mesh = local.to(mesh_device(norm.device_mesh))
-    return DTensor.from_local(on_mesh, norm.device_mesh, norm.placements, run_check=False).full_tensor().to(local.device)
-
-
 @torch.no_grad()
 def clip_grad_norm_(
     parameters: Union[torch.Tensor, Iterable[torch.Tensor]],
@@ -373,7 +365,8 @@ def clip_grad_norm_(
     norms = []
     for members in groups.values():
         norm = torch.nn.utils.get_total_norm(members, norm_type, error_if_nonfinite=False, foreach=foreach)
-        norms.append(_full_on_mesh_device(norm) if isinstance(norm, DTensor) else norm)
+        norms.append(full_on_mesh_device(norm.to_local(), norm.device_mesh, norm.placements)
+                     if isinstance(norm, DTensor) else norm)
     device = norms[0].device
     norms = [n.to(device) for n in norms]
     if math.isinf(norm_type):

@@ -8,9 +8,14 @@ reduction of the gradients. FSDP2's custom comm objects (``set_custom_all_gather
 
 from __future__ import annotations
 
-from dbuffer import DBuffer, Pending
+from typing import Sequence
 
-__all__ = ["DBUFFER_COMMS", "DBufferComms"]
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+from dbuffer import DBuffer, Pending, mesh_device
+
+__all__ = ["DBUFFER_COMMS", "DBufferComms", "full_on_mesh_device"]
 
 
 class DBufferComms:
@@ -29,3 +34,14 @@ class DBufferComms:
 
 
 DBUFFER_COMMS = DBufferComms()
+
+
+def full_on_mesh_device(local: torch.Tensor, mesh: DeviceMesh, placements: Sequence) -> torch.Tensor:
+    """The full value of ``local`` (this rank's piece, e.g. a ``Partial`` norm) over ``mesh``,
+    through DTensor, reduced on the mesh's device and returned on ``local``'s: under CPU offload
+    the piece is on the host, which an accelerator-only backend (NCCL) cannot reduce, and the
+    result scales host tensors. The same steps on every device (on the CPU the moves are no-ops)."""
+    from torch.distributed.tensor import DTensor
+
+    on_mesh = local.to(mesh_device(mesh))
+    return DTensor.from_local(on_mesh, mesh, tuple(placements), run_check=False).full_tensor().to(local.device)

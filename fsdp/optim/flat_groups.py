@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
+from fsdp.group.comms import full_on_mesh_device
 from fsdp.group.param_group import ParameterGroup
 from fsdp.group.weights import BufferWeights
 
@@ -96,15 +97,12 @@ def reduce_over_mesh(local: torch.Tensor, group: ParameterGroup, op: str) -> tor
     """``local`` (this rank's share) combined over the axes where ``group``'s main weights are
     sharded (replicated axes hold copies: counted once), as DTensor does for a Partial; on
     ``local``'s device."""
-    from torch.distributed.tensor import DTensor, Partial, Replicate
+    from torch.distributed.tensor import Partial, Replicate
 
     placements = [Replicate() if isinstance(p, Replicate) else Partial(op) for p in group.main.placements]
     if all(isinstance(p, Replicate) for p in placements):
         return local
-    reduced = DTensor.from_local(local, group.mesh, placements, run_check=False).full_tensor()
-    # A host partial (CPU offload on an accelerator mesh) was reduced on the mesh's device, where
-    # from_local copied it; the total goes back to the host, whose gradients it scales.
-    return reduced.to(local.device)
+    return full_on_mesh_device(local, group.mesh, placements)
 
 
 def _group_of(p: torch.Tensor) -> Optional[ParameterGroup]:
