@@ -42,7 +42,8 @@ every step:
   alone on preallocated tensors (:mod:`tools.kit.comm_replay`); what the communication itself
   costs.
   Where the ranks' compute threads fill every core, no data-parallel step can take less CPU time
-  than ``floor`` + ``c10d``: the table prints that bound next to the ours/floor target;
+  than ``floor`` + ``c10d``: the table prints that bound over the floor and over this run's
+  FSDP2 step (the least ours/FSDP2 a framework costing nothing would reach), next to the targets;
 * ``flat``: ``ours`` with ``fsdp.FlatAdamW`` (the step over the flat shards, :mod:`fsdp.optim`)
   and, in bf16, ``main_grads_dtype=bf16`` (no FP32 gradient copy at the step);
 * ``lean`` (only with ``--methods``): ``flat`` with ``persistent_param_shard=False`` (the same

@@ -93,6 +93,10 @@ def test_bench_core_on_a_tiny_model() -> None:
     else:
         bound = max(floor["median_ms"], c10d["median_ms"]) / floor["median_ms"]
     assert abs(ratios["bound_step_ours_over_floor"] - bound) < 1e-9 and bound >= 1
+    # The same least step against this run's FSDP2, and the step target reports it as its bound.
+    assert abs(ratios["bound_step_ours_over_fsdp2"] - bound * floor["median_ms"] / fsdp2["median_ms"]) < 1e-9
+    step_target = next(t for t in res["targets"] if t["name"] == "step_ours_over_fsdp2")
+    assert step_target["bound"] == ratios["bound_step_ours_over_fsdp2"]
 
     # Both layouts, against FSDP2, the floor and each other, from the same run's medians.
     for name, m in (("ours", ours), ("row", row)):
@@ -134,9 +138,11 @@ def test_bench_core_on_a_tiny_model() -> None:
 
 def test_c10d_bound_counts_communication_cpu_only_when_no_core_is_idle() -> None:
     methods = {"floor": {"cpu_ms": 500.0, "median_ms": 520.0}, "c10d": {"cpu_ms": 60.0, "median_ms": 90.0},
-               "ours": {"cpu_ms": 616.0, "median_ms": 650.0}}
+               "ours": {"cpu_ms": 616.0, "median_ms": 650.0}, "fsdp2": {"cpu_ms": 700.0, "median_ms": 800.0}}
     full = c10d_bound({"methods": methods, "cores": 2, "busy_threads": 2})
     assert full["cores_saturated"] and abs(full["bound_step_ours_over_floor"] - 560 / 500) < 1e-12
+    # Ours at the floor plus the communication, against this FSDP2: 560/500 * 520 ms over 800 ms.
+    assert abs(full["bound_step_ours_over_fsdp2"] - 560 / 500 * 520 / 800) < 1e-12
     assert abs(full["cpu_ours_over_floor_plus_c10d"] - 616 / 560) < 1e-12
     spare = c10d_bound({"methods": methods, "cores": 16, "busy_threads": 2})
     assert not spare["cores_saturated"] and spare["bound_step_ours_over_floor"] == 1.0  # it can hide

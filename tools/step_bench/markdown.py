@@ -71,7 +71,9 @@ def _timed_notes(mode: str, run: dict) -> list[str]:
     if r.get("cpu_ours_over_floor_plus_c10d") is not None:
         notes.append(f"  The framework's own share (ours' CPU time / (floor + its c10d calls replayed alone)): "
                      f"{r['cpu_ours_over_floor_plus_c10d']:.2f}; no step can be below "
-                     f"{r['bound_step_ours_over_floor']:.2f} of the floor on this host.")
+                     f"{r['bound_step_ours_over_floor']:.2f} of the floor on this host"
+                     + (f", so none of ours below {r['bound_step_ours_over_fsdp2']:.2f} of this run's FSDP2 step."
+                        if r.get("bound_step_ours_over_fsdp2") is not None else "."))
     above = ours_above_floor(res["methods"], res.get("fault_us"))
     if above is not None and "beyond_c10d" in above:
         text = above_text(above)
