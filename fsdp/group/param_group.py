@@ -190,7 +190,10 @@ class ParameterGroup:
         """The main weights changed: refresh the model weights before the next use.
         ``model_written``: the caller also wrote the model shard from them (:mod:`fsdp.optim`
         does, in the optimizer's pass), so the refresh skips the cast unless the weights change
-        again before it."""
+        again before it. A gather still in flight read the weights before the change: it lands
+        now, as gathered from them, so that the next use gathers again instead of taking it (a
+        prefetch nothing consumed, an ``unshard(async_op=True)`` not yet waited for)."""
+        self.wait_unshard()
         self._stale = True
         self._written_key = self.weights.version_key() if model_written else None
 

@@ -259,6 +259,10 @@ class FSDPState(pipelining.FSDP2Names):
         if self.reshard_after_backward:
             self.reshard()
         else:
+            # A backward prefetch whose unit got no gradient in this backward lands now, marked
+            # with the weights it gathered: left in flight, the next forward would take it as
+            # current after an optimizer step (FSDP2's finalize_backward waits for it too).
+            self.wait_unshard()
             self.register_sharded_params()
 
     def register_sharded_params(self) -> None:

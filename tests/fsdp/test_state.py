@@ -382,3 +382,84 @@ def test_gradient_buffers_exist_only_once_a_group_is_complete() -> None:
     assert out["seen"] == [True] * 9  # 3 blocks x 3 steps: the root's grad_in never lives then
     assert out["early"] and all(out["early"])
     assert out["diff"] <= 1e-5
+
+
+class _TwoBranches(torch.nn.Module):
+    """Two units side by side: a backward through ``b`` alone prefetches ``a`` (the unit before
+    it in forward order), and no backward consumes that gather."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.a(x), self.b(x)
+
+
+def _branch_loss(out, both: bool) -> torch.Tensor:
+    a, b = out
+    return a.square().mean() + b.square().mean() if both else b.square().mean()
+
+
+def _rows(x: torch.Tensor, k: int, ranks: list[int], world: int) -> torch.Tensor:
+    """Micro-batch ``k`` (of 2) of each of ``ranks``' rows of ``x``: the reference takes every rank's."""
+    per = x.shape[0] // world
+    return torch.cat([x[r * per : (r + 1) * per].chunk(2)[k] for r in ranks])
+
+
+def _train_branches(model, batches, ranks: list[int], world: int, opt):
+    """Per step, a micro-batch through both branches, then one through ``b`` only."""
+    for x in batches:
+        for k in range(2):
+            (_branch_loss(model(_rows(x, k, ranks, world)), both=k == 0) / 2).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _unconsumed_prefetch(model, batches, probe) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = {}
+    m = copy.deepcopy(model)
+    fsdp.fully_shard(m.a), fsdp.fully_shard(m.b), fsdp.fully_shard(m)
+    m.set_reshard_after_backward(False)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    _train_branches(m, batches, [rank], world, opt)
+    out["trained"] = full_state(m)
+    # The backward through b leaves a's prefetch; an in-place change of a's weights follows.
+    _branch_loss(m(probe), both=False).backward()
+    with torch.no_grad():
+        m.a.weight.mul_(0.5)
+    out["after_edit"] = m(probe)[0].detach()
+    # unshard(async_op=True) of resharded weights, not waited for, then an optimizer step, then
+    # a forward.
+    _branch_loss(m(probe), both=True).backward()
+    m.a.reshard()
+    m.a.unshard(async_op=True)
+    assert m.a._fsdp_state.groups[0].gather_in_flight()
+    opt.step()
+    out["after_step"] = m(probe)[0].detach()
+    return out
+
+
+def test_a_gather_in_flight_is_never_taken_as_current_after_the_weights_change() -> None:
+    """A backward prefetch that no backward consumed (``set_reshard_after_backward(False)``),
+    or an ``unshard(async_op=True)`` not waited for, gathered the weights before a change:
+    the next forward gathers again (the single-process model is the reference)."""
+    torch.manual_seed(0)
+    model, probe = _TwoBranches(), torch.randn(4, 8)
+    batches = [torch.randn(8, 8) for _ in range(3)]
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    _train_branches(ref, batches, [0, 1], 2, opt)
+    trained = {k: v.detach().clone() for k, v in ref.state_dict().items()}
+    _branch_loss(ref(probe), both=False).backward()
+    with torch.no_grad():
+        ref.a.weight.mul_(0.5)
+    after_edit = ref(probe)[0].detach()
+    _branch_loss(ref(probe), both=True).backward()
+    opt.step()
+    after_step = ref(probe)[0].detach()
+    for got in run_ranks(_unconsumed_prefetch, 2, model, batches, probe, backend="threaded"):
+        assert max_diff(got["trained"], trained) < 1e-6
+        assert (got["after_edit"] - after_edit).abs().max() < 1e-6
+        assert (got["after_step"] - after_step).abs().max() < 1e-6
