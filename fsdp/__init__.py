@@ -30,7 +30,7 @@ from fsdp.optim.muon import Muon
 from fsdp.optim import FlatAdam, FlatAdamW, FlatOptimizer, FlatSGD, flat_optimizer
 from fsdp.compose.offload import CPUOffloadPolicy, OffloadPolicy, OptimizerStateOffloadPolicy
 from fsdp.group.param_group import ParameterGroup
-from fsdp.group.policy import MixedPrecisionPolicy, Strategy
+from fsdp.group.policy import FLOAT32_OR_WIDER, MixedPrecisionPolicy, Strategy
 from fsdp.compose.tensor_parallel import clip_grad_norm_
 from fsdp.optim.step_hooks import optimizer_step_hooks
 from fsdp.unit.torch_names import torch_names
@@ -39,6 +39,7 @@ from fsdp.unit.torch_names import torch_names
 optimizer_step_hooks(True)
 
 __all__ = [
+    "FLOAT32_OR_WIDER",
     "Bucket",
     "CPUOffloadPolicy",
     "DataParallelMeshDims",

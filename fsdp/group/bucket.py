@@ -29,7 +29,7 @@ from torch.distributed.fsdp import OffloadPolicy
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from fsdp.group.policy import MixedPrecisionPolicy, Strategy, parse_strategy
+from fsdp.group.policy import MixedPrecisionPolicy, Strategy, as_policy, parse_strategy
 
 __all__ = ["Bucket", "GroupSpec", "mesh_key", "plan_buckets"]
 
@@ -180,8 +180,7 @@ def _explicit(b, bucket, members, names, params, mesh, strategy, policy) -> list
     policy = bucket.mp_policy if bucket.mp_policy is not None else policy
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"buckets[{b}].mesh must be a torch DeviceMesh, got {type(mesh).__name__}")
-    if not isinstance(policy, MixedPrecisionPolicy):
-        raise TypeError(f"buckets[{b}].mp_policy must be an fsdp.MixedPrecisionPolicy, got {type(policy).__name__}")
+    policy = as_policy(policy, f"buckets[{b}].mp_policy")
     factor = bucket.gradient_divide_factor
     if factor is not None and (not isinstance(factor, (int, float)) or factor <= 0):
         raise ValueError(f"buckets[{b}].gradient_divide_factor must be a positive number, got {factor!r}")

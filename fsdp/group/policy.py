@@ -7,15 +7,37 @@ any collective runs. :func:`converted` takes a group's buffer into the dtype a p
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Callable, Optional
+import enum
+from dataclasses import dataclass, field, fields, replace
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 import torch
 
 if TYPE_CHECKING:  # annotations only
     from dbuffer import DBuffer
 
-__all__ = ["MixedPrecisionPolicy", "Strategy", "converted", "parse_strategy", "reduces_in_grad_dtype"]
+__all__ = [
+    "FLOAT32_OR_WIDER",
+    "MixedPrecisionPolicy",
+    "Strategy",
+    "as_policy",
+    "converted",
+    "parse_strategy",
+    "reduces_in_grad_dtype",
+]
+
+
+class MainDtype(enum.Enum):
+    """``main_params_dtype``'s default rule, a value of its own so that an explicit
+    ``torch.float32`` (which does store a float64 model in float32) stays distinguishable."""
+
+    FLOAT32_OR_WIDER = "float32, or the parameter's own dtype where that is wider"
+
+    def __repr__(self) -> str:
+        return "fsdp.FLOAT32_OR_WIDER"
+
+
+FLOAT32_OR_WIDER = MainDtype.FLOAT32_OR_WIDER
 
 
 @dataclass(frozen=True)
@@ -60,19 +82,25 @@ class MixedPrecisionPolicy:
     """Dtypes of the four copies of a floating parameter.
 
     FSDP2 names are kept (``param_dtype``, ``reduce_dtype``, ``output_dtype``,
-    ``cast_forward_inputs``); Megatron-FSDP adds the main copies:
+    ``cast_forward_inputs``); Megatron-FSDP adds the main copies. With no policy at all a
+    parameter computes in the dtype it was built in (as FSDP2) and its main weights are FP32 or
+    wider (as Megatron-FSDP): a BF16-built model trains with FP32 main weights and BF16 compute,
+    an FP32 one in FP32 throughout, a float64 one in float64.
 
-    * ``main_params_dtype``: the sharded weights the optimizer updates (FP32 by default, whatever
-      dtype the module was built in). ``None`` keeps each parameter's own dtype.
+    * ``main_params_dtype``: the sharded weights the optimizer updates. Default
+      ``fsdp.FLOAT32_OR_WIDER``: float32 for a parameter built in bf16, fp16 or fp32, its own
+      dtype where that is wider (float64 stays float64). A dtype: that dtype for every floating
+      parameter (``torch.bfloat16`` for BF16 main weights). ``None``: each parameter's own
+      dtype (then a BF16-built model keeps BF16 main weights, as FSDP2).
     * ``param_dtype``: the model/compute weights forward and backward run with. ``None``: the
-      main dtype (then the model weights *are* the main weights, no copy).
+      dtype the parameter was built in (then, where that is also the main dtype, the model
+      weights *are* the main weights, no copy).
     * ``main_grads_dtype``: the gradient accumulation buffer. ``None``: the main dtype. When it
       differs from the main dtype, ``param.grad`` is a cast copy of ``param.main_grad``.
     * ``reduce_dtype``: the dtype gradients are averaged across ranks in. ``None``: as the
       installed torch's FSDP2 does: from torch 2.15 each parameter's own gradient dtype (its
-      ``grad_dtype`` if set, else its original dtype; promoted with the compute dtype, so FP32
-      main weights computed in FP32 stay FP32), before 2.15 the compute dtype
-      (:func:`reduces_in_grad_dtype`).
+      ``grad_dtype`` if set, else its original dtype; promoted with the compute dtype), before
+      2.15 the compute dtype (:func:`reduces_in_grad_dtype`).
 
     And one memory/speed knob, for when ``param_dtype`` differs from the main dtype:
 
@@ -105,7 +133,7 @@ class MixedPrecisionPolicy:
     reduce_dtype: Optional[torch.dtype] = None
     output_dtype: Optional[torch.dtype] = None
     cast_forward_inputs: bool = True
-    main_params_dtype: Optional[torch.dtype] = torch.float32
+    main_params_dtype: Union[torch.dtype, MainDtype, None] = FLOAT32_OR_WIDER
     main_grads_dtype: Optional[torch.dtype] = None
     persistent_param_shard: bool = True
     param_dtype_override_fn: Optional[Callable[[torch.nn.Parameter], Optional[torch.dtype]]] = field(
@@ -126,6 +154,8 @@ class MixedPrecisionPolicy:
             )
         for name in ("param_dtype", "reduce_dtype", "output_dtype", "main_params_dtype", "main_grads_dtype"):
             value = getattr(self, name)
+            if name == "main_params_dtype" and value is FLOAT32_OR_WIDER:
+                continue
             if value is not None and (not isinstance(value, torch.dtype) or not value.is_floating_point):
                 raise ValueError(f"MixedPrecisionPolicy.{name} must be a floating torch.dtype or None, got {value!r}")
 
@@ -144,24 +174,45 @@ class MixedPrecisionPolicy:
             )
         return replace(self, param_dtype=self.param_dtype if dtype is None else dtype, param_dtype_override_fn=None)
 
-    @property
-    def casts(self) -> bool:
-        """Whether the policy changes any dtype of a parameter."""
-        return any(
-            d is not None for d in (self.param_dtype, self.reduce_dtype, self.main_params_dtype, self.main_grads_dtype)
-        )
-
     def dtypes_for(self, orig: torch.dtype, grad_dtype: Optional[torch.dtype] = None) -> "Dtypes":
         """The dtypes of a parameter built as ``orig`` (non-floating ones are never cast);
         ``grad_dtype``: its ``grad_dtype`` where set (torch 2.15), for ``reduce_dtype=None``."""
         if not orig.is_floating_point:
             return Dtypes(orig, orig, orig, orig)
-        main = self.main_params_dtype or orig
-        model = self.param_dtype or main
+        main = self.main_params_dtype
+        if main is FLOAT32_OR_WIDER:
+            main = torch.promote_types(orig, torch.float32)
+        elif main is None:
+            main = orig
+        model = self.param_dtype or orig
         reduce = self.reduce_dtype
         if reduce is None:
             reduce = torch.promote_types(model, grad_dtype or orig) if reduces_in_grad_dtype() else model
         return Dtypes(main, model, self.main_grads_dtype or main, reduce)
+
+
+def as_policy(value: Any, argument: str = "mp_policy") -> MixedPrecisionPolicy:
+    """``value`` as an fsdp policy: fsdp's as it is; torch FSDP2's ``MixedPrecisionPolicy`` (any
+    torch 2.11-2.15) converted field by field, Megatron's main weights at their default. Anything
+    else raises ``TypeError`` naming ``argument``."""
+    if isinstance(value, MixedPrecisionPolicy):
+        return value
+    from torch.distributed.fsdp import MixedPrecisionPolicy as TorchPolicy
+
+    if not isinstance(value, TorchPolicy):
+        raise TypeError(
+            f"{argument} must be an fsdp.MixedPrecisionPolicy or torch's "
+            f"torch.distributed.fsdp.MixedPrecisionPolicy, got {type(value).__name__}"
+        )
+    ours = {f.name for f in fields(MixedPrecisionPolicy)}
+    theirs = {f.name: getattr(value, f.name) for f in fields(value)}
+    unknown = sorted(set(theirs) - ours)
+    if unknown:
+        raise TypeError(
+            f"{argument}: torch's MixedPrecisionPolicy field(s) {unknown} have no fsdp equivalent; "
+            f"pass an fsdp.MixedPrecisionPolicy instead"
+        )
+    return MixedPrecisionPolicy(**theirs)
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ from fsdp.group.layout_choice import chunk_by_default
 from fsdp.group.layouts import PLAIN, ChunkedLayout, describe_layout
 from fsdp.group.members import ParamInfo
 from fsdp.group.param_group import ParameterGroup
-from fsdp.group.policy import MixedPrecisionPolicy, Strategy, parse_strategy
+from fsdp.group.policy import MixedPrecisionPolicy, Strategy, as_policy, parse_strategy
 from fsdp.unit import surface
 from fsdp.unit.checks import (
     check_devices,
@@ -84,8 +84,10 @@ def fully_shard(
     gradients whole too) or ``"no_shard"`` (ZeRO-0: DDP-like), or an ``fsdp.Strategy``.
     ``mp_policy``: an :class:`fsdp.MixedPrecisionPolicy` (FSDP2's ``param_dtype``,
     ``reduce_dtype``, ``output_dtype``, ``cast_forward_inputs``, plus Megatron's
-    ``main_params_dtype`` (FP32 main weights by default), ``main_grads_dtype`` and
-    ``persistent_param_shard``); anything else raises ``TypeError``. ``ignored_params``:
+    ``main_params_dtype`` (FP32-or-wider main weights by default), ``main_grads_dtype`` and
+    ``persistent_param_shard``) or torch's ``MixedPrecisionPolicy`` (converted field by field);
+    anything else raises ``TypeError``. With neither, a parameter computes in the dtype it was
+    built in (as FSDP2) from FP32-or-wider main weights. ``ignored_params``:
     parameters left as they are (not sharded, not gathered, not reduced), as in FSDP2.
 
     ``reshard_after_forward``: as in FSDP2, whether a unit frees its gathered weights after
@@ -158,8 +160,7 @@ def fully_shard(
     strategy = parse_strategy(sharding_strategy)
     offload = check_offload_policy(offload_policy)
     mesh, spmd = surface.data_parallel_mesh(mesh, dp_mesh_dims)
-    if not isinstance(mp_policy, MixedPrecisionPolicy):
-        raise TypeError(f"mp_policy must be an fsdp.MixedPrecisionPolicy, got {type(mp_policy).__name__}")
+    mp_policy = as_policy(mp_policy)
     if reshard_after_forward is not None and not isinstance(reshard_after_forward, int):
         raise ArgumentTypeError(f"reshard_after_forward must be a bool, an int or None, got {reshard_after_forward!r}")
     for m in modules:

@@ -165,13 +165,55 @@ def test_policy_dtypes(monkeypatch) -> None:
     assert p.dtypes_for(torch.float32).reduce == torch.float32
     assert p.dtypes_for(torch.bfloat16).reduce == torch.bfloat16
     assert p.dtypes_for(torch.bfloat16, grad_dtype=torch.float32).reduce == torch.float32
-    assert fsdp.MixedPrecisionPolicy().dtypes_for(torch.bfloat16).reduce == torch.float32  # FP32 main and compute
+    assert fsdp.MixedPrecisionPolicy().dtypes_for(torch.bfloat16).reduce == torch.bfloat16  # computed in bf16
     assert fsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16).dtypes_for(torch.float32).reduce == torch.bfloat16
     monkeypatch.undo()
     assert not policy_module.reduces_in_grad_dtype(type("OldFSDPParam", (), {}))
     assert policy_module.reduces_in_grad_dtype(type("NewFSDPParam", (), {"unsharded_grad_dtype": property(lambda s: None)}))
     d = fsdp.MixedPrecisionPolicy(main_params_dtype=None).dtypes_for(torch.float64)
     assert (d.main, d.model, d.main_grad, d.reduce) == (torch.float64,) * 4
+
+
+@pytest.mark.parametrize("reduces_in_grad_dtype", [False, True])
+def test_default_dtypes_follow_the_built_dtype(monkeypatch, reduces_in_grad_dtype) -> None:
+    """No policy: compute (and so reduce) in the dtype a parameter was built in, as FSDP2; main
+    weights and main grads FP32 or wider (never less precise than built); explicit dtypes win."""
+    from fsdp.group import policy as policy_module
+
+    monkeypatch.setattr(policy_module, "reduces_in_grad_dtype", lambda: reduces_in_grad_dtype)
+    default = fsdp.MixedPrecisionPolicy()
+    f32, f64, bf16, f16 = torch.float32, torch.float64, torch.bfloat16, torch.float16
+    for built, main in ((bf16, f32), (f16, f32), (f32, f32), (f64, f64)):
+        d = default.dtypes_for(built)
+        assert (d.main, d.model, d.main_grad, d.reduce) == (main, built, main, built), (built, d)
+    assert fsdp.MixedPrecisionPolicy(main_params_dtype=None).dtypes_for(bf16).main == bf16  # FSDP2's storage
+    explicit = fsdp.MixedPrecisionPolicy(main_params_dtype=f32).dtypes_for(f64)  # a policy may say less precise
+    assert (explicit.main, explicit.model) == (f32, f64)
+    assert fsdp.MixedPrecisionPolicy(main_params_dtype=bf16).dtypes_for(f32).main == bf16
+    assert fsdp.MixedPrecisionPolicy(param_dtype=bf16).dtypes_for(f64).model == bf16
+    assert repr(default.main_params_dtype) == "fsdp.FLOAT32_OR_WIDER"  # the same on every rank (agreement digest)
+
+
+def test_torch_mixed_precision_policy_is_accepted() -> None:
+    """torch's own MixedPrecisionPolicy, every field of the installed torch, converts to fsdp's;
+    anything else is refused naming the argument."""
+    import dataclasses
+
+    from torch.distributed.fsdp import MixedPrecisionPolicy as TorchPolicy
+
+    from fsdp.group.policy import as_policy
+
+    values = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32, "output_dtype": torch.float16,
+              "cast_forward_inputs": False, "param_dtype_override_fn": lambda p: None}
+    theirs = TorchPolicy(**{f.name: values[f.name] for f in dataclasses.fields(TorchPolicy)})
+    ours = as_policy(theirs)
+    assert isinstance(ours, fsdp.MixedPrecisionPolicy)
+    for f in dataclasses.fields(TorchPolicy):
+        assert getattr(ours, f.name) == getattr(theirs, f.name), f.name
+    assert ours.main_params_dtype is fsdp.FLOAT32_OR_WIDER
+    assert as_policy(ours) is ours
+    with pytest.raises(TypeError, match="buckets\\[0\\].mp_policy must be an fsdp.MixedPrecisionPolicy or torch's"):
+        as_policy("bf16", "buckets[0].mp_policy")
     assert fsdp.MixedPrecisionPolicy().dtypes_for(torch.int64).main == torch.int64
     with pytest.raises(ValueError, match="unknown sharding_strategy"):
         fsdp.unit.fully_shard.parse_strategy("FULL_SHARD")

@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 
 from fsdp import MixedPrecisionPolicy
-from fsdp.group.policy import Strategy, reduces_in_grad_dtype
+from fsdp.group.policy import FLOAT32_OR_WIDER, Strategy, reduces_in_grad_dtype
 from tools.memory_plan.report import Moment
 
 # Tensors of optimizer state per parameter, each like the parameter (torch's defaults).
@@ -30,8 +30,12 @@ def _dtypes(p: MixedPrecisionPolicy, built: torch.dtype) -> tuple[torch.dtype, t
     documented defaults (written out here so the closed form does not ask fsdp)."""
     if not built.is_floating_point:
         return built, built, built, built
-    main = p.main_params_dtype or built
-    model = p.param_dtype or main
+    main = p.main_params_dtype
+    if main is FLOAT32_OR_WIDER:
+        main = torch.promote_types(built, torch.float32)
+    elif main is None:
+        main = built
+    model = p.param_dtype or built
     reduce = p.reduce_dtype
     if reduce is None:  # as the installed torch's FSDP2 reads it: from 2.15 the gradient dtype
         reduce = torch.promote_types(model, built) if reduces_in_grad_dtype() else model

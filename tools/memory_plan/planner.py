@@ -17,7 +17,7 @@ from dbuffer.compat import meta_mesh_device_count
 from dbuffer.teardown import shutdown
 from fsdp import MixedPrecisionPolicy, fully_shard
 from fsdp.group.layout_choice import layout_policy
-from fsdp.group.policy import Strategy, parse_strategy
+from fsdp.group.policy import Strategy, as_policy, parse_strategy
 from tools.memory_plan.closed_form import OPTIMIZER_STATES, closed_form, describe_policy
 from tools.memory_plan.measure import measure_units, probe_schedule
 from tools.memory_plan.presets import resolve_model
@@ -68,8 +68,7 @@ def plan(
     """
     name, build = resolve_model(model)
     strategy = parse_strategy(strategy)
-    if not isinstance(mp_policy, MixedPrecisionPolicy):
-        raise TypeError(f"mp_policy must be an fsdp.MixedPrecisionPolicy, got {type(mp_policy).__name__}")
+    mp_policy = as_policy(mp_policy)
     if optimizer not in OPTIMIZER_STATES:
         raise ValueError(f"unknown optimizer {optimizer!r}; use one of {', '.join(OPTIMIZER_STATES)}")
     if not isinstance(world, int) or world < 1 or not isinstance(rank, int) or not 0 <= rank < world:
