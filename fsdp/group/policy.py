@@ -28,8 +28,12 @@ __all__ = [
 
 
 class MainDtype(enum.Enum):
-    """``main_params_dtype``'s default rule, a value of its own so that an explicit
-    ``torch.float32`` (which does store a float64 model in float32) stays distinguishable."""
+    """``MixedPrecisionPolicy.main_params_dtype``'s default, ``fsdp.FLOAT32_OR_WIDER``: main
+    weights in float32 for a parameter built in bf16, fp16 or fp32, in the parameter's own dtype
+    where that is wider (float64 stays float64), so that no parameter is stored less precisely
+    than it was built unless a policy says so. A value of its own, not ``torch.float32``: an
+    explicit ``torch.float32`` does store a float64 model in float32. It is valid only as that
+    field's value; ``MixedPrecisionPolicy`` raises ``ValueError`` for it in another field."""
 
     FLOAT32_OR_WIDER = "float32, or the parameter's own dtype where that is wider"
 
