@@ -242,7 +242,7 @@ def _by_dtype(members: list[int], params: list[torch.Tensor], policies: dict, me
 
 
 def _main_bytes(p: torch.Tensor, policy: MixedPrecisionPolicy) -> int:
-    return p.numel() * torch.empty((), dtype=policy.dtypes_for(p.dtype).main).element_size()
+    return p.numel() * torch.empty((), dtype=policy.dtypes_for(p.dtype, requires_grad=p.requires_grad).main).element_size()
 
 
 def _check_placement(b: int, placement: Placement) -> None:

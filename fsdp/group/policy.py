@@ -29,8 +29,8 @@ __all__ = [
 
 class MainDtype(enum.Enum):
     """``MixedPrecisionPolicy.main_params_dtype``'s default, ``fsdp.FLOAT32_OR_WIDER``: main
-    weights in float32 for a parameter built in bf16, fp16 or fp32, in the parameter's own dtype
-    where that is wider (float64 stays float64), so that no parameter is stored less precisely
+    weights in float32 for a trained parameter built in bf16, fp16 or fp32, in the parameter's
+    own dtype where that is wider (float64 stays float64) or where it is frozen, so that no parameter is stored less precisely
     than it was built unless a policy says so. A value of its own, not ``torch.float32``: an
     explicit ``torch.float32`` does store a float64 model in float32. It is valid only as that
     field's value; ``MixedPrecisionPolicy`` raises ``ValueError`` for it in another field."""
@@ -92,8 +92,9 @@ class MixedPrecisionPolicy:
     an FP32 one in FP32 throughout, a float64 one in float64.
 
     * ``main_params_dtype``: the sharded weights the optimizer updates. Default
-      ``fsdp.FLOAT32_OR_WIDER``: float32 for a parameter built in bf16, fp16 or fp32, its own
-      dtype where that is wider (float64 stays float64). A dtype: that dtype for every floating
+      ``fsdp.FLOAT32_OR_WIDER``: float32 for a trained parameter built in bf16, fp16 or fp32 (or
+      float8), its own dtype where that is wider (float64 stays float64) and for a frozen one
+      (``requires_grad=False``: no optimizer step to keep precise). A dtype: that dtype for every floating
       parameter (``torch.bfloat16`` for BF16 main weights). ``None``: each parameter's own
       dtype (then a BF16-built model keeps BF16 main weights, as FSDP2).
     * ``param_dtype``: the model/compute weights forward and backward run with. ``None``: the
@@ -178,14 +179,19 @@ class MixedPrecisionPolicy:
             )
         return replace(self, param_dtype=self.param_dtype if dtype is None else dtype, param_dtype_override_fn=None)
 
-    def dtypes_for(self, orig: torch.dtype, grad_dtype: Optional[torch.dtype] = None) -> "Dtypes":
+    def dtypes_for(
+        self, orig: torch.dtype, grad_dtype: Optional[torch.dtype] = None, requires_grad: bool = True
+    ) -> "Dtypes":
         """The dtypes of a parameter built as ``orig`` (non-floating ones are never cast);
-        ``grad_dtype``: its ``grad_dtype`` where set (torch 2.15), for ``reduce_dtype=None``."""
+        ``grad_dtype``: its ``grad_dtype`` where set (torch 2.15), for ``reduce_dtype=None``;
+        ``requires_grad``: whether the optimizer trains it (``FLOAT32_OR_WIDER`` keeps a frozen
+        parameter in its own dtype: no step needs the precision, and a frozen float8 or BF16
+        base model would otherwise be stored in FP32)."""
         if not orig.is_floating_point:
             return Dtypes(orig, orig, orig, orig)
         main = self.main_params_dtype
         if main is FLOAT32_OR_WIDER:
-            main = torch.promote_types(orig, torch.float32)
+            main = orig if not requires_grad or orig.itemsize > 4 else torch.float32
         elif main is None:
             main = orig
         model = self.param_dtype or orig

@@ -319,7 +319,7 @@ def _build_groups(
                 if outer:  # HFSDP, validated by check_outer_sharding
                     mesh, kw["placements"] = outer_sharded(mesh, spec.placement)
             grad_dtype = first.grad_dtype if getattr(first, "_has_grad_dtype_override", False) else None
-            dtypes = spec.policy.dtypes_for(first.dtype, grad_dtype)
+            dtypes = spec.policy.dtypes_for(first.dtype, grad_dtype, first.requires_grad)
             kw["forward_only"] = _forward_only_tail(members, spec, kw)
             groups.append(ParameterGroup(members, mesh, spec.strategy, dtypes, first.requires_grad, **kw))
     if log.isEnabledFor(logging.DEBUG):

@@ -187,6 +187,11 @@ def test_default_dtypes_follow_the_built_dtype(monkeypatch, reduces_in_grad_dtyp
         d = default.dtypes_for(built)
         assert (d.main, d.model, d.main_grad, d.reduce) == (main, built, main, built), (built, d)
     assert fsdp.MixedPrecisionPolicy(main_params_dtype=None).dtypes_for(bf16).main == bf16  # FSDP2's storage
+    fp8 = torch.float8_e4m3fn
+    assert default.dtypes_for(fp8).main == f32  # trained: FP32 main (torch cannot promote float8)
+    for built in (bf16, fp8, f64):  # frozen: no step to keep precise, the built dtype stays
+        d = default.dtypes_for(built, requires_grad=False)
+        assert (d.main, d.model) == (built, built)
     explicit = fsdp.MixedPrecisionPolicy(main_params_dtype=f32).dtypes_for(f64)  # a policy may say less precise
     assert (explicit.main, explicit.model) == (f32, f64)
     assert fsdp.MixedPrecisionPolicy(main_params_dtype=bf16).dtypes_for(f32).main == bf16

@@ -31,8 +31,8 @@ def _dtypes(p: MixedPrecisionPolicy, built: torch.dtype) -> tuple[torch.dtype, t
     if not built.is_floating_point:
         return built, built, built, built
     main = p.main_params_dtype
-    if main is FLOAT32_OR_WIDER:
-        main = torch.promote_types(built, torch.float32)
+    if main is FLOAT32_OR_WIDER:  # the presets' parameters are all trained
+        main = built if built.itemsize > 4 else torch.float32
     elif main is None:
         main = built
     model = p.param_dtype or built
