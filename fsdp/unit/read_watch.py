@@ -10,16 +10,17 @@ compute with it (FSDP2 fails there, ``aten.mm.default got mixed torch.Tensor and
 its backward would read the freed weights.
 
 Nothing before the first forward says who reads what, so the root watches during its first
-forward only. Each module holding a parameter of a unit below the root gets a ``_parameters``
-dict that sees reads by name (``module.weight`` goes through ``nn.Module.__getattr__`` to it;
-registration, iteration, state dicts and fsdp's own checks do not). A read of a unit's sharded
-parameter, in forward, after that unit's forward ended in this forward, makes the unit keep its
-weights for the reader (its ``read_after_forward`` names what was read and by whom): it
-gathers them back for this read (every rank runs the same code, so every rank makes the same
-collective at the same read) and from then on keeps them gathered and registered after its
-forward until its backward ends, as ``reshard_after_forward=False`` does. When the root's first
-forward returns, the modules get plain dicts back: the decision is data on the unit, and the
-hot path watches nothing.
+forward only. When a unit's forward ends there, each module holding one of its parameters gets a
+``_parameters`` dict that sees reads by name (``module.weight`` goes through
+``nn.Module.__getattr__`` to it; registration, iteration, state dicts and fsdp's own checks do
+not). A read of the unit's sharded parameter then, in forward, makes the unit keep its weights
+for the reader (its ``read_after_forward`` names what was read and by whom): it gathers them
+back for this read (every rank runs the same code, so every rank makes the same collective at
+the same read) and from then on keeps them gathered and registered after its forward until its
+backward ends, as ``reshard_after_forward=False`` does. When the root's first forward returns,
+each module gets its own dict object back, holding what is registered then: the decision is data
+on the unit, the hot path watches nothing, and what a compiled forward saw (and guards on) before
+is what it sees after.
 
 Why the owner keeps them rather than the reader gathering them again: the reader runs at the end
 of forward (the output layer) and its backward first, so the weight is needed from there to the
@@ -39,7 +40,7 @@ unit"), naming the way out this watch allows: register it on one module and hand
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
+from typing import Any
 
 import torch.nn as nn
 
@@ -63,31 +64,41 @@ class _WatchedParameters(dict):
 
 class ReadWatch:
     """Watches, during the root's first forward, reads of the parameters of the units below it
-    (see the module docstring); stops itself when that forward returns."""
+    (see the module docstring), each unit's from the end of its forward (a forward hook after
+    fsdp's, which has registered the sharded parameters by then); stops itself when that forward
+    returns."""
 
     def __init__(self, root: Unit, units: list[Unit]) -> None:
         self.root = root
         self.owners: dict[int, tuple[Unit, str]] = {}  # sharded parameter -> (its unit, its name)
-        self.watched: list[nn.Module] = []
+        self.modules: dict[int, list[nn.Module]] = {}  # unit -> the modules holding its parameters
+        self.originals: dict[nn.Module, dict] = {}  # a watched module -> its own _parameters
+        self._handles = []
         for unit in units:
             if unit is root:  # its weights stay gathered through its own forward
                 continue
+            holders: dict[int, nn.Module] = {}
             for group in unit.groups:
                 for info, param in zip(group.infos, group.sharded_params):
                     self.owners[id(param)] = (unit, f"{unit.fqn}.{info.fqn}" if unit.fqn else info.fqn)
-                    for module, _ in info.registrations:
-                        self._watch(module)
-        self._handle: Optional[Any] = None
-        if self.watched:
-            self._handle = root.modules[0].register_forward_hook(self._stop)
+                    holders.update((id(m), m) for m, _ in info.registrations)
+            if holders:
+                self.modules[id(unit)] = list(holders.values())
+                for module in unit.modules:
+                    self._handles.append(module.register_forward_hook(self._unit_forward_ended(unit)))
+        if self._handles:
+            self._handles.append(root.modules[0].register_forward_hook(self._stop))
 
-    def _watch(self, module: nn.Module) -> None:
-        if isinstance(module._parameters, _WatchedParameters):
-            return
-        watched = _WatchedParameters(module._parameters)
-        watched.watch = self
-        module.__dict__["_parameters"] = watched
-        self.watched.append(module)
+    def _unit_forward_ended(self, unit: Unit):
+        def watch(module: nn.Module, args: tuple, output: Any) -> None:
+            for holder in self.modules.get(id(unit), ()):
+                if holder not in self.originals:
+                    watched = _WatchedParameters(holder._parameters)
+                    watched.watch = self
+                    self.originals[holder] = holder._parameters
+                    holder.__dict__["_parameters"] = watched
+
+        return watch
 
     def read(self, parameters: dict, name: str) -> Any:
         """``parameters[name]``, after gathering its unit back if another unit's forward reads
@@ -98,8 +109,7 @@ class ReadWatch:
             return value
         unit, fqn = owner
         ctx = self.root.root_ctx
-        done = unit.training_state is TrainingState.IDLE and unit in ctx.post_forward_order
-        if not done or unit.registered_unsharded:
+        if unit.training_state is not TrainingState.IDLE or unit.registered_unsharded:
             return value
         reader = next((u for u in reversed(ctx.forward_order) if u.training_state is TrainingState.FORWARD), self.root)
         read = f"{fqn!r} is read in the forward of {reader.name()}"
@@ -111,10 +121,14 @@ class ReadWatch:
         return dict.__getitem__(parameters, name)
 
     def _stop(self, module: nn.Module, args: tuple, output: Any) -> None:
-        """The root's first forward returned: plain dicts back on every watched module."""
-        for watched in self.watched:
-            watched.__dict__["_parameters"] = dict(watched._parameters)
-        self.watched = []
-        if self._handle is not None:
-            self._handle.remove()
-            self._handle = None
+        """The root's first forward returned: every watched module gets its own dict back,
+        holding what is registered now."""
+        for holder, original in self.originals.items():
+            watched = holder.__dict__["_parameters"]
+            original.clear()
+            original.update(dict.items(watched))
+            holder.__dict__["_parameters"] = original
+        self.originals = {}
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
