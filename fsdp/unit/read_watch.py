@@ -42,6 +42,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import torch
 import torch.nn as nn
 
 from fsdp.unit.training_state import TrainingState, in_backward
@@ -50,7 +51,13 @@ __all__ = ["ReadWatch"]
 
 logger = logging.getLogger("fsdp")
 
-Unit = Any  # an fsdp.unit.state.FSDPState (that module imports this one's importer)
+Unit = Any  # an fsdp.unit.state.FSDPState (not imported: it imports lazy_init, which imports this)
+
+
+def _eager(fn):
+    """``fn`` called as it is by torch.compile, never traced: it gathers and registers (as fsdp's
+    own hooks are marked, :func:`fsdp.unit.state._run_eagerly`)."""
+    return torch.compiler.disable(fn, recursive=True, reason="fsdp's read watch gathers and registers parameters")
 
 
 class _WatchedParameters(dict):
@@ -70,6 +77,7 @@ class ReadWatch:
 
     def __init__(self, root: Unit, units: list[Unit]) -> None:
         self.root = root
+        self.read = _eager(self._read)  # what a watched dict's reads call
         self.owners: dict[int, tuple[Unit, str]] = {}  # sharded parameter -> (its unit, its name)
         self.modules: dict[int, list[nn.Module]] = {}  # unit -> the modules holding its parameters
         self.originals: dict[nn.Module, dict] = {}  # a watched module -> its own _parameters
@@ -85,9 +93,9 @@ class ReadWatch:
             if holders:
                 self.modules[id(unit)] = list(holders.values())
                 for module in unit.modules:
-                    self._handles.append(module.register_forward_hook(self._unit_forward_ended(unit)))
+                    self._handles.append(module.register_forward_hook(_eager(self._unit_forward_ended(unit))))
         if self._handles:
-            self._handles.append(root.modules[0].register_forward_hook(self._stop))
+            self._handles.append(root.modules[0].register_forward_hook(_eager(self._stop)))
 
     def _unit_forward_ended(self, unit: Unit):
         def watch(module: nn.Module, args: tuple, output: Any) -> None:
@@ -100,7 +108,7 @@ class ReadWatch:
 
         return watch
 
-    def read(self, parameters: dict, name: str) -> Any:
+    def _read(self, parameters: dict, name: str) -> Any:
         """``parameters[name]``, after gathering its unit back if another unit's forward reads
         it after the unit's forward ended."""
         value = dict.__getitem__(parameters, name)
