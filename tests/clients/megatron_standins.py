@@ -18,6 +18,9 @@ megatron-core 0.16.1 names CUDA in a few places its training loop passes through
 * ``TorchFullyShardedDataParallel`` builds its mesh as ``DeviceMesh.from_group(group, "cuda")``:
   a CPU mesh of the same group.
 
+:func:`import_megatron` takes out the one process-wide change ``import megatron.core`` makes (its
+entries in ``torch.load``'s ``weights_only`` allow-list): the test workers run other tests after.
+
 One stand-in is not about CUDA: megatron-core 0.16.1's ``finalize_model_grads`` calls
 ``model_chunk.finish_grad_sync(force_all_reduce=...)``, which ``TorchFullyShardedDataParallel``
 inherits from ``_BaseDataParallel`` without that argument (a ``TypeError`` on any device);
@@ -49,7 +52,7 @@ import fsdp
 
 __all__ = [
     "CudaFactoriesOnCpu", "LAYERS", "SEQ", "VOCAB", "build_config", "build_gpt", "cuda_standins",
-    "data_parallel_class", "global_names", "init_by_name", "seed_rng_tracker",
+    "data_parallel_class", "global_names", "import_megatron", "init_by_name", "seed_rng_tracker",
 ]
 
 VOCAB, SEQ, HIDDEN, HEADS, LAYERS = 64, 16, 32, 4, 2
@@ -89,6 +92,25 @@ def cuda_standins() -> Iterator[None]:
     finally:
         torch.cuda.current_device, mrandom._get_cuda_rng_state, mrandom._set_cuda_rng_state = saved[:3]
         DeviceMesh.from_group = saved[3]
+
+
+def import_megatron() -> None:
+    """Import megatron-core without the one process-wide change its import makes: ``megatron.core``
+    adds its classes, and numpy's arrays, ``argparse.Namespace``, ``BytesIO``, ``PosixPath``, ...
+    to ``torch.load``'s ``weights_only`` allow-list (``torch.serialization.add_safe_globals``).
+    The gloo workers run other tests after these, whose loads must accept and refuse exactly what
+    they would in a process that never imported megatron: its entries are taken out again."""
+    import sys
+
+    if "megatron.core" in sys.modules:
+        return
+    import megatron.core
+    from megatron.core.safe_globals import SAFE_GLOBALS
+
+    ours = set(map(id, SAFE_GLOBALS))
+    kept = [g for g in torch.serialization.get_safe_globals() if id(g if not isinstance(g, tuple) else g[0]) not in ours]
+    torch.serialization.clear_safe_globals()
+    torch.serialization.add_safe_globals(kept)
 
 
 def seed_rng_tracker() -> None:

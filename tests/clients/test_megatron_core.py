@@ -38,7 +38,8 @@ import torch.distributed as dist  # noqa: E402
 import fsdp  # noqa: E402
 
 from tests.clients.megatron_standins import (  # noqa: E402
-    LAYERS, SEQ, VOCAB, build_config, build_gpt, cuda_standins, data_parallel_class, global_names, seed_rng_tracker,
+    LAYERS, SEQ, VOCAB, build_config, build_gpt, cuda_standins, data_parallel_class, global_names, import_megatron,
+    seed_rng_tracker,
 )
 from tests.harness import run_ranks  # noqa: E402
 
@@ -185,6 +186,7 @@ def _runs(variant: Variant, impls: tuple[str, ...]) -> dict:
     out = {}
     with warnings.catch_warnings():  # megatron's notes that Apex and Transformer Engine are absent
         warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine|cuda_graph_scope).*")
+        import_megatron()
         for impl in impls:
             try:
                 out[impl] = _train(variant, impl)
