@@ -1,6 +1,6 @@
 """megatron-core's own training loop on fsdp: its GPTModel (local layer spec) wrapped by its own
 ``TorchFullyShardedDataParallel`` (Megatron-LM's FSDP2 path: a unit per ``TransformerLayer`` and
-``LanguageModelEmbedding``, then the root), trained on 2 gloo ranks through
+``LanguageModelEmbedding``, then the root), trained on 2 gloo ranks (4 for a pipeline of 2 stages) through
 ``get_forward_backward_func()`` (2 micro-batches) and ``finalize_model_grads``, with
 ``fully_shard`` bound to torch FSDP2's and, under ``fsdp.torch_names()``, to fsdp's.
 
@@ -55,7 +55,7 @@ class Variant:
     optimizer: str = "adamw"  # torch.optim.AdamW, or "megatron": get_megatron_optimizer (FP32Optimizer)
     recompute: bool = False  # recompute_granularity="full"
     tied: bool = False  # share_embeddings_and_output_weights
-    pipeline: bool = False  # 2 stages (forward_backward_pipelining_without_interleaving), one rank each
+    pipeline: bool = False  # 2 stages of 2 data-parallel ranks (forward_backward_pipelining_without_interleaving)
 
 
 def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -68,7 +68,7 @@ def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 def _micro_batches(tokens: torch.Tensor, labels: torch.Tensor, ranks: list[int]) -> list:
     """Micro-batch ``i`` of the data-parallel ranks ``ranks`` (of the 2 the batch is split for),
-    together: a rank's own rows, or both ranks' for one process and a pipeline of 2 stages."""
+    together: a data-parallel rank's own rows, or both ranks' for one process."""
     per = GLOBAL_BATCH // 2 // MICRO_BATCHES
     rows = [[r * per * MICRO_BATCHES + i * per + j for r in ranks for j in range(per)] for i in range(MICRO_BATCHES)]
     return [(tokens[r], labels[r]) for r in rows]
