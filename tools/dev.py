@@ -11,7 +11,9 @@ Works on a fresh clone with only Python 3.10+:
 * torch is installed only when none is importable, as ``torch==2.13.0`` (the default of the
   versions this project is tested with); a torch that is already there is never replaced.
 * The project itself (editable) and its test extras are installed once, and again only when
-  ``pyproject.toml`` changes.
+  ``pyproject.toml`` (or :data:`CLIENTS`) changes; so are the frameworks whose own training code
+  the tests run on fsdp (``tests/clients``), each pinned and ``--no-deps`` (:data:`CLIENTS`: what
+  they need at run time is in the test extras; their own heavy extras, CUDA kernels, are not).
 
 ``--torch VERSION`` (e.g. ``2.15.0``): run under exactly that torch instead, in its own
 ``.venv-torch-VERSION`` (made without the system's site packages, so no other torch is seen;
@@ -34,6 +36,9 @@ from typing import Optional
 ROOT = Path(__file__).resolve().parent.parent
 VENV = ROOT / ".venv"
 TORCH_WHEN_MISSING = "torch==2.13.0"
+# Installed without their dependencies: megatron-core needs only torch, numpy and packaging (the
+# project's and the test extras'), and its declared torch range must not move the torch under test.
+CLIENTS = ("megatron-core==0.16.1",)
 _VERSION = re.compile(r"\d+\.\d+\.\d+")
 
 
@@ -60,10 +65,12 @@ def _torch_version() -> Optional[str]:
 
 
 def _ensure_installed(torch_pin: Optional[str]) -> None:
-    """torch (``torch_pin`` exactly, else any, else the default) and the project, once per
-    ``pyproject.toml`` (and pin)."""
+    """torch (``torch_pin`` exactly, else any, else the default), the project and the clients,
+    once per ``pyproject.toml`` (and pin, and :data:`CLIENTS`)."""
     stamp = Path(sys.prefix) / ".dbuffer-fsdp-installed"
-    wanted = hashlib.sha256((ROOT / "pyproject.toml").read_bytes() + (torch_pin or "").encode()).hexdigest()
+    wanted = hashlib.sha256(
+        (ROOT / "pyproject.toml").read_bytes() + (torch_pin or "").encode() + " ".join(CLIENTS).encode()
+    ).hexdigest()
     have = _torch_version()
     if stamp.exists() and stamp.read_text() == wanted and (torch_pin is None or have == torch_pin):
         return
@@ -73,6 +80,7 @@ def _ensure_installed(torch_pin: Optional[str]) -> None:
     elif have is None:
         _run(pip + [TORCH_WHEN_MISSING])
     _run(pip + ["-e", f"{ROOT}[test]"])
+    _run(pip + ["--no-deps", *CLIENTS])
     stamp.write_text(wanted)
 
 

@@ -271,8 +271,11 @@ def _collect_params(modules: list[nn.Module], ignored: set[int]) -> tuple[list[P
                 if hasattr(p, _OWNER) and id(p) not in infos:  # a tie: this registration kept the original
                     shared.append(
                         f"parameter {fqn!r} is shared with a parameter already managed by another FSDP unit "
-                        f"({getattr(p, _OWNER)}); a parameter (tied ones included) must belong to one unit: shard a "
-                        f"module that holds all its uses, or fully_shard([module_a, module_b]) as one unit"
+                        f"({getattr(p, _OWNER)}), and the unit of {type(modules[0]).__name__} registers it too (on its "
+                        f"{type(m).__name__}); a parameter (tied ones included) must belong to one unit: register it "
+                        f"on one module only and hand it to the other in forward (fsdp keeps it gathered for that "
+                        f"reader, as for megatron-core's tied output layer), shard a module that holds all its uses, "
+                        f"or fully_shard([module_a, module_b]) as one unit"
                     )
                 info = infos.setdefault(id(p), ParamInfo(fqn, p))
                 info.registrations.append((m, name))

@@ -4,7 +4,9 @@ As in FSDP2, the unit whose forward runs first becomes the root of every unit be
 collects them (in ``named_modules`` order), checks what must hold before any gather (no unit
 below it ran forward first, no parameter tied across two units, nothing left on the meta device;
 the same errors as FSDP2's), adopts parameters assigned since ``fully_shard``, and builds the
-tree's :class:`~fsdp.unit.root.RootContext` from the knobs set on units before now.
+tree's :class:`~fsdp.unit.root.RootContext` from the knobs set on units before now. During the
+root's first forward it watches which units' parameters another unit's forward reads after theirs
+(:mod:`fsdp.unit.read_watch`): those units keep their weights for that reader from then on.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Any
 
 from fsdp.group.meta_init import adopt_assigned
 from fsdp.group.param_group import meta_error
+from fsdp.unit.read_watch import ReadWatch
 from fsdp.unit.root import MAX_REDUCTIONS_IN_FLIGHT, RootContext
 
 __all__ = ["find_tree"]
@@ -60,6 +63,7 @@ def find_tree(root: Any) -> None:
         state.root, state.fqn, state.root_ctx = root, name, None
     root.root_ctx = ctx
     ctx.take_tree(list(units))
+    ReadWatch(root, list(units))  # until the root's first forward returns
     if logger.isEnabledFor(logging.DEBUG):
         logger.debug(
             "lazy init: root %s of %d units %s; %d parameter groups on %s",

@@ -4,10 +4,10 @@ Life of a step, per unit (ZeRO-3 shown; the other strategies skip the gathers an
 the unit's :class:`~fsdp.unit.training_state.TrainingState` after each hook:
 
 1. forward pre-hook (FORWARD): refresh model weights if the optimizer stepped, all-gather (or
-   wait for a prefetched gather), register the unsharded parameters, start gathering the next
-   unit;
+   wait for a prefetched gather), register the unsharded parameters, start gathering the next unit;
 2. forward post-hook (IDLE): with ``reshard_after_forward`` (default: every unit but the root,
-   whose backward comes next), register the sharded parameters again and free the unsharded
+   whose backward comes next, and but one whose weights a later unit's forward reads,
+   :mod:`fsdp.unit.read_watch`), register the sharded parameters again and free the unsharded
    storage; otherwise the unsharded parameters stay registered (as in FSDP2, under ``no_grad``
    too) until step 5 or ``reshard()``. Hook the outputs so that their gradient triggers step 3;
 3. pre-backward (PRE_BACKWARD; first output gradient): gather again, start gathering the unit
@@ -101,13 +101,8 @@ def _disabled(fn: Callable) -> Callable:
 
 
 class FSDPState(pipelining.FSDP2Names):
-    def __init__(
-        self,
-        modules: list[nn.Module],
-        groups: list[ParameterGroup],
-        policy: MixedPrecisionPolicy,
-        reshard_after_forward: Optional[bool],
-    ) -> None:
+    def __init__(self, modules: list[nn.Module], groups: list[ParameterGroup], policy: MixedPrecisionPolicy,
+                 reshard_after_forward: Optional[bool]) -> None:
         self.modules = modules
         self.groups = groups
         self.policy = policy
@@ -125,6 +120,7 @@ class FSDPState(pipelining.FSDP2Names):
         self.training_state = TrainingState.IDLE
         self.registered_unsharded = False  # the unsharded parameters are the modules' ones
         self.shared_with_other_units: list[str] = []  # tied parameters another unit owns: lazy init raises
+        self.read_after_forward: list[str] = []  # who reads its weights after its forward (fsdp.unit.read_watch)
         self.shared_gathers: dict = {}  # the unit's groups gathered together (fsdp.group.shared_gather)
 
     def install_hooks(self) -> None:
@@ -328,6 +324,8 @@ class FSDPState(pipelining.FSDP2Names):
 
     def reshards_after_forward(self) -> bool:
         """``reshard_after_forward``, or if None (the default, as in FSDP2): all but the root."""
+        if self.read_after_forward:  # kept for a unit reading its weights later (fsdp.unit.read_watch)
+            return False
         if self.reshard_after_forward is None:
             return self.root is not self
         return self.reshard_after_forward
@@ -347,11 +345,12 @@ class FSDPState(pipelining.FSDP2Names):
             # Resharded with a backward to come, it is not read before that backward's gather,
             # which casts it again (once per step instead of keeping it through the activations'
             # peak, the start of backward).
+            root_default = not resharded and self.root is self and self.reshard_after_forward is None
             if not resharded or grad:
                 for group in self.groups:
                     group.release_model_shard()
-                    if grad and self.reshard_after_forward is None and not resharded and self.reshard_after_backward:
-                        group.release_forward_only()  # the root's default; False keeps all, as asked
+                    if grad and root_default and self.reshard_after_backward:
+                        group.release_forward_only()  # False (or a later reader) keeps all, as asked
             # Otherwise the unsharded parameters stay registered and gathered (with or without
             # grad, as in FSDP2) until the end of backward or reshard().
             if grad:

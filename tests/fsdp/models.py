@@ -61,6 +61,30 @@ class TinyLM(nn.Module):
         return self.head(self.norm(x))
 
 
+class HandedHead(nn.Module):
+    """An output projection owning no weight: its caller hands it one (megatron-core's
+    ``ColumnParallelLinear(skip_weight_param_allocation=True)``, called with ``weight=``)."""
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, weight)
+
+
+class HandedTinyLM(TinyLM):
+    """TinyLM tied as megatron-core's GPTModel ties it: the head owns no weight, and the model's
+    forward hands it the embedding's (``output_layer(hidden, weight=embedding.weight)``), so the
+    tie holds whichever units the embedding and the head belong to."""
+
+    def __init__(self, blocks: int = 2) -> None:
+        super().__init__(blocks)
+        self.head = HandedHead()
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x), weight=self.embed.weight)
+
+
 def make_model(seed: int = 0, **kw) -> TinyLM:
     torch.manual_seed(seed)
     return TinyLM(**kw)

@@ -49,20 +49,32 @@ def _installs(monkeypatch, tmp_path: Path, pin, have, stamp: bool) -> list[list[
     return ran
 
 
+PROJECT = ["-e", f"{ROOT}[test]"]
+CLIENTS = ["--no-deps", "megatron-core==0.16.1"]  # tests/clients: the frameworks' own code, pinned
+
+
 def test_a_pinned_torch_is_installed_when_another_or_none_is_there(monkeypatch, tmp_path) -> None:
-    project = ["-e", f"{ROOT}[test]"]
-    assert _installs(monkeypatch, tmp_path / "a", "2.15.0", None, False) == [["torch==2.15.0"], project]
-    assert _installs(monkeypatch, tmp_path / "b", "2.15.0", "2.13.0", False) == [["torch==2.15.0"], project]
-    assert _installs(monkeypatch, tmp_path / "c", "2.15.0", "2.15.0", False) == [project]
+    project = [PROJECT, CLIENTS]
+    assert _installs(monkeypatch, tmp_path / "a", "2.15.0", None, False) == [["torch==2.15.0"], *project]
+    assert _installs(monkeypatch, tmp_path / "b", "2.15.0", "2.13.0", False) == [["torch==2.15.0"], *project]
+    assert _installs(monkeypatch, tmp_path / "c", "2.15.0", "2.15.0", False) == project
     assert _installs(monkeypatch, tmp_path / "d", "2.15.0", "2.15.0", True) == []  # stamped: nothing
-    assert _installs(monkeypatch, tmp_path / "e", "2.15.0", "2.13.0", True) == [["torch==2.15.0"], project]
+    assert _installs(monkeypatch, tmp_path / "e", "2.15.0", "2.13.0", True) == [["torch==2.15.0"], *project]
 
 
 def test_without_a_pin_a_torch_already_there_is_kept(monkeypatch, tmp_path) -> None:
-    project = ["-e", f"{ROOT}[test]"]
-    assert _installs(monkeypatch, tmp_path / "a", None, "2.11.0", False) == [project]
-    assert _installs(monkeypatch, tmp_path / "b", None, None, False) == [[dev.TORCH_WHEN_MISSING], project]
+    project = [PROJECT, CLIENTS]
+    assert _installs(monkeypatch, tmp_path / "a", None, "2.11.0", False) == project
+    assert _installs(monkeypatch, tmp_path / "b", None, None, False) == [[dev.TORCH_WHEN_MISSING], *project]
     assert _installs(monkeypatch, tmp_path / "c", None, "2.11.0", True) == []
+
+
+def test_the_clients_are_installed_without_dependencies_and_their_needs_are_test_extras() -> None:
+    """megatron-core's declared torch range must not move the torch under test; what it needs at
+    run time (numpy, packaging) comes with the project and its test extras."""
+    assert dev.CLIENTS == ("megatron-core==0.16.1",)
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert '"numpy>=' in pyproject and '"packaging>=24.2"' in pyproject
 
 
 def test_ci_runs_the_readme_command_then_the_oldest_and_newest_torch() -> None:
