@@ -188,7 +188,9 @@ def _publish(staging: str, final: str) -> None:
     old, parent = final + OLD, os.path.dirname(final)
     fsync_dir(staging)  # its entries are on disk before anything that depends on them
     if os.path.exists(final):
-        shutil.rmtree(old, ignore_errors=True)  # a previous save's, finished: ``final`` is complete
+        if os.path.lexists(old):  # a save cut after it published: its renames on disk, then its .old goes
+            fsync_dir(parent)
+            shutil.rmtree(old, ignore_errors=True)
         os.rename(final, old)
     os.rename(staging, final)
     fsync_dir(parent)  # both renames on disk before the previous checkpoint goes
