@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import shutil
 
+import pytest
 import torch
 
 from fsdp import checkpoint as ckpt
@@ -101,3 +102,18 @@ def test_the_previous_checkpoint_survives_a_power_cut_at_every_point_of_a_save(t
     ckpt.load(state, path)  # (the real files: the fsyncs skipped, the save complete)
     assert state["step"] == 2 and torch.equal(state["w"], torch.full((8,), 2.0))
     assert not os.path.exists(path + OLD) and not os.path.exists(path + PARTIAL)
+
+
+def test_a_save_whose_ranks_do_not_share_a_file_system_publishes_nothing(tmp_path) -> None:
+    """Rank 0 publishes only after seeing every rank's data file as that rank wrote it: a file
+    another rank wrote on its own local disk (absent here, or of another size) raises, naming
+    the file and the shared file system a save needs."""
+    staging = tmp_path / ("ck" + PARTIAL)
+    staging.mkdir()
+    (staging / "__0_0.distcp").write_bytes(b"x" * 10)
+    atomic._check_shared(str(staging), {"__0_0.distcp": (10, 0)})  # as written: nothing to say
+    for sums in ({"__0_0.distcp": (10, 0), "__1_0.distcp": (7, 0)}, {"__0_0.distcp": (11, 0)}):
+        with pytest.raises(ckpt.CheckpointError, match="a directory every rank shares") as refused:
+            atomic._check_shared(str(staging), sums)
+        missing = next(n for n, (size, _) in sums.items() if not (staging / n).exists() or size != 10)
+        assert str(staging / missing) in str(refused.value)
