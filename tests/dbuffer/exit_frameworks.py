@@ -17,6 +17,15 @@ two recipes and then leave through full interpreter finalisation, never calling
   with ``set_requires_gradient_sync``, ``all_reduce`` of the loss and a barrier, the model and
   the mesh kept in a global; ``destroy_process_group`` every other launch.
 
+* ``lightning-fabric``: Lightning Fabric itself (``lightning`` must be installed; the recipes
+  above need nothing beyond torch): ``Fabric(accelerator="cpu", devices=2,
+  strategy=ModelParallelStrategy(parallelize_fn))``, ``setup``, ``no_backward_sync``,
+  ``backward``, ``all_reduce``, ``barrier``, a DCP checkpoint through ``fabric.save``, the
+  ``fabric`` object and the model kept in a global; ``destroy_process_group`` every other launch.
+  Each rank gets the environment torchrun would give it, so Fabric joins the group itself;
+  fsdp's launches call ``fsdp.torch_names()`` first (Fabric imports torch's names when it
+  calls them).
+
 ``--impls``: ``fsdp`` (fsdp's ``fully_shard``, with the exit guard ``import dbuffer`` registers),
 ``fsdp-unguarded`` (the same, the guard unregistered: the code before it), ``fsdp2`` (torch's
 ``fully_shard``; the guard unregistered, as a process that never imports dbuffer). Launches of
@@ -32,6 +41,7 @@ import json
 import os
 import signal
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -52,6 +62,7 @@ from dbuffer.teardown import exit_guard  # noqa: E402
 from tests.dbuffer.exit_race import _describe, _free_port  # noqa: E402
 
 WORLD = 2
+_SCRATCH = os.path.join(tempfile.gettempdir(), f"exit_frameworks_{os.getpid()}")  # fabric.save's checkpoints
 _KEPT: list = []  # what the framework object keeps until the interpreter ends
 
 
@@ -104,10 +115,52 @@ def _fabric(rank: int, shard) -> None:
     _KEPT.extend([model, opt, mesh])
 
 
+def _parallelize(model: nn.Module, device_mesh) -> nn.Module:
+    """A ``parallelize_fn`` written for FSDP2 (torch's names, bound to fsdp's by ``torch_names``)."""
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model[:-1]:
+        fully_shard(block, mesh=device_mesh["data_parallel"])
+    return fully_shard(model, mesh=device_mesh["data_parallel"])
+
+
+def _lightning_fabric(rank: int, port: int, impl: str, checkpoint: str) -> None:
+    from lightning.fabric import Fabric
+    from lightning.fabric.strategies import ModelParallelStrategy
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      NODE_RANK="0", WORLD_SIZE=str(WORLD))
+    if impl != "fsdp2":
+        fsdp.torch_names()
+    strategy = ModelParallelStrategy(_parallelize, data_parallel_size=WORLD, tensor_parallel_size=1)
+    fabric = Fabric(accelerator="cpu", devices=WORLD, strategy=strategy)
+    fabric.launch()
+    model = fabric.setup(_model())
+    assert isinstance(model.module, fsdp.FSDPModule) == (impl != "fsdp2"), type(model.module)  # whose fully_shard
+    opt = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-3))
+    for step in range(2):
+        for micro in range(2):
+            with fabric.no_backward_sync(model, enabled=micro == 0):
+                torch.manual_seed(100 * step + 10 * micro + rank)
+                loss = model(torch.randn(8, 32)).square().mean()
+                fabric.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        fabric.all_reduce(loss.detach())
+        fabric.barrier()
+    fabric.save(checkpoint, {"model": model, "optimizer": opt, "step": 2})
+    _KEPT.extend([fabric, model, opt])
+
+
 def _rank(rank: int, port: int, recipe: str, impl: str, destroy: bool) -> int:
     torch.set_num_threads(1)
     if impl != "fsdp":
         atexit.unregister(exit_guard)
+    if recipe == "lightning-fabric":
+        _lightning_fabric(rank, port, impl, os.path.join(_SCRATCH, f"{port}"))
+        if destroy:
+            dist.destroy_process_group()
+        return 0
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     shard = torch_fully_shard if impl == "fsdp2" else fsdp.fully_shard
     (_trainer if recipe == "trainer" else _fabric)(rank, shard)
@@ -125,6 +178,9 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     impls = args.impls.split(",")
+    if "lightning-fabric" in args.recipes:
+        import lightning.fabric  # noqa: F401  (once, before the forks)
+        import lightning.fabric.strategies  # noqa: F401
     for recipe in args.recipes.split(","):
         start = time.monotonic()
         counts = {impl: {"done": 0, "aborted": 0, "failed": []} for impl in impls}
