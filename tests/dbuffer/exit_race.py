@@ -11,6 +11,8 @@ full interpreter finalisation, as a spawned rank does:
   ``dbuffer.teardown.exit_guard`` at exit (``import dbuffer`` registers it).
 * ``exit``: what a framework's script does: the mesh and a DTensor kept in a global, no
   ``destroy_process_group``, then the exit guard.
+* ``kept-destroy``: the mesh and a DTensor kept, ``destroy_process_group``, then the exit guard
+  (which can free nothing here: only its release of the GIL serves the waiting worker).
 * ``unguarded-destroy``, ``unguarded-exit``: the same without the exit guard (unregistered): the
   recipes as they abort.
 * ``shutdown``: ``dbuffer.teardown.shutdown()``, then finalisation; the rank exits 3 if shutdown
@@ -72,7 +74,7 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor  # noqa
 
 from dbuffer.teardown import exit_guard, shutdown  # noqa: E402
 
-MODES = ("destroy", "exit", "unguarded-destroy", "unguarded-exit", "shutdown", "shutdown-exit")
+MODES = ("destroy", "exit", "kept-destroy", "unguarded-destroy", "unguarded-exit", "shutdown", "shutdown-exit")
 WORLD = 2
 _KEPT: list = []  # shutdown-exit: a mesh that outlives everything
 _RELEASER: object = None  # --forced: see _ReleaseGILWhenFinalised
@@ -113,7 +115,7 @@ def _work(rank: int, mode: str) -> None:
     full = torch.arange(64.0).reshape(8, 8)
     x = distribute_tensor(full, mesh, [Shard(0)])
     assert torch.equal((x * 2).redistribute(mesh, [Replicate()]).to_local(), full * 2)
-    if mode in ("shutdown-exit", "exit", "unguarded-exit"):
+    if mode in ("shutdown-exit", "exit", "kept-destroy", "unguarded-exit"):
         _KEPT.extend([mesh, x])  # as a framework keeps its model, its DTensors and the mesh
     del x, mesh  # from here on only torch's caches (and _KEPT) hold the mesh
     t = torch.full((256,), float(rank))
@@ -127,7 +129,7 @@ def _work(rank: int, mode: str) -> None:
 def _rank(rank: int, port: int, mode: str, forced: bool, go: tuple[int, int]) -> int:
     """One rank's work and teardown; returns its exit status (``sys.exit`` follows)."""
     torch.set_num_threads(1)
-    guarded = mode in ("destroy", "exit")
+    guarded = mode in ("destroy", "exit", "kept-destroy")
     if forced or not guarded:
         atexit.unregister(exit_guard)  # forced: registered again where it would run, last
     threads = _os_threads()
@@ -149,7 +151,7 @@ def _rank(rank: int, port: int, mode: str, forced: bool, go: tuple[int, int]) ->
             # shutdown waits in the barrier, which waits for this all-gather)
             dist.all_gather(outputs, torch.ones(256))
     status = 0
-    if mode in ("destroy", "unguarded-destroy"):
+    if mode in ("destroy", "kept-destroy", "unguarded-destroy"):
         dist.destroy_process_group()
     elif mode in ("exit", "unguarded-exit"):
         pass  # the framework ends without touching torch.distributed

@@ -31,13 +31,14 @@ TRIALS = 2
 def test_forced_exit_race_aborts_without_the_exit_guard_and_never_with_it_or_after_shutdown() -> None:
     """The race forced in every trial (exit_race.py --forced): a recipe that ends without
     ``shutdown`` (``destroy_process_group`` alone, or a framework's exit that keeps the mesh and
-    a DTensor in a global) aborts when the exit guard ``import dbuffer`` registers is taken away,
+    a DTensor in a global, destroying the group or not) aborts when the exit guard ``import dbuffer`` registers is taken away,
     and never with it; ``shutdown()`` and ``shutdown(0)`` never abort either. Two scripts run at
     once (most of a guarded trial is a sleep that the forcing needs)."""
     script = [sys.executable, str(ROOT / "tests" / "dbuffer" / "exit_race.py"), "--forced", "--trials", str(TRIALS),
               "--parallel", str(TRIALS)]
     runs = [subprocess.Popen(script + modes, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
-            for modes in (["destroy", "exit"], ["unguarded-destroy", "unguarded-exit", "shutdown", "shutdown-exit"])]
+            for modes in (["destroy", "exit", "kept-destroy"], ["unguarded-destroy", "unguarded-exit", "shutdown",
+                                                              "shutdown-exit"])]
     results, output = {}, ""
     for run in runs:
         out, err = run.communicate(timeout=300)
@@ -49,7 +50,7 @@ def test_forced_exit_race_aborts_without_the_exit_guard_and_never_with_it_or_aft
         assert (results[mode]["aborted"], results[mode]["failed"]) == (TRIALS, []), output
     # ... and with it nothing does; shutdown() left no group and no extra OS thread (else exit 3
     # or 4, listed in "failed"), shutdown(0) left through os._exit with the mesh still held.
-    for mode in ("destroy", "exit", "shutdown", "shutdown-exit"):
+    for mode in ("destroy", "exit", "kept-destroy", "shutdown", "shutdown-exit"):
         assert (results[mode]["aborted"], results[mode]["failed"]) == (0, []), output
 
 
