@@ -9,6 +9,10 @@ torch's code unchanged (:mod:`dbuffer.full_load` says why and how).
 
 It needs torch 2.11 or newer: an older torch raises ``ImportError`` here, naming the version
 (:mod:`dbuffer.torch_version`).
+
+Importing it also registers :func:`dbuffer.teardown.exit_guard` with ``atexit``, so that a process
+that leaves ``torch.distributed`` without :func:`dbuffer.teardown.shutdown` (a framework's script)
+does not abort at interpreter exit.
 """
 
 from dbuffer.torch_version import check as _check_torch_version
@@ -34,6 +38,12 @@ from dbuffer.placements import Owned
 from dbuffer.view import dtensor_view
 
 _install_full_load()
+
+import atexit as _atexit  # noqa: E402
+
+from dbuffer.teardown import exit_guard as _exit_guard  # noqa: E402
+
+_atexit.register(_exit_guard)  # a framework's exit, without dbuffer.teardown.shutdown: see there
 
 __all__ = [
     "DBuffer",

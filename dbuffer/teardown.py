@@ -45,6 +45,20 @@ What :func:`shutdown` guarantees, in order:
    the interpreter never finalises, so not even a group that something else still holds (a mesh
    in a global, a traceback's frames, a cache a later torch adds) can abort the exit. ``atexit``
    handlers do not run: close your files first.
+
+A process that never calls :func:`shutdown` (a framework's script: Hugging Face's ``Trainer``,
+Lightning ``Fabric``, accelerate, which end as they like, destroying the process group or not,
+keeping the model, its DTensors and the mesh in globals) is covered by :func:`exit_guard`, which
+``import dbuffer`` registers with ``atexit``. Registered that early, it runs after every handler
+registered later (``atexit`` runs them in reverse), just before the interpreter starts to
+finalise, and does what (2) does without the barrier (a peer may have left already). Where a
+group is still held after that (a model alive in a global keeps its mesh, which keeps its
+groups), gloo's threads are alive, and the guard releases the GIL for 50 ms (a sleep): a worker
+that finished its last work and asked for the GIL to drop it (within microseconds of the work's
+end, the last collective having returned) is served then, in a live interpreter, and the exit
+goes on. What is left: a collective still in flight at exit (an ``async_op=True`` work never
+waited on, finishing after the guard), or a worker not scheduled for those 50 ms, can still hit
+the race; :func:`shutdown` (whose barrier waits for every work) is the exit without it.
 """
 
 from __future__ import annotations
@@ -52,13 +66,16 @@ from __future__ import annotations
 import gc
 import os
 import sys
+import time
 import weakref
 from typing import NoReturn, Optional, overload
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["clear_dtensor_caches", "shutdown"]
+__all__ = ["clear_dtensor_caches", "exit_guard", "shutdown"]
+
+_SERVE_WAITING_WORKERS = 0.05  # seconds the exit guard releases the GIL for while gloo's threads live
 
 
 def clear_dtensor_caches() -> None:
@@ -148,3 +165,39 @@ def shutdown(exit_code: Optional[int] = None, *, barrier: bool = True, collect: 
         except (OSError, ValueError, AttributeError):  # closed, or replaced by None
             pass
     os._exit(exit_code)
+
+
+def exit_guard() -> None:
+    """What ``import dbuffer`` registers with ``atexit``: leave ``torch.distributed`` so that
+    interpreter finalisation cannot abort (see the module docstring). Never raises."""
+    try:
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:  # a backend that fails to shut down: the rest still helps
+        pass
+    try:
+        clear_dtensor_caches()
+        _unpin_default_groups()
+        if _gloo_threads():
+            gc.collect()  # meshes and modules in reference cycles
+        if _gloo_threads():  # a group something still holds: a worker may be waiting for the GIL
+            time.sleep(_SERVE_WAITING_WORKERS)
+    except Exception:
+        pass
+
+
+def _gloo_threads() -> bool:
+    """Whether gloo's worker threads are alive in this process (Linux names them; elsewhere
+    assumed alive)."""
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return True
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/comm") as f:
+                if f.read().startswith("pt_gloo"):
+                    return True
+        except OSError:
+            continue
+    return False

@@ -2,7 +2,8 @@
 
 One entry point, :func:`run_ranks`, with three backends:
 
-* ``"gloo"``: real processes talking gloo over loopback. Spawning a process and importing torch
+* ``"gloo"``: real processes talking gloo over loopback, their rendezvous store listening on
+  127.0.0.1 only (``tools.kit.launch.loopback_store``). Spawning a process and importing torch
   costs seconds on a small machine, so workers are kept alive across tests in one pool per world
   size. A pool whose test failed or hung is torn down and rebuilt on next use, so no test inherits
   a half-finished collective.
@@ -41,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from dbuffer.teardown import shutdown
+from tools.kit.launch import loopback_store
 
 # Loopback only: tests never talk to another host.
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -161,12 +163,8 @@ def _worker_main(rank: int, world_size: int, port: int, conn, sys_path: list[str
     through :func:`dbuffer.teardown.shutdown` (exit code 0 when told to stop, 1 when orphaned)."""
     sys.path[:] = sys_path
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world_size,
-    )
+    # the rendezvous on loopback only (torch's tcp:// store would listen on every interface)
+    dist.init_process_group("gloo", store=loopback_store(rank, world_size, port), rank=rank, world_size=world_size)
     while True:
         try:
             message = conn.recv()

@@ -10,12 +10,13 @@ loaders also load every layout exactly: :mod:`dbuffer.full_load`). User guide: f
 "Checkpoints".
 
 How :func:`save` stays atomic: it writes into ``<path>.partial``; after every rank has written,
-rank 0 (inside DCP's own final step, so no extra collective) writes ``.metadata``, then
-``.checksums`` (size and CRC32 of every other file, and a CRC32 of its own content:
-:mod:`fsdp.checkpoint.files`), then renames the directory to ``path``, a previous checkpoint
-there set aside as ``<path>.old`` for the two renames. A crash leaves ``path`` holding the
-previous checkpoint or the new one (:func:`load` falls back to ``<path>.old`` between the
-renames). Before anything is touched, rank 0 checks that ``path``, ``<path>.partial`` and
+rank 0 (inside DCP's own final step, so no extra collective) checks that it sees every rank's
+file (the ranks must share one file system), writes ``.metadata``, then ``.checksums`` (size and
+CRC32 of every other file, and a CRC32 of its own content: :mod:`fsdp.checkpoint.files`), fsyncs
+the directory, then renames it to ``path``, a previous checkpoint there set aside as
+``<path>.old`` for the two renames, and fsyncs the parent before deleting ``<path>.old``. A crash
+or a power cut leaves ``path`` holding the previous checkpoint or the new one, complete
+(:func:`load` falls back to ``<path>.old`` between the renames). Before anything is touched, rank 0 checks that ``path``, ``<path>.partial`` and
 ``<path>.old`` hold nothing but checkpoint files and broadcasts the verdict, so every rank raises
 :class:`CheckpointError` alike or none does.
 
@@ -24,6 +25,12 @@ anything is unpickled and sends the verdict and the verified metadata to every r
 DCP is still planning, each rank checks the files it will read. Any problem (a missing,
 truncated, damaged or foreign file, a missing key, a wrong shape) raises the same
 :class:`CheckpointError` on every rank before anything is copied into ``state``.
+
+What :func:`load` never does, whoever wrote the checkpoint: run code it names (``.metadata`` is
+unpickled admitting only DCP's classes, non-tensor entries with ``torch.load(weights_only=True)``:
+:mod:`fsdp.checkpoint.unpickler`), or read a file outside its directory (every file ``.metadata``
+names is a plain name of a regular file there). ``trust_pickled_objects=True`` lifts the first
+for a checkpoint the user trusts.
 """
 
 from torch.distributed.checkpoint.state_dict import StateDictOptions

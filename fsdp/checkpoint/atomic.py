@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import io
 import os
 import re
 import shutil
@@ -14,10 +15,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
-from torch.distributed.checkpoint.planner import SavePlanner
+from torch.distributed.checkpoint.planner import LoadItemType, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
@@ -34,6 +36,7 @@ from fsdp.checkpoint.files import (
     inspect,
     write_checksums,
 )
+from fsdp.checkpoint.unpickler import Refused, read_object
 
 __all__ = ["load", "save"]
 
@@ -154,23 +157,50 @@ class _AtomicWriter(FileSystemWriter):
                     sums[r.index.fqn[len(_CRC_KEY) :]] = r.storage_data
                 else:
                     kept[-1].append(r)
+        _check_shared(os.fspath(self.path), sums)
         super().finish(metadata, kept)  # writes .metadata (fsynced)
         sums[METADATA] = crc32(os.path.join(self.path, METADATA))
-        write_checksums(os.fspath(self.path), sums)  # fsynced: the directory is complete
+        write_checksums(os.fspath(self.path), sums)  # fsynced
         _publish(os.fspath(self.path), self.final)
 
 
+def _check_shared(staging: str, sums: dict) -> None:
+    """Every rank's data file is where the coordinator publishes from, as that rank wrote it:
+    else the ranks do not share one file system, and publishing would lose the other ranks' data."""
+    for name, (size, _) in sorted(sums.items()):
+        file = os.path.join(staging, name)
+        try:
+            with open(file, "rb") as f:  # opened, not stat'ed: NFS revalidates a file on open
+                seen = os.fstat(f.fileno()).st_size
+        except OSError:
+            seen = None
+        if seen != size:
+            raise CheckpointError(
+                f"cannot save to {staging[: -len(PARTIAL)]}: rank 0 does not see {file} as the rank that wrote "
+                f"it does ({size} bytes): a save needs a directory every rank shares (one file system, e.g. NFS "
+                f"or Lustre), not a local disk per node; nothing was published"
+            )
+
+
 def _publish(staging: str, final: str) -> None:
-    old = final + OLD
+    """Make the complete ``staging`` directory ``final``; what a crash or a power cut leaves at
+    each point is in fsdp/README.md, "Checkpoints". Every file in ``staging`` is fsynced."""
+    old, parent = final + OLD, os.path.dirname(final)
+    fsync_dir(staging)  # its entries are on disk before anything that depends on them
     if os.path.exists(final):
-        shutil.rmtree(old, ignore_errors=True)
+        if os.path.lexists(old):  # a save cut after it published: its renames on disk, then its .old goes
+            fsync_dir(parent)
+            shutil.rmtree(old, ignore_errors=True)
         os.rename(final, old)
     os.rename(staging, final)
-    _fsync_dir(os.path.dirname(final))
+    fsync_dir(parent)  # both renames on disk before the previous checkpoint goes
     shutil.rmtree(old, ignore_errors=True)
 
 
-def _fsync_dir(path: str) -> None:
+def fsync_dir(path: str) -> None:
+    """fsync a directory, making its entries (names created, renamed or removed) durable; a file
+    system that cannot fsync a directory is left to its own guarantees. The seam a test replaces
+    to see the order of a save's durability points."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
@@ -186,7 +216,8 @@ def _fsync_dir(path: str) -> None:
 # ----------------------------------------------------------------------------- load
 
 
-def load(state: dict[str, Any], path: Union[str, os.PathLike], *, allow_unverified: bool = False) -> None:
+def load(state: dict[str, Any], path: Union[str, os.PathLike], *, allow_unverified: bool = False,
+         trust_pickled_objects: bool = False) -> None:
     """``dcp.load(state)`` from ``path``, in place, at any world size or sharding strategy.
 
     Every key of ``state`` must be in the checkpoint with the same global shape (extra keys in
@@ -196,16 +227,25 @@ def load(state: dict[str, Any], path: Union[str, os.PathLike], *, allow_unverifi
     ``.checksums`` (one written by plain ``dcp.save`` or FSDP2) without verifying it, warning so;
     a checkpoint that has one is verified all the same. Then pass the loaded dicts to
     ``set_state_dict`` (torch's or this module's).
+
+    Nothing in the checkpoint runs: ``.metadata`` may name only DCP's own classes and only files
+    of its own directory, and non-tensor entries load with ``torch.load(weights_only=True)``
+    (admit a class of your own with ``torch.serialization.add_safe_globals``); anything else
+    raises :class:`CheckpointError` naming the file, the key and the class, on every rank, before
+    anything is copied. ``trust_pickled_objects=True`` unpickles ``.metadata`` and non-tensor
+    entries without restriction: a checkpoint written by someone else can then run any code in
+    this process. The file names are checked all the same.
     """
     if debug.ENABLED:
         debug.check(None, "fsdp.checkpoint.load", repr(os.fspath(path)))
     path = os.path.abspath(os.fspath(path))
-    verdict = _on_rank0(lambda: inspect(path, allow_unverified))
+    verdict = _on_rank0(lambda: inspect(path, allow_unverified, trust_pickled_objects))
     if isinstance(verdict, str):
         raise CheckpointError(verdict)
     for note in verdict.notes:
         warnings.warn(note, stacklevel=2)
-    reader, planner = _CheckedReader(verdict), _CheckedPlanner(verdict.path)
+    reader = _CheckedReader(verdict, trust_pickled_objects)
+    planner = _CheckedPlanner(verdict.path, trust_pickled_objects)
     _unwrap(lambda: dcp.load(state, storage_reader=reader, planner=planner))
 
 
@@ -221,12 +261,38 @@ def _unwrap(fn) -> None:
         raise failures[min(failures)][0] from exc
 
 
-class _CheckedPlanner(DefaultLoadPlanner):
-    """Every key of the (flattened) state dict must be in the checkpoint with the same shape."""
+def _entry(stream, key: str, file: str, trusted: bool) -> Any:
+    """Non-tensor entry ``key`` read from ``stream`` (a slice of data file ``file``)."""
+    try:
+        return read_object(stream, trusted)
+    except Refused as exc:
+        raise CheckpointError(
+            f"key {key!r} of checkpoint file {file} is a pickle naming {exc.what}, which torch.load("
+            f"weights_only=True) does not admit: refusing to unpickle it (unpickling runs what a pickle names). "
+            f"If it is a class of your own, admit it with torch.serialization.add_safe_globals([...]); load with "
+            f"trust_pickled_objects=True only if you trust whoever wrote the checkpoint"
+        ) from None
+    except Exception as exc:
+        raise CheckpointError(f"key {key!r} of checkpoint file {file} cannot be read (corrupted?): {exc!r}") from exc
 
-    def __init__(self, path: str) -> None:
+
+class _CheckedPlanner(DefaultLoadPlanner):
+    """Every key of the (flattened) state dict must be in the checkpoint with the same shape;
+    non-tensor entries are read by :func:`.unpickler.read_object`, not ``torch.load(weights_only=False)``."""
+
+    def __init__(self, path: str, trusted: bool) -> None:
         super().__init__()
         self.path = path
+        self.trusted = trusted
+
+    def load_bytes(self, read_item, value) -> None:
+        key = read_item.dest_index.fqn
+        file = os.path.join(self.path, self.metadata.storage_data[read_item.storage_index].relative_path)
+        obj = _entry(value, key, file, self.trusted)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[key], obj)
+        else:
+            self.state_dict[key] = obj
 
     def create_local_plan(self):
         saved = self.metadata.state_dict_metadata
@@ -250,9 +316,10 @@ class _CheckedReader(FileSystemReader):
     the file again), the size and CRC32 of every data file this rank will read checked while
     planning, then file by file, so that any failure names its file."""
 
-    def __init__(self, verified: Verified) -> None:
+    def __init__(self, verified: Verified, trusted: bool) -> None:
         super().__init__(verified.path)
         self.verified = verified
+        self.trusted = trusted
 
     def read_metadata(self, *args, **kwargs):
         metadata = self.verified.metadata
@@ -264,6 +331,9 @@ class _CheckedReader(FileSystemReader):
         # read before any rank copies anything into its state.
         for name in sorted({self.storage_data[item.storage_index].relative_path for item in plan.items}):
             check_file(os.fspath(self.path), name, self.verified.sums)
+        entries = [item for item in plan.items if item.type == LoadItemType.BYTE_IO]
+        if entries and not self.trusted:  # each non-tensor entry read once now, nothing kept
+            super().read_data(dataclasses.replace(plan, items=entries), _EntryCheck(self.path, self.storage_data)).wait()
         return super().prepare_local_plan(plan)
 
     def read_data(self, plan, planner) -> Future:
@@ -279,3 +349,16 @@ class _CheckedReader(FileSystemReader):
         fut: Future = Future()
         fut.set_result(None)
         return fut
+
+
+class _EntryCheck:
+    """The planner :meth:`_CheckedReader.prepare_local_plan` reads non-tensor entries with: it
+    checks each (:func:`_entry`) and keeps nothing, so a refused one fails every rank while DCP
+    is still planning, before anything is copied into the state."""
+
+    def __init__(self, path, storage_data) -> None:
+        self.path, self.storage_data = os.fspath(path), storage_data
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        file = os.path.join(self.path, self.storage_data[read_item.storage_index].relative_path)
+        _entry(value, read_item.dest_index.fqn, file, False)

@@ -10,18 +10,28 @@ not end in that line, whose line does not match, or whose JSON is not this forma
 then ``.metadata`` against it before anything is unpickled, so a damaged ``.metadata`` never
 reaches the unpickler; each rank checks the data files it will read (:func:`check_file`) while
 DCP is still planning.
+
+A checksum proves a file was not damaged after it was written, not who wrote it: whoever writes
+``.metadata`` can rewrite ``.checksums`` too. So nothing a checkpoint holds is trusted either:
+``.metadata`` is unpickled admitting only DCP's own classes (:mod:`.unpickler`), and every file
+it names must be a plain name of a regular file in the checkpoint's own directory (no directory
+part, no ``..``, no symbolic link, present there and, when verified, listed in ``.checksums``),
+so a checkpoint cannot make a load read another checkpoint's or any other file.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import pickle
 import re
+import stat
 import zlib
 from typing import NamedTuple, Optional, Union
 
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+
+from fsdp.checkpoint.unpickler import Refused, read_metadata
 
 PARTIAL, OLD = ".partial", ".old"
 METADATA, CHECKSUMS = ".metadata", ".checksums"
@@ -110,8 +120,12 @@ def check_file(directory: str, name: str, sums: Optional[Sums]) -> None:
     """Raise :class:`CheckpointError` unless data file ``name`` exists and (when ``sums``) matches
     its recorded size and CRC32."""
     file = os.path.join(directory, name)
-    if not os.path.isfile(file):
-        raise CheckpointError(f"checkpoint file {file} is missing; {_RESTORE}")
+    try:
+        mode = os.lstat(file).st_mode
+    except OSError:
+        raise CheckpointError(f"checkpoint file {file} is missing; {_RESTORE}") from None
+    if not stat.S_ISREG(mode):  # a link could point into another checkpoint
+        raise CheckpointError(f"checkpoint file {file} is not a regular file: no save writes one; {_RESTORE}")
     if sums is None:
         return
     if name not in sums:
@@ -131,18 +145,18 @@ class Verified(NamedTuple):
     notes: tuple[str, ...]  # warnings every rank gives
 
 
-def inspect(path: str, allow_unverified: bool) -> Union[Verified, str]:
+def inspect(path: str, allow_unverified: bool, trust_pickled_objects: bool = False) -> Union[Verified, str]:
     """Rank 0's verdict on the checkpoint at ``path``: :class:`Verified`, or the message of the
     :class:`CheckpointError` every rank raises. Never raises (the other ranks wait for it)."""
     try:
-        return _inspect(path, allow_unverified)
+        return _inspect(path, allow_unverified, trust_pickled_objects)
     except CheckpointError as exc:
         return str(exc)
     except Exception as exc:
         return f"checkpoint {path} cannot be inspected: {type(exc).__name__}: {exc}"
 
 
-def _inspect(path: str, allow_unverified: bool) -> Verified:
+def _inspect(path: str, allow_unverified: bool, trust_pickled_objects: bool) -> Verified:
     directory, notes = _resolve(path)
     sums_file, md_file = os.path.join(directory, CHECKSUMS), os.path.join(directory, METADATA)
     opt_in = "pass allow_unverified=True to load it"
@@ -180,14 +194,45 @@ def _inspect(path: str, allow_unverified: bool) -> Verified:
         if problem is not None:
             raise CheckpointError(problem)
     try:
-        metadata = pickle.loads(content)
+        metadata = read_metadata(content, trust_pickled_objects)
+    except Refused as exc:
+        raise CheckpointError(
+            f"checkpoint metadata file {md_file} names {exc.what}, which DCP never writes there: refusing "
+            f"to unpickle it (unpickling runs what a pickle names). A checkpoint written by fsdp.checkpoint.save "
+            f"or dcp.save never holds it; load it with trust_pickled_objects=True only if you trust whoever "
+            f"wrote the file"
+        ) from None
     except Exception as exc:
         raise CheckpointError(f"checkpoint metadata file {md_file} cannot be read: {exc!r}; {_RESTORE}") from exc
     if not isinstance(metadata, Metadata) or not isinstance(metadata.storage_data, dict):
         raise CheckpointError(f"checkpoint metadata file {md_file} holds no DCP metadata; {_RESTORE}")
+    _check_names(directory, md_file, metadata.storage_data, sums)
     if getattr(metadata, "storage_meta", None) is None:
         metadata.storage_meta = StorageMeta()
     return Verified(directory, sums, metadata, notes)
+
+
+def _check_names(directory: str, md_file: str, storage_data: dict, sums: Optional[Sums]) -> None:
+    """Every file ``.metadata`` names is a plain name of a regular file in ``directory`` (and of
+    ``.checksums`` when verified): a load reads nothing outside the checkpoint."""
+    names = set()
+    for index, info in storage_data.items():
+        name = getattr(info, "relative_path", None)
+        if not (isinstance(index, MetadataIndex) and isinstance(info, _StorageInfo) and isinstance(name, str)):
+            raise CheckpointError(f"checkpoint metadata file {md_file} holds no DCP file-system metadata; {_RESTORE}")
+        names.add(name)
+    for name in sorted(names):
+        if name in ("", ".", "..") or os.path.basename(name) != name or "/" in name or "\\" in name or "\0" in name:
+            raise CheckpointError(
+                f"checkpoint metadata file {md_file} names the data file {name!r}, which is not a plain file name "
+                f"in {directory}: a checkpoint reads only its own files (a crafted or damaged .metadata); {_RESTORE}"
+            )
+        if sums is not None and name not in sums:
+            raise CheckpointError(
+                f"checkpoint metadata file {md_file} names the data file {name!r}, which {CHECKSUMS} does not list: "
+                f"not written by this save; {_RESTORE}"
+            )
+        check_file(directory, name, None)  # present, and a regular file (not a link out)
 
 
 def _resolve(path: str) -> tuple[str, tuple[str, ...]]:

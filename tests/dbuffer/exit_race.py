@@ -7,7 +7,14 @@ which only torch's caches hold the mesh and, through it, the process group), an 
 broadcast and ``all_gather_object`` calls, end as MODE says, and leave by ``sys.exit`` through a
 full interpreter finalisation, as a spawned rank does:
 
-* ``destroy``: ``dist.destroy_process_group()`` alone (what every tool did before).
+* ``destroy``: ``dist.destroy_process_group()`` alone (what every tool did before), then
+  ``dbuffer.teardown.exit_guard`` at exit (``import dbuffer`` registers it).
+* ``exit``: what a framework's script does: the mesh and a DTensor kept in a global, no
+  ``destroy_process_group``, then the exit guard.
+* ``kept-destroy``: the mesh and a DTensor kept, ``destroy_process_group``, then the exit guard
+  (which can free nothing here: only its release of the GIL serves the waiting worker).
+* ``unguarded-destroy``, ``unguarded-exit``: the same without the exit guard (unregistered): the
+  recipes as they abort.
 * ``shutdown``: ``dbuffer.teardown.shutdown()``, then finalisation; the rank exits 3 if shutdown
   could not confirm that every process group is garbage, 4 if the process still has more OS
   threads than before ``init_process_group`` (gloo's, the store's).
@@ -24,12 +31,13 @@ skips the decref instead). About one launch in four of the plain recipe (spawned
 mesh, ``destroy_process_group``) hits it on this 2-core machine.
 
 ``--forced`` makes it happen every time without changing the mechanism: rank 0 leaves one
-all-gather unwaited (rank 1 joins it 0.3 s after rank 0 starts its teardown), runs the ``atexit``
-hooks early, and spins holding the GIL (switch interval 60 s, gc off) until gloo's worker, done
-with the all-gather, has asked for the GIL (a new Python thread state appears). A global whose
-``__del__`` sleeps then releases the GIL during finalisation, as the destruction of a mesh or
-group that lived until then does. After :func:`shutdown` no gloo thread is left, so there is
-nothing to wait for and the spin is skipped.
+all-gather unwaited (rank 1 joins it 0.3 s after rank 0 starts its teardown), runs the other
+``atexit`` hooks early (the exit guard, where the mode has it, is registered again to run at
+exit, as it does last in a real exit), and spins holding the GIL (switch interval 60 s, gc off)
+until gloo's worker, done with the all-gather, has asked for the GIL (a new Python thread state
+appears). A global whose ``__del__`` sleeps then releases the GIL during finalisation, as the
+destruction of a mesh or group that lived until then does. After :func:`shutdown` no gloo
+thread is left, so there is nothing to wait for and the spin is skipped.
 
 Forking after importing torch and ``torch._dynamo`` (which DTensor imports on first use; no thread
 exists yet) makes a trial cost a fraction of a fresh interpreter; ``P`` trials run at once.
@@ -64,9 +72,9 @@ import torch.distributed as dist  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor  # noqa: E402
 
-from dbuffer.teardown import shutdown  # noqa: E402
+from dbuffer.teardown import exit_guard, shutdown  # noqa: E402
 
-MODES = ("destroy", "shutdown", "shutdown-exit")
+MODES = ("destroy", "exit", "kept-destroy", "unguarded-destroy", "unguarded-exit", "shutdown", "shutdown-exit")
 WORLD = 2
 _KEPT: list = []  # shutdown-exit: a mesh that outlives everything
 _RELEASER: object = None  # --forced: see _ReleaseGILWhenFinalised
@@ -104,11 +112,11 @@ def _work(rank: int, mode: str) -> None:
     """The recipe's communication; its tensors die with this frame (dropping a tensor releases
     the GIL, which would hand it to a waiting gloo worker too early in ``--forced`` runs)."""
     mesh = init_device_mesh("cpu", (WORLD,))
-    if mode == "shutdown-exit":
-        _KEPT.append(mesh)
     full = torch.arange(64.0).reshape(8, 8)
     x = distribute_tensor(full, mesh, [Shard(0)])
     assert torch.equal((x * 2).redistribute(mesh, [Replicate()]).to_local(), full * 2)
+    if mode in ("shutdown-exit", "exit", "kept-destroy", "unguarded-exit"):
+        _KEPT.extend([mesh, x])  # as a framework keeps its model, its DTensors and the mesh
     del x, mesh  # from here on only torch's caches (and _KEPT) hold the mesh
     t = torch.full((256,), float(rank))
     dist.all_reduce(t)
@@ -121,6 +129,9 @@ def _work(rank: int, mode: str) -> None:
 def _rank(rank: int, port: int, mode: str, forced: bool, go: tuple[int, int]) -> int:
     """One rank's work and teardown; returns its exit status (``sys.exit`` follows)."""
     torch.set_num_threads(1)
+    guarded = mode in ("destroy", "exit", "kept-destroy")
+    if forced or not guarded:
+        atexit.unregister(exit_guard)  # forced: registered again where it would run, last
     threads = _os_threads()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     _work(rank, mode)
@@ -140,8 +151,10 @@ def _rank(rank: int, port: int, mode: str, forced: bool, go: tuple[int, int]) ->
             # shutdown waits in the barrier, which waits for this all-gather)
             dist.all_gather(outputs, torch.ones(256))
     status = 0
-    if mode == "destroy":
+    if mode in ("destroy", "kept-destroy", "unguarded-destroy"):
         dist.destroy_process_group()
+    elif mode in ("exit", "unguarded-exit"):
+        pass  # the framework ends without touching torch.distributed
     elif mode == "shutdown":
         released = shutdown()
         status = 0 if released and _os_threads() == threads else 3 if not released else 4
@@ -149,6 +162,8 @@ def _rank(rank: int, port: int, mode: str, forced: bool, go: tuple[int, int]) ->
         shutdown(0)
     if forced and rank == 0 and _os_threads() > threads:  # gloo's threads outlived the teardown
         atexit._run_exitfuncs()  # now, not during the exit: some of them block, releasing the GIL
+        if guarded:
+            atexit.register(exit_guard)  # the last hook of a real exit: the only one left
         deadline = time.monotonic() + 30.0
         while _thread_states() == states and time.monotonic() < deadline:
             pass  # holding the GIL while gloo's worker finishes the all-gather and asks for it

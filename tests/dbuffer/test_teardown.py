@@ -28,20 +28,30 @@ ROOT = Path(__file__).resolve().parents[2]
 TRIALS = 2
 
 
-def test_forced_exit_race_aborts_after_destroy_alone_and_never_after_shutdown() -> None:
-    run = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "dbuffer" / "exit_race.py"), "--forced", "--trials", str(TRIALS),
-         "--parallel", str(TRIALS), "destroy", "shutdown", "shutdown-exit"],
-        capture_output=True, text=True, timeout=300, cwd=ROOT,
-    )
-    assert run.returncode == 0, run.stdout + run.stderr
-    results = {r["mode"]: r for r in map(json.loads, run.stdout.splitlines())}
-    # Without the fix the recipe aborts: the test can see the bug ...
-    assert (results["destroy"]["aborted"], results["destroy"]["failed"]) == (TRIALS, []), run.stdout + run.stderr
-    # ... and with it nothing does: shutdown() left no group and no extra OS thread (else exit 3
+def test_forced_exit_race_aborts_without_the_exit_guard_and_never_with_it_or_after_shutdown() -> None:
+    """The race forced in every trial (exit_race.py --forced): a recipe that ends without
+    ``shutdown`` (``destroy_process_group`` alone, or a framework's exit that keeps the mesh and
+    a DTensor in a global, destroying the group or not) aborts when the exit guard ``import dbuffer`` registers is taken away,
+    and never with it; ``shutdown()`` and ``shutdown(0)`` never abort either. Two scripts run at
+    once (most of a guarded trial is a sleep that the forcing needs)."""
+    script = [sys.executable, str(ROOT / "tests" / "dbuffer" / "exit_race.py"), "--forced", "--trials", str(TRIALS),
+              "--parallel", str(TRIALS)]
+    runs = [subprocess.Popen(script + modes, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+            for modes in (["destroy", "exit", "kept-destroy"], ["unguarded-destroy", "unguarded-exit", "shutdown",
+                                                              "shutdown-exit"])]
+    results, output = {}, ""
+    for run in runs:
+        out, err = run.communicate(timeout=300)
+        output += out + err
+        assert run.returncode == 0, output
+        results.update({r["mode"]: r for r in map(json.loads, out.splitlines())})
+    # Without the guard the recipes abort: the test can see the bug ...
+    for mode in ("unguarded-destroy", "unguarded-exit"):
+        assert (results[mode]["aborted"], results[mode]["failed"]) == (TRIALS, []), output
+    # ... and with it nothing does; shutdown() left no group and no extra OS thread (else exit 3
     # or 4, listed in "failed"), shutdown(0) left through os._exit with the mesh still held.
-    for mode in ("shutdown", "shutdown-exit"):
-        assert (results[mode]["aborted"], results[mode]["failed"]) == (0, []), run.stdout + run.stderr
+    for mode in ("destroy", "exit", "kept-destroy", "shutdown", "shutdown-exit"):
+        assert (results[mode]["aborted"], results[mode]["failed"]) == (0, []), output
 
 
 def _group_after_dtensor_work() -> weakref.ReferenceType:

@@ -17,6 +17,13 @@ must pickle, i.e. be module-level). Each process gets the environment torchrun w
 makes :func:`spawn` raise (torch.multiprocessing's ``ProcessRaisedException``, the rank's
 traceback in it).
 
+The rendezvous listens on loopback only (:func:`loopback_store`). torch's own (``env://``,
+``tcp://127.0.0.1:...``) binds its ``TCPStore`` server to every interface whatever
+``MASTER_ADDR`` says, an unauthenticated store any host could reach while the job runs. Under
+``torchrun`` the store is torchrun's agent's, which listens on every interface too: a job
+started so is reachable from the network while it runs (give torchrun ``--rdzv-endpoint
+127.0.0.1:PORT`` and keep the port firewalled).
+
 :func:`run_rank` sets the rank's device and torch threads, joins the default process group from
 that environment, runs ``body(*args)`` and ends the process through
 :func:`dbuffer.teardown.shutdown`: ``shutdown(0)`` when ``body`` returns (barrier, free the
@@ -54,19 +61,49 @@ def spawn(world: int, body: Callable[..., Any], *args: Any, backend: str = "gloo
                         start_method="spawn")
 
 
+def loopback_store(rank: int, world: int, port: int, timeout: float = 300.0):
+    """The rendezvous of ``world`` processes of this host: a ``TCPStore`` whose server (on rank
+    0) listens on ``127.0.0.1:port`` only, for ``init_process_group(store=...)``.
+
+    torch (2.11 to 2.15) binds the server itself to every interface; handed a socket already
+    bound (``master_listen_fd``), it listens there instead, and takes the socket over."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    wait = timedelta(seconds=timeout)
+    if rank != 0:
+        return dist.TCPStore("127.0.0.1", port, world, False, wait)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind(("127.0.0.1", port))
+        store = dist.TCPStore("127.0.0.1", port, world, True, wait, wait_for_workers=False,
+                              master_listen_fd=sock.fileno())
+    except BaseException:
+        sock.close()
+        raise
+    sock.detach()  # the store's server closes it
+    return store
+
+
 def _spawned(rank: int, world: int, port: int, body: Callable[..., Any], args: tuple, backend: str,
              threads: Optional[int], cuda: bool) -> NoReturn:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    run_rank(body, *args, backend=backend, threads=threads, cuda=cuda)
+    _run(body, args, backend, threads, cuda, lambda: loopback_store(rank, world, port))
 
 
 def run_rank(body: Callable[..., Any], *args: Any, backend: str = "gloo", threads: Optional[int] = 1,
              cuda: bool = False) -> NoReturn:
     """This process as one rank: ``cuda`` selects ``cuda:LOCAL_RANK`` first; ``threads`` torch
     threads (None: torch's default; 1: the ranks share the host's cores); the default group
-    joins with ``backend`` from the environment; then ``body(*args)``, then
+    joins with ``backend`` from the environment (torchrun's store); then ``body(*args)``, then
     :func:`dbuffer.teardown.shutdown`."""
+    _run(body, args, backend, threads, cuda, None)
+
+
+def _run(body: Callable[..., Any], args: tuple, backend: str, threads: Optional[int], cuda: bool,
+         make_store: Optional[Callable[[], Any]]) -> NoReturn:
     import torch
     import torch.distributed as dist
 
@@ -76,7 +113,11 @@ def run_rank(body: Callable[..., Any], *args: Any, backend: str = "gloo", thread
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     if threads is not None:
         torch.set_num_threads(threads)
-    dist.init_process_group(backend)
+    if make_store is None:
+        dist.init_process_group(backend)
+    else:
+        dist.init_process_group(backend, store=make_store(), rank=int(os.environ["RANK"]),
+                                world_size=int(os.environ["WORLD_SIZE"]))
     try:
         body(*args)
     except BaseException:
