@@ -3,7 +3,7 @@
 One entry point, :func:`run_ranks`, with three backends:
 
 * ``"gloo"``: real processes talking gloo over loopback, their rendezvous store listening on
-  127.0.0.1 only (``tools.kit.launch.loopback_store``). Spawning a process and importing torch
+  127.0.0.1 only (``tests.models.rendezvous.loopback_store``). Spawning a process and importing torch
   costs seconds on a small machine, so workers are kept alive across tests in one pool per world
   size. A pool whose test failed or hung is torn down and rebuilt on next use, so no test inherits
   a half-finished collective.
@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from dbuffer.teardown import shutdown
-from tools.kit.launch import loopback_store
+from tests.models.rendezvous import loopback_store
 
 # Loopback only: tests never talk to another host.
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")

@@ -17,7 +17,7 @@ must pickle, i.e. be module-level). Each process gets the environment torchrun w
 makes :func:`spawn` raise (torch.multiprocessing's ``ProcessRaisedException``, the rank's
 traceback in it).
 
-The rendezvous listens on loopback only (:func:`loopback_store`). torch's own (``env://``,
+The rendezvous listens on loopback only (:func:`tests.models.rendezvous.loopback_store`). torch's own (``env://``,
 ``tcp://127.0.0.1:...``) binds its ``TCPStore`` server to every interface whatever
 ``MASTER_ADDR`` says, an unauthenticated store any host could reach while the job runs. Under
 ``torchrun`` the store is torchrun's agent's, which listens on every interface too: a job
@@ -36,6 +36,8 @@ from __future__ import annotations
 import os
 import socket
 from typing import Any, Callable, NoReturn, Optional
+
+from tests.models.rendezvous import loopback_store
 
 
 def under_torchrun() -> bool:
@@ -59,31 +61,6 @@ def spawn(world: int, body: Callable[..., Any], *args: Any, backend: str = "gloo
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # our own ranks talk over loopback
     tmp.start_processes(_spawned, args=(world, free_port(), body, args, backend, threads, cuda), nprocs=world,
                         start_method="spawn")
-
-
-def loopback_store(rank: int, world: int, port: int, timeout: float = 300.0):
-    """The rendezvous of ``world`` processes of this host: a ``TCPStore`` whose server (on rank
-    0) listens on ``127.0.0.1:port`` only, for ``init_process_group(store=...)``.
-
-    torch (2.11 to 2.15) binds the server itself to every interface; handed a socket already
-    bound (``master_listen_fd``), it listens there instead, and takes the socket over."""
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
-    wait = timedelta(seconds=timeout)
-    if rank != 0:
-        return dist.TCPStore("127.0.0.1", port, world, False, wait)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        sock.bind(("127.0.0.1", port))
-        store = dist.TCPStore("127.0.0.1", port, world, True, wait, wait_for_workers=False,
-                              master_listen_fd=sock.fileno())
-    except BaseException:
-        sock.close()
-        raise
-    sock.detach()  # the store's server closes it
-    return store
 
 
 def _spawned(rank: int, world: int, port: int, body: Callable[..., Any], args: tuple, backend: str,

@@ -2,7 +2,7 @@
 of the test harness's gloo workers and of ``tools.kit.launch.spawn``'s ranks, and gloo's own
 sockets. torch's ``tcp://127.0.0.1:PORT`` / ``env://`` rendezvous binds the store's server to
 every interface (the wildcard address, seen in the kernel's socket table while a job runs);
-``tools.kit.launch.loopback_store`` hands it a socket bound to 127.0.0.1 instead.
+``tests.models.rendezvous.loopback_store`` hands it a socket bound to 127.0.0.1 instead.
 
 Each rank reads its own listening sockets from ``/proc/net/tcp`` and ``/proc/net/tcp6`` (those
 whose inode is one of the process's file descriptors) while the job runs.
