@@ -1,0 +1,187 @@
+"""``FsdpParameterGroup``: one fsdp :class:`~fsdp.ParameterGroup` under Megatron-FSDP's names.
+
+fsdp builds and runs the group (one dtype, one ``requires_grad``, one flat row-atomic buffer per
+state). This view shows its buffers as Megatron-FSDP's :class:`~fsdp.megatron.buffer.DBuffer` s,
+without copying them:
+
+* ``main_weight``: the main weights the optimizer updates, at the optimizer placement (the
+  registered parameters are DTensor views of it);
+* ``main_grad``: the reduced gradients at their placement (None for a group that does not
+  require grad); its storage exists from a step's first reduction until the optimizer drops the
+  gradients, as in fsdp;
+* ``model_weight``: the compute weights at the parameter placement: ``main_weight`` itself where
+  the dtypes and placements agree; the gathered weights of ``optim`` / ``optim_grads`` and the
+  compute-dtype shard where fsdp keeps one (HFSDP), while they are current; else, since fsdp
+  casts the main shard straight into its gather, a cast of ``main_weight`` made when read (the
+  values Megatron-FSDP's buffer would hold);
+* ``_unsharded_model_weight``: the gathered weights the modules compute with (storage only
+  between a unit's gather and its reshard under ZeRO-3).
+
+:meth:`FsdpParameterGroup.sync_model_weight_from_main_weight` is Megatron-FSDP's refresh after
+the main weights changed (an optimizer step, an initialisation): the next forward casts and
+gathers them (fsdp's ``mark_stale``). ``fsdp_parameters`` lists each physical parameter with
+every name it is registered under (tied weights: one parameter, several names).
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Iterable, Optional
+
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+
+import dbuffer
+import fsdp
+from fsdp.megatron.buffer import DBuffer
+
+__all__ = [
+    "FsdpParameter",
+    "FsdpParameterGroup",
+    "ParameterGroups",
+    "get_containing_parameter_group",
+    "sync_model_weights_from_main_weights",
+]
+
+_GROUP_ATTR = "_mfsdp_parameter_group"
+
+
+@dataclass(frozen=True, eq=False)
+class FsdpParameter:
+    """One physical parameter: every name it is registered under (relative to the unit's
+    module), the sharded DTensor parameter the optimizer holds, and the unsharded one the
+    modules compute with between a gather and a reshard."""
+
+    fqns: tuple[str, ...]
+    sharded: nn.Parameter
+    unsharded: nn.Parameter
+
+
+class ParameterGroups(tuple):
+    """A unit's parameter groups: a tuple (Megatron-LM main's ``parameter_groups``) that is also
+    callable, returning itself (megatron-fsdp 0.6.1's ``parameter_groups()``)."""
+
+    def __call__(self) -> "ParameterGroups":
+        return self
+
+
+def get_containing_parameter_group(parameter: nn.Parameter) -> Optional["FsdpParameterGroup"]:
+    """The group whose sharded parameter ``parameter`` is, or None."""
+    ref = getattr(parameter, _GROUP_ATTR, None)
+    return ref() if ref is not None else None
+
+
+def sync_model_weights_from_main_weights(parameters: Iterable[nn.Parameter]) -> None:
+    """Call :meth:`FsdpParameterGroup.sync_model_weight_from_main_weight` once for each group
+    among ``parameters`` (in their order); parameters of no group are skipped."""
+    seen: set[int] = set()
+    for p in parameters:
+        group = get_containing_parameter_group(p)
+        if group is not None and id(group) not in seen:
+            seen.add(id(group))
+            group.sync_model_weight_from_main_weight()
+
+
+class FsdpParameterGroup:
+    """One fsdp group under Megatron-FSDP's names (see the module docstring). Built by
+    :func:`fsdp.megatron.fully_shard`: ``group`` the fsdp group, ``module`` the unit, ``mesh``
+    the user's mesh, ``fqns`` every parameter's names, ``grad_divisor`` the extra division of
+    its gradients."""
+
+    def __init__(
+        self, group: fsdp.ParameterGroup, module: nn.Module, mesh: DeviceMesh, fqns: list[tuple[str, ...]], grad_divisor: int
+    ) -> None:
+        self._group = group
+        self._owning_module = weakref.ref(module)
+        self.mesh = mesh
+        self.grad_divisor = grad_divisor
+        self._fqns = tuple(fqns)
+        self._views: dict[int, tuple[dbuffer.DBuffer, DBuffer]] = {}
+        for p in group.sharded_params:
+            setattr(p, _GROUP_ATTR, weakref.ref(self))
+
+    # ------------------------------------------------------------------ what it holds
+
+    @property
+    def fsdp_group(self) -> fsdp.ParameterGroup:
+        """The fsdp group this is a view of."""
+        return self._group
+
+    @property
+    def owning_module(self) -> Optional[nn.Module]:
+        """The unit's module (None once it is gone)."""
+        return self._owning_module()
+
+    @property
+    def dtype(self):
+        """The dtype the parameters compute in (the one they were built in)."""
+        return self._group.dtypes.model
+
+    @property
+    def requires_grad(self) -> bool:
+        return self._group.requires_grad
+
+    @property
+    def fsdp_parameters(self) -> tuple[FsdpParameter, ...]:
+        """Each physical parameter with its names, sharded and unsharded parameters."""
+        g = self._group
+        unsharded = g.unsharded_params or [None] * len(self._fqns)
+        return tuple(FsdpParameter(f, s, u) for f, s, u in zip(self._fqns, g.sharded_params, unsharded))
+
+    @property
+    def parameter_names(self) -> tuple[str, ...]:
+        """Each parameter's first name (megatron-fsdp 0.6.1)."""
+        return tuple(f[0] for f in self._fqns)
+
+    @property
+    def sharded_parameters(self) -> tuple[nn.Parameter, ...]:
+        """The sharded DTensor parameters (megatron-fsdp 0.6.1)."""
+        return tuple(self._group.sharded_params)
+
+    @property
+    def unsharded_parameters(self) -> tuple[nn.Parameter, ...]:
+        """The unsharded parameters (megatron-fsdp 0.6.1)."""
+        return tuple(self._group.unsharded_params or ())
+
+    # ------------------------------------------------------------------ buffers
+
+    def _view(self, inner: dbuffer.DBuffer) -> DBuffer:
+        """The one Megatron view of fsdp's buffer ``inner`` (the same object while it lives)."""
+        hit = self._views.get(id(inner))
+        if hit is None or hit[0] is not inner:
+            hit = self._views[id(inner)] = (inner, DBuffer.wrap(inner, self.mesh))
+        return hit[1]
+
+    @property
+    def main_weight(self) -> DBuffer:
+        return self._view(self._group.main)
+
+    @property
+    def main_grad(self) -> Optional[DBuffer]:
+        grads = self._group.grads
+        return None if grads is None else self._view(grads.main_grad)
+
+    @property
+    def model_weight(self) -> DBuffer:
+        g = self._group
+        weights = g.weights
+        if weights.model is g.main and g.strategy.shard_params:
+            return self.main_weight
+        if g.is_current():
+            if not g.strategy.shard_params:
+                return self._view(weights.unsharded)
+            if not weights.model.is_storage_released():
+                return self._view(weights.model)
+        return DBuffer.wrap(g.main.cast(g.dtypes.model), self.mesh)
+
+    @property
+    def _unsharded_model_weight(self) -> DBuffer:
+        return self._view(self._group.weights.unsharded)
+
+    def sync_model_weight_from_main_weight(self) -> None:
+        """The main weights changed: the next forward casts and gathers them afresh."""
+        self._group.mark_stale()
+
+    def __repr__(self) -> str:
+        return f"FsdpParameterGroup({list(self.parameter_names)}, dtype={self.dtype}, requires_grad={self.requires_grad})"
