@@ -42,6 +42,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 import dbuffer
+from fsdp.compose.outer_shard import transposed_mesh
 from fsdp.megatron.layout import GlobalLayout
 from fsdp.megatron.outside import OutsideMesh
 from fsdp.megatron.placement import Flat, normalized, to_dbuffer
@@ -59,8 +60,6 @@ def reversed_mesh(mesh: DeviceMesh) -> DeviceMesh:
     if cached is not None:
         return cached
     if mesh.ndim == 2 and mesh.mesh_dim_names is not None:
-        from fsdp.compose.outer_shard import transposed_mesh
-
         out = transposed_mesh(mesh)
     else:
         names = mesh.mesh_dim_names or tuple(f"axis{a}" for a in range(mesh.ndim))

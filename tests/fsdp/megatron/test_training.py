@@ -81,12 +81,29 @@ def _adamw(model):
     return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
 
 
+def _views_match(model) -> bool:
+    """Every group's Megatron-FSDP buffers hold what its parameters hold: the main weights (each
+    tensor's DTensor view) and the compute weights at their placement, gathered whole."""
+    for unit in (m for m in model.modules() if isinstance(m, FsdpModule)):
+        for group in unit.parameter_groups:
+            model_weight = group.model_weight
+            whole = model_weight.redistribute([Replicate()] * model_weight.mesh.ndim)
+            for k, p in enumerate(group.sharded_parameters):
+                full = p.full_tensor()
+                if not torch.equal(group.main_weight.get_dtensor(k).full_tensor(), full):
+                    return False
+                if not torch.equal(whole.get_local_tensor(k), full.to(group.dtype)):
+                    return False
+    return True
+
+
 def _strategy(model, batches, name: str) -> dict:
     context = _shard(model, name)
     opt = _adamw(model)
     fully_shard_optimizer(opt)
     _train(model, batches, context, opt)
-    return {"state": full_state(model), "dtensors": all(isinstance(p, DTensor) for p in model.parameters())}
+    dtensors = all(isinstance(p, DTensor) for p in model.parameters())
+    return {"state": full_state(model), "dtensors": dtensors, "views": _views_match(model)}
 
 
 @pytest.mark.parametrize("name", sorted(ONE_D))
@@ -94,7 +111,7 @@ def test_each_zero_stage_trains_like_one_process(name) -> None:
     model, batches = make_model(), make_batches(2)
     ref = reference(model, batches, micro=MICRO)
     for r in run_ranks(_strategy, 2, model, batches, name):
-        assert r["dtensors"] and max_diff(r["state"], ref) < 1e-5, name
+        assert r["dtensors"] and r["views"] and max_diff(r["state"], ref) < 1e-5, name
 
 
 @pytest.mark.parametrize("name", sorted(TWO_D))
@@ -102,7 +119,22 @@ def test_hsdp_and_hfsdp_train_like_one_process(name) -> None:
     model, batches = make_model(), make_batches(2)
     ref = reference(model, batches, micro=MICRO)
     for r in run_ranks(lambda: _strategy(copy.deepcopy(model), batches, name), 4, backend="threaded"):
-        assert r["dtensors"] and max_diff(r["state"], ref) < 1e-5, name
+        assert r["dtensors"] and r["views"] and max_diff(r["state"], ref) < 1e-5, name
+
+
+def _divided(model, batches) -> dict:
+    context = _shard(model, "hsdp", grad_divisor=2)
+    _train(model, batches, context, torch.optim.SGD(model.parameters(), lr=0.1))
+    return full_state(model)
+
+
+def test_grad_divisor_divides_the_averaged_gradients_further() -> None:
+    """SGD at lr 0.1 on gradients averaged over the 4 ranks and divided by 2 equals one process
+    at lr 0.05."""
+    model, batches = make_model(), make_batches(2)
+    ref = reference(model, batches, micro=MICRO, make_opt=lambda ps: torch.optim.SGD(ps, lr=0.05))
+    for state in run_ranks(lambda: _divided(copy.deepcopy(model), batches), 4, backend="threaded"):
+        assert max_diff(state, ref) < 1e-6
 
 
 def _reductions(model, batches, name: str) -> dict:
