@@ -77,8 +77,9 @@ def reversed_mesh(mesh: DeviceMesh) -> DeviceMesh:
 class DBuffer:
     """Tensors of shapes ``tensor_shapes`` in one flat buffer on ``mesh``, placed by
     ``placements`` (``Flat()``/``Shard(0)``, ``Replicate()``, ``Partial("sum" | "avg")``, one per
-    axis, sharded axes last); this rank's part is ``local_buffer``, zero-filled, on ``device``
-    (default: the mesh's). See the module docstring for what follows Megatron-FSDP.
+    axis, sharded axes last), in ``dtype``; this rank's part is ``local_buffer``, zero-filled, on
+    ``device`` (default: the mesh's device). See the module docstring for what follows
+    Megatron-FSDP.
 
     Raises, before any collective: ``ValueError`` / ``TypeError`` for placements that do not fit
     (:func:`fsdp.megatron.placement.normalized`) and for shapes Megatron-FSDP cannot lay out
@@ -208,10 +209,12 @@ class DBuffer:
 
     @property
     def dtype(self) -> torch.dtype:
+        """The dtype of every tensor in the buffer."""
         return self._buffer.dtype
 
     @property
     def device(self) -> torch.device:
+        """Where ``local_buffer`` lives."""
         return self._buffer.device
 
     @property

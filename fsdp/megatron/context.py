@@ -36,7 +36,12 @@ class FsdpContext:
     collectives' buffers come from torch's symmetric-memory pool (fsdp's
     ``set_symm_mem_for_comm``: CUDA and NCCL only); ``unify_communication_stream``: accepted
     for Megatron-FSDP's signature; fsdp already orders every gather and reduction of a device
-    on its two shared streams (:mod:`fsdp.group.streams`)."""
+    on its two shared streams (:mod:`fsdp.group.streams`).
+
+    Built by :func:`fully_shard_context` (or by ``fully_shard`` for a unit built outside one);
+    :meth:`register_module` after :meth:`finalize`, a second :meth:`finalize`, and
+    :meth:`ensure_finalized` before it raise ``RuntimeError``; a non-bool
+    ``is_last_microbatch`` raises ``TypeError``."""
 
     implicit = False  # True: built by a fully_shard outside any fully_shard_context, for itself
 
@@ -120,7 +125,11 @@ def fully_shard_context(
     finalised when the block ends without an exception (see the module docstring). Not
     nestable (``RuntimeError``). ``device``: where the units compute; a unit whose mesh is for
     another device type raises ``ValueError`` at its ``fully_shard``. Megatron-FSDP requires a
-    CUDA device; fsdp runs on any device its mesh is for."""
+    CUDA device; fsdp runs on any device its mesh is for. ``use_symmetric_memory``: the units'
+    collectives use torch's symmetric-memory buffers (CUDA and NCCL only: elsewhere
+    ``fully_shard`` raises fsdp's ``RuntimeError``). ``unify_communication_stream``: accepted
+    for Megatron-FSDP's signature; fsdp already orders a device's gathers and reductions on its
+    two shared streams."""
     if _CURRENT.get() is not None:
         raise RuntimeError("fully_shard_context does not support nesting")
     context = FsdpContext(

@@ -49,8 +49,13 @@ def _up(value: int, multiple: int) -> int:
 
 @dataclass(frozen=True)
 class GlobalLayout(Layout):
-    """A :class:`dbuffer.Layout` under Megatron-FSDP's names. Built by :meth:`build` (Megatron's
-    packing) or :meth:`of` (an existing dbuffer layout); equal layouts compare equal."""
+    """A :class:`dbuffer.Layout` under Megatron-FSDP's names (``tensor_shapes``,
+    ``tensor_to_offset``, ``size``): ``items``, one :class:`dbuffer.layout.ItemLayout` per tensor,
+    cut into ``num_shards`` (``dp_size``) shards of ``shard_numel`` elements. Built by
+    :meth:`build` (Megatron-FSDP's packing) or :meth:`of` (an existing dbuffer layout), not by
+    hand; equal layouts compare equal. Every dbuffer query works on it; :meth:`build` raises
+    ``ValueError`` for shapes it cannot lay out, :meth:`of` ``TypeError`` for a layout that is
+    not row-atomic."""
 
     @property
     def tensor_shapes(self) -> tuple[torch.Size, ...]:

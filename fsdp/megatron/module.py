@@ -29,8 +29,11 @@ _CLASSES: dict[type, type] = {}
 
 
 class FsdpModule:
-    """Mixin of every module :func:`fsdp.megatron.fully_shard` sharded (never built directly);
-    see the module docstring."""
+    """Mixin of every module :func:`fsdp.megatron.fully_shard` sharded (never built directly):
+    ``isinstance(m, FsdpModule)`` tells a Megatron-FSDP unit, which is also an
+    :class:`fsdp.FSDPModule` with FSDP2's methods. Its attributes read fsdp's state of the unit
+    (see the module docstring); ``name`` raises ``RuntimeError`` before its context is finalised,
+    the rest raise nothing."""
 
     class Phase(enum.Enum):
         """Where a unit is in its step: between its forward hooks, its backward, or neither."""

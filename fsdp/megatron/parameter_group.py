@@ -49,9 +49,11 @@ _GROUP_ATTR = "_mfsdp_parameter_group"
 
 @dataclass(frozen=True, eq=False)
 class FsdpParameter:
-    """One physical parameter: every name it is registered under (relative to the unit's
-    module), the sharded DTensor parameter the optimizer holds, and the unsharded one the
-    modules compute with between a gather and a reshard."""
+    """One physical parameter: ``fqns``, every name it is registered under (relative to the
+    unit's module; tied weights have several); ``sharded``, the DTensor parameter the optimizer
+    holds (a view of the group's main weights); ``unsharded``, the plain parameter the modules
+    compute with between a gather and a reshard. A plain value, built by
+    :attr:`FsdpParameterGroup.fsdp_parameters`; raises nothing."""
 
     fqns: tuple[str, ...]
     sharded: nn.Parameter
@@ -67,14 +69,20 @@ class ParameterGroups(tuple):
 
 
 def get_containing_parameter_group(parameter: nn.Parameter) -> Optional["FsdpParameterGroup"]:
-    """The group whose sharded parameter ``parameter`` is, or None."""
+    """The :class:`FsdpParameterGroup` whose sharded parameter ``parameter`` is (what
+    ``model.parameters()`` gives after :func:`fsdp.megatron.fully_shard`), or None for any other
+    tensor, or once the group is gone (the parameter holds it weakly). A query: it raises
+    nothing and changes nothing."""
     ref = getattr(parameter, _GROUP_ATTR, None)
     return ref() if ref is not None else None
 
 
 def sync_model_weights_from_main_weights(parameters: Iterable[nn.Parameter]) -> None:
     """Call :meth:`FsdpParameterGroup.sync_model_weight_from_main_weight` once for each group
-    among ``parameters`` (in their order); parameters of no group are skipped."""
+    among ``parameters`` (in their order of first appearance); parameters of no group are
+    skipped (tensors that are not sharded parameters included). What
+    :func:`fsdp.megatron.fully_shard_optimizer` runs after each step; raises what a group's sync
+    raises (nothing of its own)."""
     seen: set[int] = set()
     for p in parameters:
         group = get_containing_parameter_group(p)
@@ -87,7 +95,9 @@ class FsdpParameterGroup:
     """One fsdp group under Megatron-FSDP's names (see the module docstring). Built by
     :func:`fsdp.megatron.fully_shard`: ``group`` the fsdp group, ``module`` the unit, ``mesh``
     the user's mesh, ``fqns`` every parameter's names, ``grad_divisor`` the extra division of
-    its gradients."""
+    its gradients. Its attributes are views and queries: they raise nothing of their own (a
+    ``DBuffer`` view raises what :meth:`fsdp.megatron.DBuffer.wrap` raises for a buffer it
+    cannot state)."""
 
     def __init__(
         self, group: fsdp.ParameterGroup, module: nn.Module, mesh: DeviceMesh, fqns: list[tuple[str, ...]], grad_divisor: int
@@ -120,6 +130,7 @@ class FsdpParameterGroup:
 
     @property
     def requires_grad(self) -> bool:
+        """Whether the group's parameters are trained (a frozen group has no main grads)."""
         return self._group.requires_grad
 
     @property
@@ -155,15 +166,18 @@ class FsdpParameterGroup:
 
     @property
     def main_weight(self) -> DBuffer:
+        """The main weights at the optimizer placement (the same view while the buffer lives)."""
         return self._view(self._group.main)
 
     @property
     def main_grad(self) -> Optional[DBuffer]:
+        """The reduced gradients at their placement; None for a frozen group."""
         grads = self._group.grads
         return None if grads is None else self._view(grads.main_grad)
 
     @property
     def model_weight(self) -> DBuffer:
+        """The compute weights at the parameter placement (see the module docstring)."""
         g = self._group
         weights = g.weights
         if weights.model is g.main and g.strategy.shard_params:
@@ -177,6 +191,7 @@ class FsdpParameterGroup:
 
     @property
     def _unsharded_model_weight(self) -> DBuffer:
+        """The gathered weights the modules compute with (Megatron-FSDP's private name)."""
         return self._view(self._group.weights.unsharded)
 
     def sync_model_weight_from_main_weight(self) -> None:

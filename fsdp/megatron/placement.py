@@ -27,8 +27,12 @@ _OPS = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.AVG: "avg"}
 
 
 class Flat(Shard):
-    """Megatron-FSDP's sharded placement: dim-0 rows cut out of one flat buffer. Equal to
-    ``Shard(0)`` (it is one), so torch's ``Shard(0)`` is accepted wherever it is."""
+    """Megatron-FSDP's sharded placement: dim-0 rows cut out of one flat buffer, so each rank's
+    piece of each tensor is whole rows and its local buffer one contiguous range. It *is* a
+    ``Shard(0)`` (equal to it both ways, the same hash), so torch's ``Shard(0)`` is accepted
+    wherever it is, and a DTensor view of a Flat buffer says ``Shard(0)``. Takes no arguments,
+    raises nothing; a ``Shard`` of another dim is refused where placements are checked
+    (:func:`normalized`: ``ValueError``)."""
 
     def __init__(self) -> None:
         super().__init__(0)

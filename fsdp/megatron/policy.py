@@ -31,7 +31,10 @@ _FIELDS = ("main_params_dtype", "main_grads_dtype", "grad_comm_dtype")
 
 @dataclass(frozen=True)
 class MixedPrecisionPolicy:
-    """Megatron-FSDP's precision policy (see the module docstring for each field and default).
+    """Megatron-FSDP's precision policy: ``main_params_dtype`` (default ``torch.float32``; None:
+    the parameter's own dtype), ``main_grads_dtype`` (default None: the parameter's own dtype)
+    and ``grad_comm_dtype`` (default None: the main grads' dtype); parameters compute in the dtype
+    they were built in. See the module docstring for how each maps onto fsdp's policy.
     ``ValueError`` for a field that is neither a floating ``torch.dtype`` nor None."""
 
     main_params_dtype: Optional[torch.dtype] = torch.float32
