@@ -59,6 +59,14 @@ class FsdpContext:
         self._finalized = False
         self.roots: tuple = ()
 
+    @classmethod
+    def for_one_unit(cls) -> "FsdpContext":
+        """The context of a unit ``fully_shard`` builds outside any ``fully_shard_context``
+        (megatron-fsdp 0.6.1's usage): its own, finalised as soon as the unit is built."""
+        context = cls()
+        context.implicit = True
+        return context
+
     def units(self) -> list[nn.Module]:
         """The units of this context still alive, in the order they were built."""
         return [u for u in (r() for r in self._units) if u is not None]

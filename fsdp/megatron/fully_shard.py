@@ -11,7 +11,8 @@ Megatron-FSDP's conventions differ from FSDP2's, the unit follows Megatron-FSDP'
 * **every unit reshards after forward**, the root too (FSDP2 keeps the root's weights for the
   backward that follows);
 * **parameters move to the mesh's device**: CPU-built ones are copied there, meta-built ones get
-  (uninitialised) storage there at once, so the sharded parameters can be initialised in place
+  (zeroed, meaningless) storage there at once (buffers stay where they are), so the sharded
+  parameters can be initialised in place
   and then :meth:`~fsdp.megatron.parameter_group.FsdpParameterGroup.sync_model_weight_from_main_weight`
   makes the next forward use them (FSDP2 keeps meta shards until ``to_empty``);
 * **gradients average over every data-parallel axis**, then divide by ``grad_divisor``;
@@ -34,6 +35,7 @@ from torch.distributed.tensor import DTensor
 
 import dbuffer
 import fsdp
+from fsdp.group.meta_init import materialize
 from fsdp.megatron.context import FsdpContext, current_context
 from fsdp.megatron.module import FsdpModule, megatron_class
 from fsdp.megatron.parameter_group import FsdpParameterGroup, ParameterGroups
@@ -84,16 +86,15 @@ def fully_shard(
     context = current_context()
     implicit = context is None
     if implicit:
-        context = FsdpContext()
-        context.implicit = True
+        context = FsdpContext.for_one_unit()
     _check_context(module, context, implicit, mesh)
-    device = dbuffer.mesh_device(mesh)
     owned = _owned_params(module)
-    meta = _to_mesh_device(owned, device)
-    dtypes = list(dict.fromkeys(p.dtype for _, p in owned))
     for name, p in owned:
         if not p.is_floating_point():
             raise NotImplementedError(f"parameter {name!r} has dtype {p.dtype}; fsdp.megatron shards floating parameters only")
+    device = dbuffer.mesh_device(mesh)
+    meta = _to_mesh_device(owned, device)
+    dtypes = list(dict.fromkeys(p.dtype for _, p in owned))
     kw: dict = {}
     if len(dtypes) == 1:
         kw["mp_policy"] = policy.for_dtype(dtypes[0])
@@ -114,8 +115,9 @@ def fully_shard(
         module.set_gradient_divide_factor(float(mesh.size() * grad_divisor))
     if use_symm_mem or context.use_symmetric_memory:
         module.set_symm_mem_for_comm()
-    if meta:
-        module.to_empty(device=device, recurse=False)
+    if meta:  # the unit's groups only: buffers stay as they are (Megatron-FSDP's)
+        for group in fsdp.fully_shard.state(module).groups:
+            materialize(group, device)
     _make_megatron_unit(module, mesh, context, unit_plan, grad_divisor)
     if implicit:
         context.finalize()

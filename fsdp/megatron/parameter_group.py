@@ -29,6 +29,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
+import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -107,7 +108,7 @@ class FsdpParameterGroup:
         self.mesh = mesh
         self.grad_divisor = grad_divisor
         self._fqns = tuple(fqns)
-        self._views: dict[int, tuple[dbuffer.DBuffer, DBuffer]] = {}
+        self._views: dict[str, tuple[dbuffer.DBuffer, DBuffer]] = {}  # role -> (fsdp's buffer, its view)
         for p in group.sharded_params:
             setattr(p, _GROUP_ATTR, weakref.ref(self))
 
@@ -124,7 +125,7 @@ class FsdpParameterGroup:
         return self._owning_module()
 
     @property
-    def dtype(self):
+    def dtype(self) -> torch.dtype:
         """The dtype the parameters compute in (the one they were built in)."""
         return self._group.dtypes.model
 
@@ -157,23 +158,25 @@ class FsdpParameterGroup:
 
     # ------------------------------------------------------------------ buffers
 
-    def _view(self, inner: dbuffer.DBuffer) -> DBuffer:
-        """The one Megatron view of fsdp's buffer ``inner`` (the same object while it lives)."""
-        hit = self._views.get(id(inner))
+    def _view(self, role: str, inner: dbuffer.DBuffer) -> DBuffer:
+        """The Megatron view of fsdp's buffer ``inner`` in ``role``: the same object while fsdp
+        keeps that buffer (one that replaced it, after ``module.to``, gets a new view)."""
+        hit = self._views.get(role)
         if hit is None or hit[0] is not inner:
-            hit = self._views[id(inner)] = (inner, DBuffer.wrap(inner, self.mesh))
+            same = next((v for b, v in self._views.values() if b is inner), None)  # main is also model
+            hit = self._views[role] = (inner, same if same is not None else DBuffer.wrap(inner, self.mesh))
         return hit[1]
 
     @property
     def main_weight(self) -> DBuffer:
         """The main weights at the optimizer placement (the same view while the buffer lives)."""
-        return self._view(self._group.main)
+        return self._view("main", self._group.main)
 
     @property
     def main_grad(self) -> Optional[DBuffer]:
         """The reduced gradients at their placement; None for a frozen group."""
         grads = self._group.grads
-        return None if grads is None else self._view(grads.main_grad)
+        return None if grads is None else self._view("main_grad", grads.main_grad)
 
     @property
     def model_weight(self) -> DBuffer:
@@ -184,15 +187,15 @@ class FsdpParameterGroup:
             return self.main_weight
         if g.is_current():
             if not g.strategy.shard_params:
-                return self._view(weights.unsharded)
+                return self._view("unsharded", weights.unsharded)
             if not weights.model.is_storage_released():
-                return self._view(weights.model)
+                return self._view("model", weights.model)
         return DBuffer.wrap(g.main.cast(g.dtypes.model), self.mesh)
 
     @property
     def _unsharded_model_weight(self) -> DBuffer:
         """The gathered weights the modules compute with (Megatron-FSDP's private name)."""
-        return self._view(self._group.weights.unsharded)
+        return self._view("unsharded", self._group.weights.unsharded)
 
     def sync_model_weight_from_main_weight(self) -> None:
         """The main weights changed: the next forward casts and gathers them afresh."""
