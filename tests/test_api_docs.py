@@ -1,6 +1,6 @@
 """The API reference is the docstrings: every public name of ``fsdp``, ``dbuffer`` and
-``fsdp.megatron`` (their ``__all__``) says what it takes, what it raises and what it guarantees, and every public method
-and property the project defines on them says something.
+``fsdp.megatron`` (their ``__all__``) says what it takes, what it raises and what it guarantees,
+and every public method and property the project defines on them says something.
 
 What is checked mechanically: a docstring of at least :data:`MIN_CHARS` characters (for a class,
 its own docstring plus its ``__init__``'s); every named parameter of the signature (a class's
@@ -105,13 +105,12 @@ def test_torchs_own_names_are_torchs_objects() -> None:
     assert torchs, "no torch objects found: the check of _is_torchs is vacuous"
     for n in torchs - {"clip_grad_norm_"}:
         assert getattr(fsdp, n) is getattr(torch_fsdp, n, getattr(_fsdp_common, n, None)), n
-    import torch.distributed.tensor as torch_tensor
     from torch.distributed.tensor import placement_types
 
     megatrons = {n.rsplit(".", 1)[1] for n, obj in _public() if _is_torchs(obj) and n.startswith("fsdp.megatron.")}
-    assert megatrons == {"Placement", "Replicate", "Shard"}, megatrons
+    assert megatrons == {"Placement", "Replicate", "Shard"}, megatrons  # torch's placements, as Megatron-LM main uses them
     for n in megatrons:
-        assert getattr(fsdp.megatron, n) is getattr(placement_types, n) is getattr(torch_tensor, n, getattr(placement_types, n)), n
+        assert getattr(fsdp.megatron, n) is getattr(placement_types, n), n
 
 
 def test_the_check_catches_a_poor_docstring() -> None:
