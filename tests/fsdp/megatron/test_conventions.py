@@ -7,14 +7,12 @@ lowers the training peak below unsharded training (fake world of 8)."""
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.utils.checkpoint import checkpoint
 
 import fsdp
@@ -232,3 +230,45 @@ def test_per_layer_sharding_lowers_the_training_peak() -> None:
     plain = _peak(False)
     print(f"peak live bytes: per-layer fsdp.megatron {sharded / 2**10:.0f} KiB, unsharded {plain / 2**10:.0f} KiB")
     assert sharded < plain / 2
+
+
+def _misuse() -> dict:
+    torch.manual_seed(0)
+    mesh, grid = _mesh(), init_device_mesh("cpu", (2, 2), mesh_dim_names=("outer", "inner"))
+    R, S = Replicate(), Shard(0)
+    cases = {
+        "zero3 params, Partial grads": lambda: fully_shard(nn.Linear(2, 2), mesh, Placements([0], [S], [Partial("avg")], [S])),
+        "a sum gradient": lambda: fully_shard(nn.Linear(2, 2), mesh, Placements([0], [R], [Partial("sum")], [R])),
+        "outer-sharded params": lambda: fully_shard(nn.Linear(2, 2), grid, Placements([0, 1], [S, S], [S, S], [S, S])),
+        "a subset of dp axes": lambda: fully_shard(nn.Linear(2, 2), grid, Placements([1], [S], [S], [S])),
+        "lists of other lengths": lambda: Placements([0], [S, S], [S], [S]),
+        "grad_divisor 0": lambda: fully_shard(nn.Linear(2, 2), mesh, ZERO3, grad_divisor=0),
+    }
+    out = {}
+    for name, call in cases.items():
+        try:
+            call()
+            out[name] = None
+        except (ValueError, NotImplementedError, TypeError) as e:
+            out[name] = type(e).__name__
+    model = nn.Linear(2, 2)
+    with pytest.raises(RuntimeError, match="not finalized"), fully_shard_context():
+        fully_shard(model, mesh, ZERO3)
+        model(torch.randn(1, 2))  # a forward before the context is left
+    with pytest.raises(ValueError, match="already managed"):
+        fully_shard(model, mesh, ZERO3)
+    with pytest.raises(RuntimeError, match="nesting"), fully_shard_context(), fully_shard_context():
+        pass
+    return out
+
+
+def test_misuse_raises_before_any_collective_naming_the_fix() -> None:
+    for r in run_ranks(_misuse, 4, backend="threaded"):
+        assert r == {
+            "zero3 params, Partial grads": "NotImplementedError",
+            "a sum gradient": "ValueError",
+            "outer-sharded params": "NotImplementedError",
+            "a subset of dp axes": "NotImplementedError",
+            "lists of other lengths": "ValueError",
+            "grad_divisor 0": "ValueError",
+        }

@@ -15,10 +15,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-import fsdp
-from fsdp.megatron import FsdpModule, MixedPrecisionPolicy, Placements, fully_shard, fully_shard_context
+from fsdp.megatron import FsdpModule, Placements, fully_shard, fully_shard_context
 from fsdp.megatron import fully_shard_optimizer, microbatch
 from tests.fsdp.models import full_state, loss_fn, make_batches, make_model, max_diff, reference, train
 from tests.harness import run_ranks, spy_collectives
