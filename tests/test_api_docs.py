@@ -1,6 +1,6 @@
-"""The API reference is the docstrings: every public name of ``fsdp`` and ``dbuffer`` (their
-``__all__``) says what it takes, what it raises and what it guarantees, and every public method
-and property the project defines on them says something.
+"""The API reference is the docstrings: every public name of ``fsdp``, ``dbuffer`` and
+``fsdp.megatron`` (their ``__all__``) says what it takes, what it raises and what it guarantees,
+and every public method and property the project defines on them says something.
 
 What is checked mechanically: a docstring of at least :data:`MIN_CHARS` characters (for a class,
 its own docstring plus its ``__init__``'s); every named parameter of the signature (a class's
@@ -19,6 +19,7 @@ import pytest
 
 import dbuffer
 import fsdp
+import fsdp.megatron
 
 MIN_CHARS = 200
 ERRORS = re.compile(r"\b(raises?|raised|[A-Z]\w*(Error|Exception))\b", re.I)
@@ -28,7 +29,7 @@ PENDING: dict[str, set[str]] = {}
 
 
 def _public() -> list[tuple[str, object]]:
-    return [(f"{m.__name__}.{n}", getattr(m, n)) for m in (fsdp, dbuffer) for n in m.__all__]
+    return [(f"{m.__name__}.{n}", getattr(m, n)) for m in (fsdp, dbuffer, fsdp.megatron) for n in m.__all__]
 
 
 def _is_torchs(obj: object) -> bool:
@@ -100,10 +101,16 @@ def test_torchs_own_names_are_torchs_objects() -> None:
     import torch.distributed.fsdp as torch_fsdp
     from torch.distributed.fsdp._fully_shard import _fsdp_common  # ShardPlacementResult's home (not exported)
 
-    torchs = {n.split(".")[1] for n, obj in _public() if _is_torchs(obj)}
+    torchs = {n.split(".")[1] for n, obj in _public() if _is_torchs(obj) and n.count(".") == 1}
     assert torchs, "no torch objects found: the check of _is_torchs is vacuous"
     for n in torchs - {"clip_grad_norm_"}:
         assert getattr(fsdp, n) is getattr(torch_fsdp, n, getattr(_fsdp_common, n, None)), n
+    from torch.distributed.tensor import placement_types
+
+    megatrons = {n.rsplit(".", 1)[1] for n, obj in _public() if _is_torchs(obj) and n.startswith("fsdp.megatron.")}
+    assert megatrons == {"Placement", "Replicate", "Shard"}, megatrons  # torch's placements, as Megatron-LM main uses them
+    for n in megatrons:
+        assert getattr(fsdp.megatron, n) is getattr(placement_types, n), n
 
 
 def test_the_check_catches_a_poor_docstring() -> None:

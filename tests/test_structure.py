@@ -2,9 +2,10 @@
 ``TYPE_CHECKING`` and inside functions included), the layers point one way, and modules and
 classes (with their in-project bases) stay short.
 
-Layers, each importing only those after it: ``fsdp`` (the entry point) -> ``fsdp.unit`` (the
-unit and its hooks) -> ``fsdp.checkpoint`` / ``fsdp.optim`` / ``fsdp.compose`` (optional parts)
--> ``fsdp.group`` (the core: groups, layouts, gradients) -> ``dbuffer``.
+Layers, each importing only those after it: ``fsdp.megatron`` (Megatron-FSDP's API, a layer on
+top that nothing else imports) -> ``fsdp`` (the entry point) -> ``fsdp.unit`` (the unit and its
+hooks) -> ``fsdp.checkpoint`` / ``fsdp.optim`` / ``fsdp.compose`` (optional parts) ->
+``fsdp.group`` (the core: groups, layouts, gradients) -> ``dbuffer``.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ MAX_CLASS_LINES = 700  # a class together with its in-project bases: composition
 KNOWN_LONG: set[str] = set()
 # What each layer may import (besides itself and dbuffer). The core imports no optional feature.
 ALLOWED = {
+    "fsdp.megatron": {"fsdp", "fsdp.unit", "fsdp.compose", "fsdp.optim", "fsdp.checkpoint", "fsdp.group"},
     "fsdp.group": set(),
     "fsdp.compose": {"fsdp.group"},
     "fsdp.optim": {"fsdp.group"},
@@ -112,6 +114,19 @@ def test_layers_point_one_way() -> None:
             if other != layer and other != "dbuffer" and other not in ALLOWED[layer]:
                 wrong.append(f"{name} -> {target}")
     assert not wrong, "imports against the layering:\n" + "\n".join(wrong)
+
+
+def test_megatron_layer_is_imported_by_nothing_else() -> None:
+    """``fsdp.megatron`` maps Megatron-FSDP's API onto fsdp and dbuffer: neither the core nor the
+    entry point (``import fsdp``) may depend on it."""
+    wrong = [
+        f"{name} -> {target}"
+        for name, targets in _graph().items()
+        if not name.startswith("fsdp.megatron")
+        for target in targets
+        if target == "fsdp.megatron" or target.startswith("fsdp.megatron.")
+    ]
+    assert not wrong, "modules outside fsdp.megatron import it:\n" + "\n".join(wrong)
 
 
 def test_modules_stay_short() -> None:

@@ -197,6 +197,12 @@ class ParameterGroup:
         self._stale = True
         self._written_key = self.weights.version_key() if model_written else None
 
+    def is_current(self) -> bool:
+        """Whether the model weights are up to date with the main weights: no :meth:`refresh`
+        is pending (nothing marked them stale, no in-place update since the last one). A
+        query: it changes nothing."""
+        return not self._stale and self.weights.version_key() == self._key
+
     @without_grad
     def refresh(self) -> None:
         """Bring the model weights up to date with the main weights, if they changed (the

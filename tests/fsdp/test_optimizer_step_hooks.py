@@ -26,13 +26,17 @@ def _stale_without_hooks(model, batch) -> dict:
             opt = torch.optim.SGD(m.parameters(), lr=0.5, foreach=True)
             before = float(loss_fn(m, x, y).detach())
             loss_fn(m, x, y).backward()
+            groups = [g for unit in [m._fsdp_state] + [b._fsdp_state for b in m.blocks] for g in unit.groups]
             opt.step()
+            current = [all(g.is_current() for g in groups)]  # the query: what a refresh would find
             after = float(loss_fn(m, x, y).detach())
-            for unit in [m._fsdp_state] + [b._fsdp_state for b in m.blocks]:
-                for group in unit.groups:
-                    group.mark_stale()
+            current.append(all(g.is_current() for g in groups))
+            for group in groups:
+                group.mark_stale()
+            current.append(any(g.is_current() for g in groups))
             marked = float(loss_fn(m, x, y).detach())
-            out[hooks] = (before, after, marked)
+            current.append(all(g.is_current() for g in groups))
+            out[hooks] = (before, after, marked, current)
         finally:
             fsdp.optimizer_step_hooks(was)
     return out
@@ -44,6 +48,9 @@ def test_hooks_refresh_after_a_step_and_can_be_turned_off() -> None:
     assert on[1] != on[0] and on[2] == on[1]  # the step is seen at once
     assert off[1] == off[0]  # stale: the step is not seen ...
     assert off[2] == on[1]  # ... until mark_stale(), which then gives what the hooks give
+    # ParameterGroup.is_current(): False from the hooks' mark until the next forward refreshes;
+    # without hooks True (nothing marked the groups) until mark_stale()
+    assert on[3] == [False, True, False, True] and off[3] == [True, True, False, True]
 
 
 def test_installing_is_idempotent_and_reversible() -> None:
