@@ -16,6 +16,7 @@ from dbuffer.torch_version import check as _check_torch_version
 _check_torch_version()  # before anything that would fail on an old torch with a less clear error
 
 from dbuffer.buffer import DBuffer, distribute_tensors
+from dbuffer.calls import CallLabel, CollectiveError
 from dbuffer.collectives import Pending, mesh_device
 from dbuffer.element_sharded import ElementShardedDTensor
 from dbuffer.full_load import install as _install_full_load
@@ -36,6 +37,8 @@ from dbuffer.view import dtensor_view
 _install_full_load()
 
 __all__ = [
+    "CallLabel",
+    "CollectiveError",
     "DBuffer",
     "ElementShardedDTensor",
     "Layout",

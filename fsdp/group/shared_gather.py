@@ -122,7 +122,7 @@ def gather_together(groups: Sequence[ParameterGroup], cache: dict) -> list[Param
     for g in batch:  # on the compute stream: a released model shard is cast again
         g.weights.begin_gather(GatherKind.SHARED)
     streams = batch[0].streams
-    with streams.launch(streams.all_gather):
+    with streams.launch(streams.all_gather), batch[0].call_label:  # the unit's groups share its label
         sources = [g.weights.gather_source() for g in batch]
         shared = shared_gather_for(cache, batch, sources)
         pending = shared.launch(sources)
