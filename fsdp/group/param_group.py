@@ -280,9 +280,10 @@ class ParameterGroup:
         sliced = self.unsharded.state is Unsharded.SLICE_KEPT  # backward after reshard_after_forward=n
         target = self.weights.begin_gather(GatherKind.POST_FORWARD_SLICE if sliced else GatherKind.OWN)
         self.unsharded.begin_gather()
-        with self.streams.launch(self.streams.all_gather), self.call_label:
+        with self.streams.launch(self.streams.all_gather):
             if sliced:  # gathered within n ranks, from the kept slices
-                self._gather_pending = post.gather()
+                with self.call_label:
+                    self._gather_pending = post.gather()
             else:
                 self._gather_pending = self.all_gather(self.weights.gather_source(), target)
         if not async_op:
@@ -291,13 +292,13 @@ class ParameterGroup:
     def all_gather(self, source: DBuffer, target: DBuffer) -> Pending:
         """Gather ``source`` (sharded) into ``target`` (replicated), in flight, by the group's
         comms (dbuffer's, or FSDP2's comm objects: :mod:`fsdp.compose.custom_comm`)."""
-        with label("fsdp::all_gather"), self.call_label:
+        with label("fsdp::all_gather", call=self.call_label):
             return self.comms.all_gather(source, self.placements.replicated, target)
 
     def reduce_into(self, source: DBuffer, placements: tuple, out: DBuffer, async_op: bool = True):
         """``source.redistribute(placements, out=out)`` by the group's comms: a reduce-scatter on
         the shard axis (and an HSDP all-reduce across replicas), or an all-reduce."""
-        with label("fsdp::reduce_scatter"), self.call_label:
+        with label("fsdp::reduce_scatter", call=self.call_label):
             return self.comms.reduce(source, placements, out, async_op)
 
     def wait_unshard(self) -> None:
