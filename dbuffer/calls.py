@@ -143,16 +143,22 @@ class Call:
         try:
             store = dist.distributed_c10d._get_default_store()
             prefix = f"dbuffer_failed/{name}/"
-            store.set(f"{prefix}{rank}", f"{self.describe()}; it failed too: {cause}")
+            store.set(f"{prefix}{rank}", f"{self.seq}\t{self.describe()}; it failed too: {cause}")
             keys = [f"{prefix}{r}" for r in peers]
             try:
                 store.wait(keys, datetime.timedelta(seconds=REPORT_WAIT))
             except Exception:  # some never reported: named below
                 pass
-            reports = {r: _text(store.get(k)) for r, k in zip(peers, keys) if store.check([k])}
+            reports = {r: _text(store.get(k)).split("\t", 1) for r, k in zip(peers, keys) if store.check([k])}
         except Exception:
             return where, []
-        lines = _by_report(reports)
+        lines = _by_report({r: text for r, (_, text) in reports.items()})
+        if any(seq != str(self.seq) for seq, _ in reports.values()):
+            lines.append(
+                "  The ranks are at different call numbers: before these calls some rank made more "
+                "collectives on this group than another (same-sized calls of different units pair "
+                "up silently until the ranks part)."
+            )
         silent = [r for r in peers if r not in reports]
         if silent:
             lines.append(

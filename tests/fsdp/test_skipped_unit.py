@@ -123,6 +123,20 @@ def test_the_debug_mode_raises_at_the_skipped_units_gather_at_once() -> None:
     assert results[0][1] == results[1][1]
 
 
+def test_same_sized_units_pair_up_until_the_ranks_part_and_the_error_says_so() -> None:
+    """Same-sized units: the skipped encoder's gathers pair with the next units' until the ranks
+    part at the second block; each names it, and that the ranks are at different call numbers."""
+    results = run_ranks(_step_with_images_on_rank_0, 2, "fsdp", 8, 8, False, backend="gloo", timeout=90)
+    seqs = []
+    for kind, message, seconds in results:
+        assert kind == CollectiveError.__name__, results
+        found = re.match(r"all_gather #(\d+) of fsdp unit '(layers\.\d)'", message)
+        assert found, message
+        seqs.append(int(found.group(1)))
+        assert "The ranks are at different call numbers" in message, message
+    assert seqs[0] != seqs[1], results
+
+
 def test_fsdp2_in_the_same_case_times_out_naming_nothing() -> None:
     """The reference: torch FSDP2 on the same model (same-sized units) fails only at the
     timeout, with gloo's message."""
