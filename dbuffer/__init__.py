@@ -20,6 +20,7 @@ from dbuffer.torch_version import check as _check_torch_version
 _check_torch_version()  # before anything that would fail on an old torch with a less clear error
 
 from dbuffer.buffer import DBuffer, distribute_tensors
+from dbuffer.calls import CallLabel, CollectiveError
 from dbuffer.collectives import Pending, mesh_device
 from dbuffer.element_sharded import ElementShardedDTensor
 from dbuffer.full_load import install as _install_full_load
@@ -46,6 +47,8 @@ from dbuffer.teardown import exit_guard as _exit_guard  # noqa: E402
 _atexit.register(_exit_guard)  # a framework's exit, without dbuffer.teardown.shutdown: see there
 
 __all__ = [
+    "CallLabel",
+    "CollectiveError",
     "DBuffer",
     "ElementShardedDTensor",
     "Layout",

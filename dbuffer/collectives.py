@@ -32,7 +32,9 @@ that one process on one GPU runs the real collective calls (NCCL at world 1) and
 ordering around them: for tests and ``tools/gpu_check.py``.
 
 Every function writes into the ``out`` it is given and returns a :class:`Pending` whose
-``wait()`` finishes the work (post-processing included) and returns ``out``. With
+``wait()`` finishes the work (post-processing included) and returns ``out``. Each one notes its
+call (number on the group, bytes, the caller's label: :mod:`dbuffer.calls`), and a backend error
+at the launch or the wait becomes a ``CollectiveError`` naming it. With
 ``DBUFFER_DEBUG_COLLECTIVES=1`` each one first checks that every rank of the group is at the same
 call (:mod:`dbuffer.debug`); off, that costs one bool check.
 """
@@ -50,6 +52,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from dbuffer import compat
 from dbuffer import debug as _debug
+from dbuffer.calls import GroupCalls, Pending
 from dbuffer.workspaces import WorkspacePool
 
 __all__ = [
@@ -117,45 +120,10 @@ _REDUCE_SCATTER = compat.reduce_scatter_name()
 _P2P_MIN_SHARD_BYTES = 2 << 20
 
 
-class Pending:
-    """Work in flight: what a DBuffer primitive with ``async_op=True`` returns.
-
-    ``works``: the c10d work handles (None entries for steps done synchronously); ``finish``:
-    run once after they complete (post-processing such as the local sum of a gloo reduce-scatter
-    or the division of an average), its value being the result. Built by dbuffer, not by users.
-    ``wait()`` blocks (on CUDA: orders the current stream) and returns the result, and raises
-    what the collective raised (a backend error; ``CollectiveMismatchError`` in debug mode is
-    raised earlier, at the call). Calling it again returns the same result at once.
-    """
-
-    def __init__(self, works: list, finish: Callable[[], object]) -> None:
-        self._works = works
-        self._finish = finish
-        self._result: object = None
-        self._done = False
-
-    def wait(self):
-        """Finish the work (once) and return the result: the ``out`` buffer."""
-        if not self._done:
-            for work in self._works:
-                if work is not None:
-                    work.wait()
-            self._result = self._finish()
-            self._done = True
-            # Drop the works and the finishing closure now: they hold the collective's buffers
-            # (scratch, inputs), and a closure that names its own Pending would keep them until
-            # the next garbage collection (through the optimizer step).
-            self._works, self._finish = [], None
-        return self._result
-
-    def is_completed(self) -> bool:
-        """Whether ``wait()`` would return without blocking on the collectives."""
-        return self._done or all(w is None or w.is_completed() for w in self._works)
-
-
 class _GroupFacts(NamedTuple):
     size: int
     backend: str  # lower case: "nccl", "gloo", "fake", "threaded", ...
+    calls: GroupCalls  # this rank's collectives on the group, numbered (dbuffer.calls)
 
 
 # A process group's size and backend never change (the same on every rank, unlike the rank, which
@@ -165,11 +133,11 @@ _FACTS: "weakref.WeakKeyDictionary[dist.ProcessGroup, _GroupFacts]" = weakref.We
 
 
 def _facts(group: dist.ProcessGroup | None) -> _GroupFacts:
-    facts = _FACTS.get(group) if group is not None else None  # None: the default group, asked each time
+    if group is None:  # the default group: looked up each time (it may be destroyed and made again)
+        group = dist.distributed_c10d._get_default_group()
+    facts = _FACTS.get(group)
     if facts is None:
-        facts = _GroupFacts(dist.get_world_size(group), str(dist.get_backend(group)).lower())
-        if group is not None:
-            _FACTS[group] = facts
+        facts = _FACTS[group] = _GroupFacts(dist.get_world_size(group), str(dist.get_backend(group)).lower(), GroupCalls())
     return facts
 
 
@@ -268,37 +236,51 @@ def _div_by(size: int, t: torch.Tensor) -> Callable[[], torch.Tensor]:
 
 def all_gather(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False) -> Pending:
     """Concatenate every rank's ``inp`` into ``out`` (``out.numel() == size * inp.numel()``)."""
-    size, backend = _facts(group)
+    size, backend, calls = _facts(group)
     if _alone(size):
         return _copied(out, inp)
     if _debug.ENABLED:
         _debug.check(group, "all_gather", _describe(out, inp))
-    if backend == "gloo" and _gloo_p2p_ok(out, inp) and _big(inp):
-        _check_sizes("all_gather", out, inp, size)
-        rank = dist.get_rank(group)
-        chunks = out.view(size, inp.numel())
-        works = []
-        for k in range(1, size):
-            src, dst = (rank - k) % size, (rank + k) % size
-            works.append(dist.irecv(chunks[src], group=group, group_src=src))
-            works.append(dist.isend(inp, group=group, group_dst=dst))
-        if chunks[rank].data_ptr() != inp.data_ptr():  # else already in place
-            chunks[rank].copy_(inp)  # overlaps the transfers
-        return _maybe_wait(Pending(works, lambda: out), async_op)
-    work = getattr(dist, _ALL_GATHER)(out, inp, group=group, async_op=async_op)
-    return _maybe_wait(Pending([work], lambda: out), async_op)
+    call = calls.note(group, "all_gather", inp.nbytes, out.nbytes)
+    try:
+        if backend == "gloo" and _gloo_p2p_ok(out, inp) and _big(inp):
+            _check_sizes("all_gather", out, inp, size)
+            rank = dist.get_rank(group)
+            chunks = out.view(size, inp.numel())
+            works = []
+            for k in range(1, size):
+                src, dst = (rank - k) % size, (rank + k) % size
+                works.append(dist.irecv(chunks[src], group=group, group_src=src))
+                works.append(dist.isend(inp, group=group, group_dst=dst))
+            if chunks[rank].data_ptr() != inp.data_ptr():  # else already in place
+                chunks[rank].copy_(inp)  # overlaps the transfers
+        else:
+            works = [getattr(dist, _ALL_GATHER)(out, inp, group=group, async_op=async_op)]
+    except RuntimeError as exc:  # the backend's (a sync call's timeout): named
+        raise call.failed(exc) from exc
+    return _maybe_wait(Pending(works, lambda: out, call), async_op)
 
 
 def reduce_scatter(
     out: torch.Tensor, inp: torch.Tensor, op: str, group: dist.ProcessGroup, async_op: bool = False
 ) -> Pending:
     """``out`` = chunk ``group rank`` of the reduction over ranks of ``inp``."""
-    size, backend = _facts(group)
+    size, backend, calls = _facts(group)
     if _alone(size):
         return _copied(out, inp)
     if _debug.ENABLED:
         _debug.check(group, f"reduce_scatter({op})", _describe(out, inp))
     c10d_op, divide = _reduce_op(op, backend)
+    call = calls.note(group, "reduce_scatter", inp.nbytes, out.nbytes)
+    try:
+        pending = _reduce_scatter(out, inp, group, size, backend, c10d_op, divide, async_op, call)
+    except RuntimeError as exc:  # the backend's (a sync call's timeout): named
+        raise call.failed(exc) from exc
+    return _maybe_wait(pending, async_op)
+
+
+def _reduce_scatter(out, inp, group, size: int, backend: str, c10d_op, divide: bool, async_op: bool, call) -> Pending:
+    """:func:`reduce_scatter`'s launch, by backend; the Pending it returns is not waited for."""
     if backend == "gloo" and _gloo_p2p_ok(out, inp):
         _check_sizes("reduce_scatter", inp, out, size)
         shard = out.numel()
@@ -342,21 +324,25 @@ def reduce_scatter(
             _WORKSPACES.give(workspace)
             return out.div_(size) if divide else out
 
-        return _maybe_wait(Pending(works, finish), async_op)
+        return Pending(works, finish, call)
     work = getattr(dist, _REDUCE_SCATTER)(out, inp, op=c10d_op, group=group, async_op=async_op)
-    return _maybe_wait(Pending([work], _div_by(size, out) if divide else (lambda: out)), async_op)
+    return Pending([work], _div_by(size, out) if divide else (lambda: out), call)
 
 
 def all_reduce(t: torch.Tensor, op: str, group: dist.ProcessGroup, async_op: bool = False) -> Pending:
     """Reduce ``t`` in place over the group."""
-    size, backend = _facts(group)
+    size, backend, calls = _facts(group)
     if _alone(size):
         return _copied(t, t)
     if _debug.ENABLED:
         _debug.check(group, f"all_reduce({op})", _describe(t))
     c10d_op, divide = _reduce_op(op, backend)
-    work = dist.all_reduce(t, op=c10d_op, group=group, async_op=async_op)
-    return _maybe_wait(Pending([work], _div_by(size, t) if divide else (lambda: t)), async_op)
+    call = calls.note(group, "all_reduce", t.nbytes, t.nbytes)
+    try:
+        work = dist.all_reduce(t, op=c10d_op, group=group, async_op=async_op)
+    except RuntimeError as exc:
+        raise call.failed(exc) from exc
+    return _maybe_wait(Pending([work], _div_by(size, t) if divide else (lambda: t), call), async_op)
 
 
 def broadcast_segments(
@@ -367,12 +353,17 @@ def broadcast_segments(
     all-gather of unequal pieces without padding them to the largest."""
     if _debug.ENABLED:
         _debug.check(group, "broadcast_segments", f"{_describe(buf)} segments={list(segments)}")
-    works = [
-        dist.broadcast(buf[start:end], group=group, group_src=src, async_op=True)
-        for src, start, end in segments
-        if end > start
-    ]
-    return _maybe_wait(Pending(works, lambda: buf), async_op)
+    nbytes = sum(end - start for _, start, end in segments) * buf.element_size()
+    call = _facts(group).calls.note(group, "broadcast_segments", nbytes, nbytes)
+    try:
+        works = [
+            dist.broadcast(buf[start:end], group=group, group_src=src, async_op=True)
+            for src, start, end in segments
+            if end > start
+        ]
+    except RuntimeError as exc:
+        raise call.failed(exc) from exc
+    return _maybe_wait(Pending(works, lambda: buf, call), async_op)
 
 
 def reduce_to_owners(
@@ -404,9 +395,13 @@ def reduce_to_owners(
             send[pos : pos + n].copy_(inp[start:end])
             pos += n
     received = scratch(size * mine)
-    work = dist.all_to_all_single(
-        received, send, output_split_sizes=[mine] * size, input_split_sizes=lengths, group=group, async_op=True
-    )
+    call = _facts(group).calls.note(group, "reduce_to_owners", send.nbytes, received.nbytes)
+    try:
+        work = dist.all_to_all_single(
+            received, send, output_split_sizes=[mine] * size, input_split_sizes=lengths, group=group, async_op=True
+        )
+    except RuntimeError as exc:
+        raise call.failed(exc) from exc
 
     def finish() -> torch.Tensor:
         rows = received.view(size, mine)
@@ -422,7 +417,7 @@ def reduce_to_owners(
             _WORKSPACES.give(received)
         return out
 
-    return _maybe_wait(Pending([work], finish), async_op)
+    return _maybe_wait(Pending([work], finish, call), async_op)
 
 
 def _copied(out: torch.Tensor, inp: torch.Tensor) -> Pending:

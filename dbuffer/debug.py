@@ -8,7 +8,8 @@ go through :mod:`dbuffer.collectives`) and every :func:`fsdp.checkpoint.save` / 
 checks across the group's ranks that all of them are at the same call:
 
 * each rank numbers its calls per process group (``#0, #1, ...``) and publishes
-  ``op dtype sizes`` plus where it was called from (the toolkit's frames and the first frame of
+  ``op dtype sizes`` and the caller's label (fsdp's unit: ``of fsdp unit 'encoder' (Encoder)``,
+  :mod:`dbuffer.calls`) plus where it was called from (the toolkit's frames and the first frame of
   user code) in the default c10d store, under ``dbuffer_debug/<epoch>/<group>/<seq>/<rank>``;
 * it then waits for the other ranks' entries of the same number, at most
   ``DBUFFER_DEBUG_TIMEOUT`` seconds (default 30), and compares them.
@@ -17,8 +18,8 @@ A difference raises :class:`CollectiveMismatchError` on every rank that sees it,
 number, each rank's call and the last call all ranks agreed on; a rank that does not arrive in
 time makes the waiting ranks raise it too, naming the missing ranks, what this rank was doing and
 the last call the missing ranks made. Both are raised before the collective is issued, so the
-process group is left consistent. Only the ``op dtype sizes`` part is compared (the callers are
-for the message).
+process group is left consistent. Only the ``op dtype sizes`` and label part is compared (the
+callers are for the message).
 
 Cost: off, one module-level bool check per collective. On, each collective becomes a store round
 trip and a barrier of the group (a few store messages per rank), and the last two entries per
@@ -37,6 +38,8 @@ import threading
 from typing import Optional
 
 import torch.distributed as dist
+
+from dbuffer.calls import current_label
 
 __all__ = ["CollectiveMismatchError", "ENABLED", "TIMEOUT", "check", "set_enabled"]
 
@@ -122,7 +125,8 @@ def check(group, op: str, detail: str) -> None:
     seq = state.seq.get(name, 0)
     state.seq[name] = seq + 1
     members = dist.get_process_group_ranks(group)
-    mine = f"{op} {detail}\n{_caller()}"
+    label = current_label()  # compared too: same-sized calls of two fsdp units differ by it
+    mine = f"{op} {detail}{f' of {label.text}' if label is not None else ''}\n{_caller()}"
     prefix = f"dbuffer_debug/{epoch}/{name}/"
     store.set(f"{prefix}{seq}/{rank}", mine)
     if seq >= 2:  # every peer has read it: each has published #seq-1 since, after reading #seq-2

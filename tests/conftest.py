@@ -2,26 +2,46 @@
 
 from __future__ import annotations
 
-import os
 import sys
 
 import pytest
-from hypothesis import HealthCheck, settings
 
+from tests import hypothesis_profiles
 from tests.harness import run_ranks, shutdown_pools
-
-settings.register_profile(
-    "default", deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True
-)
-settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    if hypothesis_profiles.SEED is not None and config.getoption("hypothesis_seed", None) is None:
+        from hypothesis import core
+
+        core.global_force_seed = hypothesis_profiles.SEED  # what pytest's --hypothesis-seed sets
     config.addinivalue_line(
         "markers",
         "dp_mesh_dims: the test needs torch's DataParallelMeshDims (torch 2.12+); on an older torch it "
         "checks instead that using dp_mesh_dims raises the error naming the torch needed",
     )
+
+
+def _hypothesis_line(config: pytest.Config) -> str:
+    """The profile, and the randomized profile's seed: the one number that reruns a CI failure."""
+    seed = config.getoption("hypothesis_seed", None) or hypothesis_profiles.SEED
+    if seed is None:
+        return f"hypothesis: profile {hypothesis_profiles.PROFILE!r} (derandomized)"
+    return (
+        f"hypothesis: profile {hypothesis_profiles.PROFILE!r}, {hypothesis_profiles.SCALE}x the examples, "
+        f"seed {seed} (rerun: HYPOTHESIS_PROFILE={hypothesis_profiles.PROFILE} HYPOTHESIS_SEED={seed})"
+    )
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None and hypothesis_profiles.SEED is not None:  # printed under -q too
+        reporter.write_line(_hypothesis_line(session.config))
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    if hypothesis_profiles.SEED is not None:  # again at the end, beside the failures
+        terminalreporter.write_line(_hypothesis_line(config))
 
 
 @pytest.hookimpl(tryfirst=True)

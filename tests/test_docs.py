@@ -16,7 +16,10 @@ How a ``python`` block runs (the convention, also in CONTRIBUTING.md, "Examples 
   must exit 0;
 * after an example, the process-wide switches an example may turn (``fsdp.torch_names``, the
   optimizer step hooks, dbuffer's debug mode) are put back, so examples do not leak into each
-  other or into other tests sharing the gloo workers.
+  other or into other tests sharing the gloo workers;
+* every block asserts what its text claims: it holds at least one ``assert`` statement
+  (:func:`test_every_example_asserts_what_it_claims`). A ``script`` example is exempt: its claim is
+  how the process ends, which the test asserts itself (exit code 0, no "terminate called").
 
 A block fails the test with the rank's traceback, whose file and line are the document's.
 Shell blocks are not run; instead every ``python3 tools/<tool>.py`` (or ``torchrun ...
@@ -27,6 +30,7 @@ flags to ``tools/demo.py``; ``tools/dev.py test ...`` to pytest, not checked her
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 import socket
@@ -149,6 +153,28 @@ def test_example_runs(example: Example) -> None:
             _run_script(example, workdir)
         else:
             run_ranks(_run_example, example.world, example.blocks, example.path, workdir, backend="gloo", timeout=240)
+
+
+def asserts(code: str) -> bool:
+    """Whether ``code`` holds an ``assert`` statement (in any function or branch of it)."""
+    return any(isinstance(node, ast.Assert) for node in ast.walk(ast.parse(code)))
+
+
+@pytest.mark.parametrize("example", ALL, ids=[e.id for e in ALL])
+def test_every_example_asserts_what_it_claims(example: Example) -> None:
+    """An example that only runs shows that nothing raised, not that it does what its text says."""
+    if example.script:  # its claim is its exit, asserted by test_example_runs
+        return
+    silent = [line for line, code in example.blocks if not asserts(code)]
+    assert not silent, (
+        f"{example.path}: the python block(s) at line(s) {silent} assert nothing: add an assert of "
+        f"what the text claims (a value, a shape, an equality with a reference)"
+    )
+
+
+def test_the_assert_check_sees_asserts_only() -> None:
+    assert asserts("x = 1\nassert x == 1\n") and asserts("def f():\n    assert True\n")
+    assert not asserts("print('assert')  # assert\n") and not asserts("raise AssertionError\n")
 
 
 def test_readme_is_short_and_marks_its_benchmark_table() -> None:

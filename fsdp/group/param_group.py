@@ -37,7 +37,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from dbuffer import DBuffer, Pending
+from dbuffer import CallLabel, DBuffer, Pending
 from fsdp.group.comms import DBUFFER_COMMS
 from fsdp.group.forward_only import ForwardOnlyTail
 from fsdp.group.grad_mode import without_grad
@@ -104,6 +104,7 @@ class ParameterGroup:
         ``forward_only``: the part freeing the parameters only forward reads, last in ``infos``,
         after a forward that keeps the rest (:mod:`fsdp.group.forward_only`)."""
         self.infos = infos
+        self.call_label = CallLabel(f"fsdp parameter group {self.names()}")  # its collectives' (lazy init names the unit)
         # every (parameter index, module, name) it is registered under: checked at each registration
         self._slots = tuple((k, m, name) for k, info in enumerate(infos) for m, name in info.registrations)
         self.mesh = mesh
@@ -287,7 +288,8 @@ class ParameterGroup:
         self.unsharded.begin_gather()
         with self.streams.launch(self.streams.all_gather):
             if sliced:  # gathered within n ranks, from the kept slices
-                self._gather_pending = post.gather()
+                with self.call_label:
+                    self._gather_pending = post.gather()
             else:
                 self._gather_pending = self.all_gather(self.weights.gather_source(), target)
         if not async_op:
@@ -296,13 +298,13 @@ class ParameterGroup:
     def all_gather(self, source: DBuffer, target: DBuffer) -> Pending:
         """Gather ``source`` (sharded) into ``target`` (replicated), in flight, by the group's
         comms (dbuffer's, or FSDP2's comm objects: :mod:`fsdp.compose.custom_comm`)."""
-        with label("fsdp::all_gather"):
+        with label("fsdp::all_gather", call=self.call_label):
             return self.comms.all_gather(source, self.placements.replicated, target)
 
     def reduce_into(self, source: DBuffer, placements: tuple, out: DBuffer, async_op: bool = True):
         """``source.redistribute(placements, out=out)`` by the group's comms: a reduce-scatter on
         the shard axis (and an HSDP all-reduce across replicas), or an all-reduce."""
-        with label("fsdp::reduce_scatter"):
+        with label("fsdp::reduce_scatter", call=self.call_label):
             return self.comms.reduce(source, placements, out, async_op)
 
     def wait_unshard(self) -> None:

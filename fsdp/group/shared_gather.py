@@ -65,6 +65,7 @@ class SharedGather:
         self.send = DBuffer(first.mesh, first.placements.sharded, flat, torch.uint8, first.compute_device, **common)
         self.recv = DBuffer(first.mesh, first.placements.replicated, flat, torch.uint8, first.compute_device, **common)
         self.replicated = first.placements.replicated
+        self.call_label = first.call_label  # the unit's groups share its label (lazy init names it)
         self.send.release_storage()
         self.recv.release_storage()
         self.key = self.key_of(sources)
@@ -78,7 +79,7 @@ class SharedGather:
     def launch(self, sources: Sequence[DBuffer]) -> Pending:
         """Copy each source shard into its part of the send shard and start the all-gather (on
         the current stream: the caller opens the all-gather stream's launch)."""
-        with label("fsdp::all_gather"):
+        with label("fsdp::all_gather", call=self.call_label):
             self.send.reallocate_storage()
             self.recv.reallocate_storage()
             local = self.send.local_buffer

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Shard
 
+from dbuffer import CallLabel
 from dbuffer.agreement import check_agreement, value_digest, values_comparable
 from fsdp.compose.tensor_parallel import local_of
 from fsdp.group.bucket import GroupSpec
@@ -52,9 +53,11 @@ def check_ranks_agree(mesh: DeviceMesh, infos: list[ParamInfo], specs: list[Grou
         if values_comparable(spec.mesh):
             target += [(f"{infos[k].fqn} values", value_digest(local_of(infos[k].param))) for k in spec.members]
     mesh_values = values.pop(id(mesh), (mesh, []))[1]
-    check_agreement(mesh, structure + mesh_values, "fully_shard", fix)
-    for other, entries in values.values():
-        check_agreement(other, entries, "fully_shard (a bucket's mesh)", fix)
+    names = ", ".join(repr(i.fqn) for i in infos[:3]) + (", ..." if len(infos) > 3 else "")
+    with CallLabel(f"fully_shard's check that every rank shards the same parameters ({names})"):
+        check_agreement(mesh, structure + mesh_values, "fully_shard", fix)
+        for other, entries in values.values():
+            check_agreement(other, entries, "fully_shard (a bucket's mesh)", fix)
 
 
 def check_devices(infos: list[ParamInfo]) -> None:

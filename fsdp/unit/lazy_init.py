@@ -61,6 +61,8 @@ def find_tree(root: Any) -> None:
     ctx.max_reductions_in_flight = max((c.max_reductions_in_flight for c in early), default=MAX_REDUCTIONS_IN_FLIGHT)
     for state, name in units.items():
         state.root, state.fqn, state.root_ctx = root, name, None
+        for group in state.groups:  # what a failed collective names (dbuffer.calls)
+            group.call_label.text = f"fsdp unit {state.name()}"
     root.root_ctx = ctx
     ctx.take_tree(list(units))
     ReadWatch(root, list(units))  # until the root's first forward returns

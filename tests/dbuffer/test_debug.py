@@ -95,11 +95,13 @@ def test_a_skipped_forward_raises_on_every_rank() -> None:
     for message in messages:
         assert "different collectives at call #" in message, message
         assert "rank(s) [0]: " in message and "rank(s) [1]: " in message, message
-        # where each rank was: rank 0 gathering for its second forward, rank 1 already reducing
-        # the gradients of its first backward, each with the fsdp call that launched it
+        # where each rank was: rank 0 gathering the first block for its second forward, rank 1
+        # already gathering the second block for its first backward (same sizes: told apart by
+        # the units' labels), each with the fsdp call that launched it
         lines = dict(re.findall(r"rank\(s\) \[(\d)\]: (.*)", message))
-        assert lines["0"].startswith("all_gather") and "unshard" in lines["0"], message
-        assert lines["1"].startswith("reduce_scatter") and "reduce" in lines["1"].split("called from")[1], message
+        assert lines["0"].startswith("all_gather") and "of fsdp unit 'blocks.0'" in lines["0"], message
+        assert lines["1"].startswith("all_gather") and "of fsdp unit 'blocks.1'" in lines["1"], message
+        assert all("unshard" in line.split("called from")[1] for line in lines.values()), message
         assert "The last call all ranks agreed on was #" in message
         assert "same calls in the same order" in message
     assert messages[0] == messages[1]

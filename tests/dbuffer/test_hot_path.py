@@ -79,7 +79,7 @@ def _group_facts_are_weak() -> int:
     assert torch.equal(t, torch.full((4,), float(dist.get_world_size())))
     assert group in collectives._FACTS and collectives._FACTS[group].size == dist.get_world_size()
     default = torch.ones(2)
-    collectives.all_reduce(default, "sum", None)  # group None: the default group, never kept
+    collectives.all_reduce(default, "sum", None)  # group None: the default group (kept, weakly, as itself)
     assert torch.equal(default, torch.full((2,), float(dist.get_world_size())))
     held = len(collectives._FACTS)
     dist.destroy_process_group(group)

@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dbuffer.layout import ItemLayout, Layout, compute_chunk_layout, compute_layout
+from tests.hypothesis_profiles import examples
 from tests.models.shapes import model_shapes
 
 # -- strategies -------------------------------------------------------------
@@ -126,7 +127,7 @@ def check_sharding(layout: Layout, n: int) -> None:
         assert layout.is_chunk_split(it, n) == (per_shard == _chunk_rows(it.num_rows, n))
 
 
-@settings(max_examples=1000, deadline=None)
+@settings(max_examples=examples(1000), deadline=None)
 @given(shapes=shapes_st, n=num_shards_st, align=align_st, data=st.data())
 def test_layout_properties(shapes, n, align, data):
     layout = compute_layout(shapes, n, align=align)
@@ -138,7 +139,7 @@ def test_layout_properties(shapes, n, align, data):
     assert compute_layout(shapes, n, align=align) == layout  # deterministic
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(
     rows=st.integers(0, 40),
     width=st.integers(1, 4),
@@ -242,7 +243,7 @@ _nonscalar = st.lists(
 )
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(shapes=_nonscalar, n=st.one_of(st.integers(1, 9), st.sampled_from([16, 64, 200])), align=align_st, data=st.data())
 def test_chunk_layout_holds_torch_chunk_pieces_and_packs_back(shapes, n, align, data):
     dims = [data.draw(st.integers(0, len(s) - 1)) for s in shapes]
@@ -295,7 +296,7 @@ def test_chunk_layout_errors_name_the_argument():
 from dbuffer.layout import RaggedLayout, choose_layout, compute_ragged_layout  # noqa: E402
 
 
-@settings(max_examples=500, deadline=None)
+@settings(max_examples=examples(500), deadline=None)
 @given(shapes=shapes_st, n=num_shards_st, align=align_st, data=st.data())
 def test_ragged_layout_properties(shapes, n, align, data):
     layout = compute_ragged_layout(shapes, n, align=align)
@@ -329,7 +330,7 @@ def test_ragged_layout_properties(shapes, n, align, data):
         assert layout.splits_rows(i, m) == split
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(shapes=shapes_st, n=num_shards_st, align=align_st, limit=st.sampled_from([0.0, 0.001, 0.01, 0.2]))
 def test_choose_layout_keeps_rows_atomic_only_when_cheap(shapes, n, align, limit):
     chosen = choose_layout(shapes, n, align=align, max_padding=limit)

@@ -26,6 +26,7 @@ from dbuffer.placements import check_layout_kind, check_placements, plan_redistr
 from tests.dbuffer.test_buffer import SHAPES
 from tests.dbuffer.test_layout import _divisors, check_sharding, shapes_st
 from tests.harness import run_ranks
+from tests.hypothesis_profiles import examples
 
 S, R, O = Shard(0), Replicate(), Owned()
 SUM, AVG = Partial("sum"), Partial("avg")
@@ -53,7 +54,7 @@ def _loads(sizes, owners, n) -> list[int]:
     return loads
 
 
-@settings(max_examples=500, deadline=None)
+@settings(max_examples=examples(500), deadline=None)
 @given(sizes=st.lists(st.one_of(st.integers(0, 10), st.integers(0, 10_000)), max_size=40), n=st.integers(1, 40))
 def test_assign_owners_rule_and_balance(sizes, n):
     owners = assign_owners(sizes, n)
@@ -66,7 +67,7 @@ def test_assign_owners_rule_and_balance(sizes, n):
     assert n * max(loads) <= sum(sizes) + (n - 1) * biggest
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(sizes=st.lists(st.integers(0, 60), max_size=7), n=st.integers(1, 3))
 def test_assign_owners_within_lpt_bound_of_the_optimum(sizes, n):
     """Graham's bound for largest-first: max load <= (4/3 - 1/(3n)) * the best max load, with the
@@ -112,7 +113,7 @@ def check_owned_layout(layout: OwnedLayout, shapes, n: int, align: int) -> None:
     assert max(loads, default=0) <= min(loads, default=0) + biggest
 
 
-@settings(max_examples=600, deadline=None)
+@settings(max_examples=examples(600), deadline=None)
 @given(
     shapes=shapes_st,
     n=st.one_of(st.integers(1, 16), st.sampled_from([32, 64, 96, 128])),

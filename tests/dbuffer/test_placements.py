@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from dbuffer.placements import Step, check_placements, num_shards, plan_redistribute, shard_index
+from tests.hypothesis_profiles import examples
 
 S, R, SUM, AVG = Shard(0), Replicate(), Partial("sum"), Partial("avg")
 ALL = [S, R, SUM, AVG]
@@ -123,7 +124,7 @@ def _expected_terms(mesh_shape, src, dst, c):
 # -- the main property -------------------------------------------------------
 
 
-@settings(max_examples=500)
+@settings(max_examples=examples(500))
 @given(reachable_pair())
 def test_plan_steps_are_legal_and_move_the_data_right(case) -> None:
     mesh_shape, src, dst = case
@@ -159,7 +160,7 @@ def test_plan_steps_are_legal_and_move_the_data_right(case) -> None:
         assert local.divisor == divisor, c
 
 
-@settings(max_examples=200)
+@settings(max_examples=examples(200))
 @given(st.integers(1, 3).flatmap(lambda k: st.tuples(st.sampled_from(MESHES[k]), st.lists(st.sampled_from(ALL), min_size=k, max_size=k))))
 def test_every_shard_is_held_by_the_same_number_of_ranks(case) -> None:
     mesh_shape, placements = case
@@ -172,7 +173,7 @@ def test_every_shard_is_held_by_the_same_number_of_ranks(case) -> None:
 # -- errors ------------------------------------------------------------------
 
 
-@settings(max_examples=200)
+@settings(max_examples=examples(200))
 @given(unreachable_pair())
 def test_plans_into_a_new_partial_raise(case) -> None:
     src, dst = case

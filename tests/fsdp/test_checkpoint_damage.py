@@ -29,6 +29,7 @@ from fsdp.group.layout_choice import layout_policy
 from tests.fsdp.models import make_batches, make_model
 from tests.fsdp.test_checkpoint import _bits, _build, _diff, _full, _save, _steps
 from tests.harness import run_ranks
+from tests.hypothesis_profiles import examples
 
 DATA = ("__0_0.distcp", "__1_0.distcp")
 FILES = (".checksums", ".metadata", *DATA)
@@ -343,7 +344,7 @@ def _content(path: str) -> dict:
     return {n: open(os.path.join(path, n), "rb").read() for n in FILES if os.path.exists(os.path.join(path, n))}
 
 
-@settings(max_examples=6, deadline=None)
+@settings(max_examples=examples(6), deadline=None)
 @given(st.lists(st.lists(_damage, min_size=1, max_size=3), min_size=1, max_size=8))
 def test_any_damage_loads_the_exact_state_or_raises_with_the_model_unchanged(saved, copies) -> None:
     root, full = saved

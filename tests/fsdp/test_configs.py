@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 import fsdp
 from tests.fsdp.models import full_state, make_batches, make_model, max_diff, reference, train
 from tests.harness import run_ranks
+from tests.hypothesis_profiles import examples
 
 STEPS = 2
 
@@ -59,7 +60,7 @@ def _train(model, batches, cfg: dict) -> dict:
     return full_state(m)
 
 
-@settings(max_examples=10)
+@settings(max_examples=examples(10))
 @given(cfg=configs)
 def test_any_configuration_trains_like_one_process(cfg) -> None:
     model = make_model(blocks=cfg["blocks"], tie=cfg["tie"], reverse=cfg["reverse"])

@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dbuffer.layout import compute_layout
+from tests.hypothesis_profiles import examples
 from tests.models.llama import Llama, LlamaConfig, loss_fn
 from tests.models.shapes import model_shapes
 from tools.draw_layout import main as draw_main
@@ -210,7 +211,7 @@ def test_byte_text_rows_are_windows_of_stdlib_source(text: ByteText) -> None:
 shape_lists = st.lists(st.lists(st.integers(0, 6), max_size=3).map(tuple), max_size=8)
 
 
-@settings(max_examples=60)
+@settings(max_examples=examples(60))
 @given(shapes=shape_lists, num_shards=st.integers(1, 8), data=st.data())
 def test_segments_tile_every_rank_and_match_item_offsets(shapes, num_shards, data) -> None:
     layout = compute_layout(shapes, num_shards)
