@@ -77,12 +77,13 @@ def test_the_clients_are_installed_without_dependencies_and_their_needs_are_test
     assert '"numpy>=' in pyproject and '"packaging>=24.2"' in pyproject
 
 
-def test_ci_runs_the_readme_command_then_the_oldest_and_newest_torch() -> None:
+def test_ci_runs_the_readme_command_the_randomized_hypothesis_tests_then_the_oldest_and_newest_torch() -> None:
     ci = (ROOT / ".ci" / "run").read_text()
     commands = [line.strip() for line in ci.splitlines() if "tools/dev.py" in line and not line.startswith("#")]
     assert commands[0] == "python3 tools/dev.py test || status=1"
     assert re.search(r"for version in (\S+) (\S+); do", ci).groups() == (TESTED[0], TESTED[-1])
-    assert 'PIP_CONFIG_FILE=/dev/null python3 tools/dev.py test --torch "$version"' in commands[1]
+    assert "HYPOTHESIS_PROFILE=randomized python3 tools/dev.py test -m hypothesis || status=1" in commands[1]
+    assert 'PIP_CONFIG_FILE=/dev/null python3 tools/dev.py test --torch "$version"' in commands[2]
     assert dev.TORCH_WHEN_MISSING == f"torch=={TESTED[1]}"  # the default is the middle one
     assert TESTED[0].startswith(f"{MINIMUM[0]}.{MINIMUM[1]}.")
 
