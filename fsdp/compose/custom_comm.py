@@ -34,7 +34,7 @@ collectives stay): ``Owned()`` groups (their gathers are broadcasts of used rang
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional, Union
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -44,6 +44,12 @@ from dbuffer import DBuffer, Pending, collectives
 from dbuffer.collectives import c10d_reduce_op
 from fsdp.group.comms import DBUFFER_COMMS
 from fsdp.group.streams import CommStreams
+
+if TYPE_CHECKING:
+    from torch.distributed import Work
+
+    from fsdp.group.comms import AllGatherComm, ReduceScatterComm
+    from fsdp.group.param_group import ParameterGroup
 
 try:  # FSDP2's default allocator mixin: torch.empty, nothing an extra copy would buy
     from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllocMixin as _DefaultAlloc
@@ -56,7 +62,7 @@ __all__ = [
 ]
 
 
-def check_comm(comm: Any, what: str, needs: str) -> None:
+def check_comm(comm: object, what: str, needs: str) -> None:
     """``comm`` implements FSDP2's protocol (duck-typed: ``allocate`` and ``__call__``)."""
     if not callable(comm) or not callable(getattr(comm, "allocate", None)):
         raise TypeError(
@@ -70,7 +76,8 @@ class CustomComms:
     the shard-axis reduce-scatter go through them where :func:`routes` says so, the rest (an
     HSDP all-reduce across replicas, ``Owned()`` moves) stays dbuffer's."""
 
-    def __init__(self, all_gather_comm: Any = None, reduce_scatter_comm: Any = None) -> None:
+    def __init__(self, all_gather_comm: Optional[AllGatherComm] = None,
+                 reduce_scatter_comm: Optional[ReduceScatterComm] = None) -> None:
         self.all_gather_comm = all_gather_comm
         self.reduce_scatter_comm = reduce_scatter_comm
 
@@ -80,7 +87,8 @@ class CustomComms:
             return all_gather(comm, source, target)
         return source.redistribute(placements, out=target, async_op=True)
 
-    def reduce(self, source: DBuffer, placements: tuple, out: DBuffer, async_op: bool = True):
+    def reduce(self, source: DBuffer, placements: tuple, out: DBuffer,
+               async_op: bool = True) -> Union[Pending, DBuffer]:
         comm = self.reduce_scatter_comm
         if comm is None or not routes(source, placements):
             return source.redistribute(placements, out=out, async_op=async_op)
@@ -96,7 +104,7 @@ class CustomComms:
 _KEEP = object()
 
 
-def install(group: Any, all_gather_comm: Any = _KEEP, reduce_scatter_comm: Any = _KEEP) -> None:
+def install(group: ParameterGroup, all_gather_comm: object = _KEEP, reduce_scatter_comm: object = _KEEP) -> None:
     """Give ``group`` these comm objects (the one not passed is kept); with neither set, the
     group goes back to dbuffer's own comms."""
     have = group.comms
@@ -105,7 +113,7 @@ def install(group: Any, all_gather_comm: Any = _KEEP, reduce_scatter_comm: Any =
     group.comms = CustomComms(gather, reduce) if gather is not None or reduce is not None else DBUFFER_COMMS
 
 
-def _default_alloc(comm: Any) -> bool:
+def _default_alloc(comm: Union[AllGatherComm, ReduceScatterComm]) -> bool:
     return _DefaultAlloc is not None and getattr(type(comm), "allocate", None) is _DefaultAlloc.allocate
 
 
@@ -128,11 +136,11 @@ def _flat(t: torch.Tensor, numel: int, what: str) -> torch.Tensor:
     return t.view(-1)
 
 
-def _finish(work: Any, then: Callable[[], Any]) -> Pending:
+def _finish(work: Optional[Work], then: Callable[[], DBuffer]) -> Pending:
     return Pending([work], then)
 
 
-def all_gather(comm: Any, source: DBuffer, target: DBuffer) -> Pending:
+def all_gather(comm: AllGatherComm, source: DBuffer, target: DBuffer) -> Pending:
     """``target`` (Replicate on the last axis) = every shard-group rank's ``source`` shard, by
     ``comm``. ``wait()`` returns ``target``."""
     axis = source.mesh.ndim - 1
@@ -152,7 +160,7 @@ def all_gather(comm: Any, source: DBuffer, target: DBuffer) -> Pending:
     return _finish(work, finish)
 
 
-def reduce_scatter(comm: Any, source: DBuffer, target: DBuffer) -> Pending:
+def reduce_scatter(comm: ReduceScatterComm, source: DBuffer, target: DBuffer) -> Pending:
     """``target`` (Shard on the last axis; other axes as ``source``) = this rank's chunk of the
     reduction of ``source`` (Partial) over the shard group, by ``comm``. ``wait()`` returns
     ``target``."""

@@ -46,7 +46,7 @@ from __future__ import annotations
 import inspect
 import weakref
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -113,7 +113,7 @@ class SubclassWeights:
         self._shard_mesh_cache: Optional[DeviceMesh] = None
         self._spec: Optional[tuple] = None  # (shape, dtype) of every pre-all-gather output
         self._inputs: list[torch.Tensor] = []  # what the last version_key() named, kept referenced
-        self._metadata: list[Any] = []
+        self._metadata: list[object] = []
         self._extended: list[bool] = []
         self.send: Optional[DBuffer] = None  # this rank's pre-all-gather outputs, the gather source
         self.gathered: Optional[DBuffer] = None
@@ -212,7 +212,7 @@ class SubclassWeights:
         self._inputs = refs
         return tuple(key)
 
-    def _pre_all_gather(self, k: int) -> tuple[tuple[torch.Tensor, ...], Any, bool]:
+    def _pre_all_gather(self, k: int) -> tuple[tuple[torch.Tensor, ...], object, bool]:
         """(tensors to gather, metadata, whether the extension made them) for parameter ``k``."""
         g = self.group
         local = g.sharded_params[k]._local_tensor

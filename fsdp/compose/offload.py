@@ -52,15 +52,15 @@ as it would on a GPU (``tests/models/device_standins.py``).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Protocol, Sequence, Union
+from typing import Callable, Optional, Protocol, Sequence, Union
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 
 from dbuffer import DBuffer
-from dbuffer.layout import Layout
-from fsdp.group.streams import CommStreams
+from dbuffer.layout import Layout, RaggedLayout
+from fsdp.group.streams import CommStreams, DeviceEvent
 
 __all__ = [
     "CPUOffloadPolicy", "Completion", "DeviceTransfers", "HostOffload", "HostTransfers", "OffloadPolicy",
@@ -151,7 +151,7 @@ def check_offload_policy(policy: object, what: str = "offload_policy") -> Option
 class Completion(Protocol):
     """A non-blocking copy in flight between host and device."""
 
-    event: Any  # recorded on the stream the copy was queued on, right after it
+    event: DeviceEvent  # recorded on the stream the copy was queued on, right after it
 
     def synchronize(self) -> None:
         """Block the host until the copy is done."""
@@ -180,7 +180,7 @@ def has_pinned_memory(device: torch.device) -> bool:
 
 
 class _EventCompletion:
-    def __init__(self, event: Any) -> None:
+    def __init__(self, event: DeviceEvent) -> None:
         self.event = event
 
     def synchronize(self) -> None:
@@ -215,7 +215,7 @@ TRANSFERS: Callable[[torch.device, bool], HostTransfers] = DeviceTransfers
 
 def host_dbuffer(
     transfers: HostTransfers, mesh: DeviceMesh, placements: Sequence, shapes: Sequence[Sequence[int]],
-    dtype: torch.dtype, layout: Optional[Layout], zero_fill: bool = True,
+    dtype: torch.dtype, layout: Optional[Union[Layout, RaggedLayout]], zero_fill: bool = True,
 ) -> DBuffer:
     """A host DBuffer whose local buffer is ``transfers``' memory (pinned where they pin)."""
     host = torch.device("cpu")
@@ -256,7 +256,7 @@ class HostOffload:
         placements: Sequence,
         shapes: Sequence[Sequence[int]],
         dtype: torch.dtype,
-        layout: Optional[Layout],
+        layout: Optional[Union[Layout, RaggedLayout]],
         zero_fill: bool = True,
     ) -> DBuffer:
         """A host DBuffer in the transfers' memory (pinned where they pin), zero-filled unless

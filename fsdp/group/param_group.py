@@ -29,7 +29,7 @@ group are :mod:`fsdp.group.convert` and :mod:`fsdp.group.meta_init`.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Union, cast
+from typing import Callable, Optional, Union, cast
 
 import torch
 import torch.nn as nn
@@ -136,8 +136,8 @@ class ParameterGroup:
         self.registered: Optional[list[nn.Parameter]] = None
         self.initialising = False  # inside init_weights (fsdp.group.meta_init)
         self._stale = True  # the main weights changed since the last refresh
-        self._key: Any = None  # weights.version_key() at the last refresh
-        self._written_key: Any = None  # version_key() when fsdp.optim last wrote the model shard
+        self._key: object = None  # weights.version_key() at the last refresh
+        self._written_key: object = None  # version_key() when fsdp.optim last wrote the model shard
         self._refreshes = 0
         self.unsharded = UnshardedLife(self.names)  # the unsharded weights' state and version
         self._gather_pending: Optional[Pending] = None

@@ -19,7 +19,7 @@ No behaviour here: Protocols only, checked by a type checker and by
 from __future__ import annotations
 
 import enum
-from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Protocol, Sequence, Union
 
 import torch
 import torch.nn as nn
@@ -28,7 +28,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from dbuffer import DBuffer, Pending
 
 if TYPE_CHECKING:  # annotations only: these modules import this one's users
-    from fsdp.group.layouts import ParamKind
+    from fsdp.group.comms import AllGatherComm, ReduceScatterComm
+    from fsdp.group.forward_only import ForwardOnlyTail
+    from fsdp.group.layouts import ChunkedLayout, FlatLayout, ParamKind
     from fsdp.group.members import GroupPlacements, ParamInfo
     from fsdp.group.policy import Dtypes, MixedPrecisionPolicy, Strategy
     from fsdp.group.reduction import ReduceSettings
@@ -49,13 +51,14 @@ class GatherKind(enum.Enum):
 class Comms(Protocol):
     """A group's two collectives (:mod:`fsdp.group.comms`)."""
 
-    all_gather_comm: Any  # FSDP2's comm objects, if any
-    reduce_scatter_comm: Any
+    all_gather_comm: Optional[AllGatherComm]  # FSDP2's comm objects, if any
+    reduce_scatter_comm: Optional[ReduceScatterComm]
 
     def all_gather(self, source: DBuffer, placements: tuple, target: DBuffer) -> Pending:
         """``target`` = ``source`` gathered to ``placements``, in flight."""
 
-    def reduce(self, source: DBuffer, placements: tuple, out: DBuffer, async_op: bool = True) -> Any:
+    def reduce(self, source: DBuffer, placements: tuple, out: DBuffer,
+               async_op: bool = True) -> Union[Pending, DBuffer]:
         """``out`` = ``source`` (Partial) reduced to ``placements``: a Pending, or ``out``."""
 
 
@@ -112,7 +115,7 @@ class Weights(Protocol):
     def new_sharded_params(self) -> list[nn.Parameter]:
         """The sharded parameters (DTensor views of ``main``) to register on the modules."""
 
-    def version_key(self) -> Any:
+    def version_key(self) -> object:
         """Changes whenever the main weights change in place (the refresh compares it)."""
 
     def refresh(self, model_current: bool) -> None:
@@ -139,7 +142,7 @@ class Weights(Protocol):
     def free_unsharded(self) -> None:
         """Release the gathered weights' storage."""
 
-    def release_unsharded_tail(self, tail: Any) -> bool:
+    def release_unsharded_tail(self, tail: ForwardOnlyTail) -> bool:
         """Free the gathered weights from ``tail``'s start on (a
         :class:`~fsdp.group.forward_only.ForwardOnlyTail`); False if this part cannot."""
 
@@ -161,7 +164,7 @@ class _GroupBase(Protocol):
     strategy: "Strategy"
     dtypes: "Dtypes"
     placements: "GroupPlacements"
-    layout: Any  # FlatLayout | ChunkedLayout (fsdp.group.layouts)
+    layout: Union[FlatLayout, ChunkedLayout]
     kind: "ParamKind"
     offload: "Residence"
     main: DBuffer
@@ -199,5 +202,6 @@ class ReducerGroup(_GroupBase, Protocol):
     def unsharded_params(self) -> Optional[list[nn.Parameter]]:
         """The parameters autograd accumulates into (hooked by the reducer)."""
 
-    def reduce_into(self, source: DBuffer, placements: tuple, out: DBuffer, async_op: bool = True) -> Any:
+    def reduce_into(self, source: DBuffer, placements: tuple, out: DBuffer,
+                    async_op: bool = True) -> Union[Pending, DBuffer]:
         """``source`` reduced to ``placements`` into ``out`` by the group's comms."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field, fields, replace
-from typing import TYPE_CHECKING, Any, Callable, Optional, Union
+from typing import TYPE_CHECKING, Callable, Optional, Union
 
 import torch
 
@@ -201,7 +201,7 @@ class MixedPrecisionPolicy:
         return Dtypes(main, model, self.main_grads_dtype or main, reduce)
 
 
-def as_policy(value: Any, argument: str = "mp_policy") -> MixedPrecisionPolicy:
+def as_policy(value: object, argument: str = "mp_policy") -> MixedPrecisionPolicy:
     """``value`` as an fsdp policy: fsdp's as it is; torch FSDP2's ``MixedPrecisionPolicy`` (any
     torch 2.11-2.15) converted field by field, Megatron's main weights at their default. Anything
     else raises ``TypeError`` naming ``argument``."""

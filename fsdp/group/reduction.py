@@ -18,10 +18,13 @@ makes in place are what the gradient becomes.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
+
+if TYPE_CHECKING:
+    from fsdp.group.streams import CommStreams, DeviceStream
 
 __all__ = ["ReduceSettings", "check_divide_factor"]
 
@@ -41,7 +44,7 @@ class ReduceSettings:
     force_sum: bool = False
     all_reduce: bool = True
     hook: Optional[Callable[[torch.Tensor], None]] = None
-    hook_stream: Optional[Any] = None
+    hook_stream: Optional[DeviceStream] = None
     unused_params: bool = False  # True: every parameter gets the reduced gradient, zeros included
 
     @property
@@ -49,7 +52,7 @@ class ReduceSettings:
         """The reduce op of the gradient buffer's ``Partial`` placements."""
         return "sum" if self.force_sum or self.divide_factor is not None else "avg"
 
-    def finish(self, reduced: torch.Tensor, mesh: DeviceMesh, streams: Any) -> None:
+    def finish(self, reduced: torch.Tensor, mesh: DeviceMesh, streams: CommStreams) -> None:
         """Bring a finished reduction's output (in place) to the gradient FSDP2 would produce;
         ``streams``: the device's :class:`~fsdp.group.streams.CommStreams` (a hook stream runs
         the hook ordered both ways against the current stream)."""
@@ -67,7 +70,7 @@ class ReduceSettings:
                 reduced.div_(factor)
 
 
-def check_divide_factor(factor: Any) -> float:
+def check_divide_factor(factor: object) -> float:
     """A positive real number (bools refused), as a float."""
     if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
         raise ValueError(f"the gradient divide factor must be a positive number, got {factor!r}")

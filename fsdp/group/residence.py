@@ -21,12 +21,15 @@ write directly, what ``module.to`` may accept); ``optim_state`` those of the opt
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Protocol, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Protocol, Sequence, Union
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from dbuffer import DBuffer
+
+if TYPE_CHECKING:
+    from dbuffer.layout import Layout, RaggedLayout
 
 __all__ = ["Chunk", "HostResidence", "NO_OFFLOAD", "NoOffload", "OptimStateHome", "Residence"]
 
@@ -40,7 +43,7 @@ class Chunk:
     start: int
     end: int
     grad_start: int
-    tag: Any = None
+    tag: object = None
 
     @property
     def numel(self) -> int:
@@ -58,7 +61,10 @@ class OptimStateHome(Protocol):
     def host_tensor(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A zeroed 1-D tensor in the part's host memory (pinned where it pins)."""
 
-    def host_buffer(self, mesh: DeviceMesh, placements: Sequence, shapes: Sequence, dtype: torch.dtype, layout: Any) -> DBuffer:
+    def host_buffer(
+        self, mesh: DeviceMesh, placements: Sequence, shapes: Sequence, dtype: torch.dtype,
+        layout: Optional[Union[Layout, RaggedLayout]],
+    ) -> DBuffer:
         """A zeroed DBuffer in the part's host memory (a sibling of the group's ``main``)."""
 
     def is_pinned(self, t: torch.Tensor) -> bool:
@@ -107,8 +113,8 @@ class HostResidence(Residence, Protocol):
 
     compute_device: torch.device
 
-    def buffer(self, mesh: DeviceMesh, placements: Sequence, shapes: Sequence, dtype: torch.dtype, layout: Any,
-               zero_fill: bool = True) -> DBuffer:
+    def buffer(self, mesh: DeviceMesh, placements: Sequence, shapes: Sequence, dtype: torch.dtype,
+               layout: Optional[Union[Layout, RaggedLayout]], zero_fill: bool = True) -> DBuffer:
         """A host DBuffer (pinned where the part pins)."""
 
 

@@ -60,11 +60,14 @@ from __future__ import annotations
 import contextlib
 import threading
 from types import ModuleType
-from typing import Any, Callable, Iterator, Optional
+from typing import TYPE_CHECKING, Callable, Iterator, Optional, Protocol
 
 import torch
 
-__all__ = ["CommStreams"]
+if TYPE_CHECKING:
+    from dbuffer import Pending
+
+__all__ = ["CommStreams", "DeviceEvent", "DeviceStream"]
 
 _CACHE: dict[torch.device, "CommStreams"] = {}
 _LOCK = threading.Lock()
@@ -83,6 +86,26 @@ def _device_module(device: torch.device) -> ModuleType:
     return module
 
 
+class DeviceStream(Protocol):
+    """A stream of a device module: ``torch.cuda.Stream``, ``torch.xpu.Stream``, ``torch.cpu``'s stand-in."""
+
+    def wait_stream(self, stream: DeviceStream) -> None:
+        """Work queued here from now on runs after the work queued on ``stream`` so far."""
+
+    def wait_event(self, event: DeviceEvent) -> None:
+        """Work queued here from now on runs after ``event``."""
+
+
+class DeviceEvent(Protocol):
+    """An event of a device module (``torch.cuda.Event``, ``torch.cpu``'s stand-in) or ``torch.Event``."""
+
+    def record(self, stream: Optional[DeviceStream] = None) -> None:
+        """Mark the point ``stream`` (default: the current stream) has reached."""
+
+    def synchronize(self) -> None:
+        """Block the host until the work before the recorded point is done."""
+
+
 class CommStreams:
     """The comm streams of one device (see the module docstring)."""
 
@@ -91,10 +114,10 @@ class CommStreams:
         self.module = _device_module(device)
         self.enabled = self.module is not torch.cpu  # real streams
         where = {"device": device} if self.enabled and device.index is not None else {}
-        self.all_gather: Any = self.module.Stream(priority=_HIGH_PRIORITY, **where)
-        self.reduce_scatter: Any = self.module.Stream(priority=_HIGH_PRIORITY, **where)
-        self._last_launch: dict[int, Any] = {}  # id(side stream) -> event ending its latest launch
-        self._reads: dict[int, dict[Any, Any]] = {id(self.all_gather): {}, id(self.reduce_scatter): {}}
+        self.all_gather: DeviceStream = self.module.Stream(priority=_HIGH_PRIORITY, **where)
+        self.reduce_scatter: DeviceStream = self.module.Stream(priority=_HIGH_PRIORITY, **where)
+        self._last_launch: dict[int, DeviceEvent] = {}  # id(side stream) -> event ending its latest launch
+        self._reads: dict[int, dict[DeviceStream, DeviceEvent]] = {id(self.all_gather): {}, id(self.reduce_scatter): {}}
         self._launches = threading.local()  # per thread: the open launches' handed-back events
 
     @classmethod
@@ -111,10 +134,10 @@ class CommStreams:
 
     # ------------------------------------------------------------------ events
 
-    def current(self) -> Any:
+    def current(self) -> DeviceStream:
         return self.module.current_stream(self.device)
 
-    def record(self, stream: Optional[Any] = None) -> Any:
+    def record(self, stream: Optional[DeviceStream] = None) -> DeviceEvent:
         """An event recorded now on ``stream`` (default: the current stream)."""
         event = self.module.Event()
         event.record(self.current() if stream is None else stream)
@@ -123,7 +146,7 @@ class CommStreams:
     # ------------------------------------------------------------------ launch / wait
 
     @contextlib.contextmanager
-    def launch(self, stream: Optional[Any]) -> Iterator[None]:
+    def launch(self, stream: Optional[DeviceStream]) -> Iterator[None]:
         """Run the enclosed launch on ``stream``, after the work already queued on the current
         stream and the reads recorded by :meth:`after_read`; record the event that ends it."""
         if stream is None:
@@ -135,7 +158,7 @@ class CommStreams:
         for event in reads.values():
             stream.wait_event(event)
         reads.clear()
-        handed_back: list = []
+        handed_back: list[DeviceEvent] = []
         frames = self._frames()
         frames.append(handed_back)
         try:
@@ -147,7 +170,7 @@ class CommStreams:
             for event in handed_back:
                 origin.wait_event(event)
 
-    def run_on(self, stream: Any, fn: Callable[[], None]) -> None:
+    def run_on(self, stream: DeviceStream, fn: Callable[[], None]) -> None:
         """Run ``fn`` with ``stream`` current, after the work queued on the current stream so far,
         and order the current stream after it (a user's all-reduce hook on its own stream)."""
         origin = self.current()
@@ -156,19 +179,19 @@ class CommStreams:
             fn()
         origin.wait_stream(stream)
 
-    def wait(self, stream: Optional[Any]) -> None:
+    def wait(self, stream: Optional[DeviceStream]) -> None:
         """Order the current stream after the latest launch on ``stream``."""
         event = self._last_launch.get(id(stream)) if stream is not None else None
         if event is not None:
             self.current().wait_event(event)
 
-    def wait_is_free(self, pending: Any) -> bool:
+    def wait_is_free(self, pending: Pending) -> bool:
         """Whether waiting for ``pending`` (a collective's handle) now costs the host nothing:
         with real streams the wait only orders the current stream after the collective; without,
         only if the collective has already completed (a query: it waits for nothing)."""
         return self.enabled or pending.is_completed()
 
-    def after_read(self, event: Any) -> None:
+    def after_read(self, event: DeviceEvent) -> None:
         """``event`` (on the reading stream) ends a read of memory a side stream allocated: each
         side stream's next launch waits for it first. One event per reading stream is kept: a
         later one on the same stream covers the earlier ones."""
@@ -176,7 +199,7 @@ class CommStreams:
         for reads in self._reads.values():
             reads[reader] = event
 
-    def launcher_waits(self, event: Any) -> None:
+    def launcher_waits(self, event: DeviceEvent) -> None:
         """``event`` ends work queued inside the open launch that reads memory of the launching
         stream: that stream waits for it when the launch ends (at once outside any launch)."""
         frames = self._frames()
@@ -185,7 +208,7 @@ class CommStreams:
         else:
             self.current().wait_event(event)
 
-    def gathers_wait(self, event: Any) -> None:
+    def gathers_wait(self, event: DeviceEvent) -> None:
         """The next gathers start after ``event`` (FSDP2's ``set_post_optim_event``): the
         all-gather stream waits for it; without real streams the host does (a user's event is
         then the only thing to order against)."""

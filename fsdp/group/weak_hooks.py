@@ -9,11 +9,18 @@ weakly and do nothing once the target is gone.
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable, Optional
+from typing import Callable, Optional, Protocol
 
 import torch
 
-__all__ = ["post_accumulate_grad_hook", "weak_callable"]
+__all__ = ["GradTarget", "post_accumulate_grad_hook", "weak_callable"]
+
+
+class GradTarget(Protocol):
+    """What a parameter's hook calls: its group's :class:`~fsdp.group.grads.GradReducer`."""
+
+    def _on_grad(self, k: int, p: torch.Tensor) -> None:
+        """Autograd accumulated parameter ``k``'s gradient on ``p``."""
 
 
 def weak_callable(fn: Callable) -> Callable[[], Optional[Callable]]:
@@ -23,7 +30,7 @@ def weak_callable(fn: Callable) -> Callable[[], Optional[Callable]]:
     return lambda: fn
 
 
-def post_accumulate_grad_hook(reducer: Any, k: int) -> Callable[[torch.Tensor], None]:
+def post_accumulate_grad_hook(reducer: GradTarget, k: int) -> Callable[[torch.Tensor], None]:
     """The hook of parameter ``k``: ``reducer._on_grad(k, param)``, while ``reducer`` lives."""
     reducer_ref = weakref.ref(reducer)
 

@@ -8,7 +8,7 @@ forward hook: flat inputs are cast one by one, and returned as they are when not
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TypeGuard, TypeVar
 
 import torch
 from torch.utils._pytree import tree_map
@@ -16,9 +16,10 @@ from torch.utils._pytree import tree_map
 __all__ = ["cast_floats", "cast_inputs"]
 
 _LEAVES = (torch.Tensor, int, float, bool, str, type(None))
+T = TypeVar("T")
 
 
-def cast_floats(tree: Any, dtype: torch.dtype) -> Any:
+def cast_floats(tree: T, dtype: torch.dtype) -> T:
     """``tree`` with every floating-point tensor in ``dtype`` (others, and containers, as they are)."""
     return tree_map(lambda x: _cast(x, dtype), tree)
 
@@ -35,9 +36,9 @@ def cast_inputs(args: tuple, kwargs: dict, dtype: torch.dtype) -> tuple[tuple, d
     return tuple(_cast(x, dtype) for x in args), {k: _cast(v, dtype) for k, v in kwargs.items()}
 
 
-def _needs_cast(x: Any, dtype: torch.dtype) -> bool:
+def _needs_cast(x: object, dtype: torch.dtype) -> TypeGuard[torch.Tensor]:
     return isinstance(x, torch.Tensor) and x.dtype != dtype and x.is_floating_point()
 
 
-def _cast(x: Any, dtype: torch.dtype) -> Any:
+def _cast(x: object, dtype: torch.dtype) -> object:
     return x.to(dtype) if _needs_cast(x, dtype) else x

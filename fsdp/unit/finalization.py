@@ -14,16 +14,12 @@ in flight until :func:`finish_finalized` (a :class:`~fsdp.unit.module.GradientRe
 
 from __future__ import annotations
 
-from typing import Any
-
 from dbuffer.collectives import release_workspaces
 from fsdp.group.profiling import label
-from fsdp.unit.root import Finalization, RootContext
+from fsdp.unit.root import Finalization, RootContext, Unit
 from fsdp.unit.training_state import TrainingState, in_backward
 
 __all__ = ["end_backward", "finalize_backward", "finish_finalized", "finish_grad_sync"]
-
-Unit = Any  # an fsdp.unit.state.FSDPState (not imported: it imports this module)
 
 
 def finish_grad_sync(units: list[Unit], launch: bool) -> None:

@@ -12,25 +12,24 @@ root's first forward it watches which units' parameters another unit's forward r
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 from fsdp.group.meta_init import adopt_assigned
 from fsdp.group.param_group import meta_error
 from fsdp.unit.read_watch import ReadWatch
-from fsdp.unit.root import MAX_REDUCTIONS_IN_FLIGHT, RootContext
+from fsdp.unit.root import MAX_REDUCTIONS_IN_FLIGHT, RootContext, Unit
 
 __all__ = ["find_tree"]
 
 logger = logging.getLogger("fsdp")
 
 
-def find_tree(root: Any) -> None:
+def find_tree(root: Unit) -> None:
     """Make ``root`` (an :class:`~fsdp.unit.state.FSDPState` whose module ran forward first) the
     root of every unit below its module. Raises ``RuntimeError`` for a unit below it that ran
     forward first, for parameters still on the meta device, or for manual backward finalization
     set on a unit below the root; ``ValueError`` for a parameter tied across two units."""
     unit_type = type(root)
-    units: dict[Any, str] = {}
+    units: dict[Unit, str] = {}
     for name, m in root.modules[0].named_modules():
         state = getattr(m, "_fsdp_state", None)  # set by fully_shard on every unit's module
         if not isinstance(state, unit_type) or state in units:

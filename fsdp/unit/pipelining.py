@@ -19,11 +19,12 @@ else of FSDP2's internals is offered: torch 2.15 and later go through the public
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:
+    from fsdp.unit.root import Unit
 
 __all__ = ["FSDP2Names", "PostBackward", "TreeView"]
-
-Unit = Any  # an fsdp.unit.state.FSDPState (not imported: it imports this module)
 
 
 class TreeView:
@@ -63,22 +64,19 @@ class PostBackward:
 class FSDP2Names:
     """The names a pipeline schedule of torch 2.11 to 2.14 reads on a stage's FSDP2 state, for
     :class:`~fsdp.unit.state.FSDPState` to inherit (it has ``groups``, ``root`` and
-    ``_final_callback``)."""
-
-    groups: list
-    root: Any
+    ``_final_callback``: a :class:`~fsdp.unit.root.Unit`, its methods' self type)."""
 
     @property
-    def _state_ctx(self) -> TreeView:
+    def _state_ctx(self: Unit) -> TreeView:
         return TreeView(self)
 
     @property
-    def _fsdp_param_groups(self) -> list[PostBackward]:
+    def _fsdp_param_groups(self: Unit) -> list[PostBackward]:
         return [PostBackward(self)] if self.groups else []
 
     @property
-    def _fsdp_param_group(self) -> Optional[PostBackward]:  # torch 2.11's name
+    def _fsdp_param_group(self: Unit) -> Optional[PostBackward]:  # torch 2.11's name
         return PostBackward(self) if self.groups else None
 
-    def _root_post_backward_final_callback(self) -> None:
+    def _root_post_backward_final_callback(self: Unit) -> None:
         (self.root if self.root is not None else self)._final_callback()

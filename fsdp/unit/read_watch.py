@@ -40,18 +40,19 @@ unit"), naming the way out this watch allows: register it on one module and hand
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.nn as nn
 
 from fsdp.unit.training_state import TrainingState, in_backward
 
+if TYPE_CHECKING:
+    from fsdp.unit.root import Unit
+
 __all__ = ["ReadWatch"]
 
 logger = logging.getLogger("fsdp")
-
-Unit = Any  # an fsdp.unit.state.FSDPState (not imported: it imports lazy_init, which imports this)
 
 
 def _eager(fn):
@@ -65,7 +66,7 @@ class _WatchedParameters(dict):
 
     __slots__ = ("watch",)
 
-    def __getitem__(self, name: str) -> Any:
+    def __getitem__(self, name: str) -> Optional[nn.Parameter]:
         return self.watch.read(self, name)
 
 
@@ -98,7 +99,7 @@ class ReadWatch:
             self._handles.append(root.modules[0].register_forward_hook(_eager(self._stop)))
 
     def _unit_forward_ended(self, unit: Unit):
-        def watch(module: nn.Module, args: tuple, output: Any) -> None:
+        def watch(module: nn.Module, args: tuple, output: object) -> None:
             for holder in self.modules.get(id(unit), ()):
                 if holder not in self.originals:
                     watched = _WatchedParameters(holder._parameters)
@@ -108,7 +109,7 @@ class ReadWatch:
 
         return watch
 
-    def _read(self, parameters: dict, name: str) -> Any:
+    def _read(self, parameters: dict, name: str) -> Optional[nn.Parameter]:
         """``parameters[name]``, after gathering its unit back if another unit's forward reads
         it after the unit's forward ended."""
         value = dict.__getitem__(parameters, name)
@@ -128,7 +129,7 @@ class ReadWatch:
         unit.register_unsharded_params()
         return dict.__getitem__(parameters, name)
 
-    def _stop(self, module: nn.Module, args: tuple, output: Any) -> None:
+    def _stop(self, module: nn.Module, args: tuple, output: object) -> None:
         """The root's first forward returned: every watched module gets its own dict back,
         holding what is registered now."""
         for holder, original in self.originals.items():

@@ -27,14 +27,19 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Optional, Protocol
 
 from fsdp.group.grads import GradReducer
-from fsdp.group.streams import CommStreams
+from fsdp.group.streams import CommStreams, DeviceEvent
 
-__all__ = ["Finalization", "MAX_REDUCTIONS_IN_FLIGHT", "RootContext"]
+if TYPE_CHECKING:
+    import torch.nn as nn
+    from typing_extensions import Self
 
-Unit = Any  # an fsdp.unit.state.FSDPState (not imported: that module imports this one)
+    from fsdp.group.param_group import ParameterGroup
+    from fsdp.unit.training_state import TrainingState
+
+__all__ = ["Finalization", "MAX_REDUCTIONS_IN_FLIGHT", "RootContext", "Unit"]
 
 # One reduction in flight while the next unit computes its gradients: a unit's backward takes far
 # longer than reducing its shard, so a second one in flight buys no overlap and costs a whole
@@ -58,6 +63,46 @@ _FINALIZATION_MOVES = {
 }
 
 
+class Unit(Protocol):
+    """A unit as the tree's code reads it (here, :mod:`~fsdp.unit.lazy_init`,
+    :mod:`~fsdp.unit.finalization`, :mod:`~fsdp.unit.read_watch`, :mod:`~fsdp.unit.pipelining`):
+    an :class:`~fsdp.unit.state.FSDPState`, named by this Protocol because that module imports
+    these ones."""
+
+    modules: list[nn.Module]
+    groups: list[ParameterGroup]
+    root: Optional[Self]  # the tree's root, set by lazy initialisation
+    root_ctx: Optional[RootContext]  # roots only
+    fqn: Optional[str]
+    training_state: TrainingState
+    requires_grad_sync: bool
+    reshard_after_backward: bool
+    registered_unsharded: bool
+    shared_with_other_units: list[str]
+    read_after_forward: list[str]
+
+    def name(self) -> str:
+        """The unit's name, for messages."""
+
+    def _enter(self, target: TrainingState) -> None:
+        """Move to ``target``, checked."""
+
+    def unshard(self, async_op: bool = False) -> None:
+        """Gather the unit's weights (``async_op``: leave the gathers in flight)."""
+
+    def register_unsharded_params(self) -> None:
+        """Register the gathered parameters on the modules."""
+
+    def reshard(self) -> None:
+        """Free the unsharded weights and register the sharded parameters again."""
+
+    def settle_after_backward(self) -> None:
+        """The end of the unit's backward: reshard, or keep the gathered weights (``reshard_after_backward``)."""
+
+    def _final_callback(self) -> None:
+        """The root's end of backward."""
+
+
 @dataclass(eq=False)
 class RootContext:
     """The tree's shared state, held by its root (see the module docstring)."""
@@ -70,7 +115,7 @@ class RootContext:
     order_complete: bool = False
     reductions_in_flight: list[GradReducer] = field(default_factory=list)  # oldest first
     max_reductions_in_flight: int = MAX_REDUCTIONS_IN_FLIGHT
-    post_optim_event: Optional[Any] = None  # waited for before the next gathers, then dropped
+    post_optim_event: Optional[DeviceEvent] = None  # waited for before the next gathers, then dropped
     final_callback_queued: bool = False  # once per backward, on the autograd engine
     is_last_backward: bool = True  # False: the end of backward leaves reductions in flight
     streams: list[CommStreams] = field(default_factory=list)  # one per device of the tree's groups

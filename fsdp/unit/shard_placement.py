@@ -12,7 +12,7 @@ the same fields, so code written for torch 2.15 runs on older torch too.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
@@ -32,7 +32,7 @@ except ImportError:  # older torch: the same fields
         layout it cannot shard on (see :func:`resolve`)."""
 
         placement: Optional[Shard]
-        mesh_info: Any
+        mesh_info: object
 
 
 __all__ = ["ShardPlacementError", "ShardPlacementResult", "resolve"]
@@ -81,7 +81,7 @@ def resolve(infos: list[ParamInfo], fn) -> tuple[Optional[list[Optional[int]]], 
     return dims, (meshes if any(m is not None for m in meshes) else None)
 
 
-def _mesh_of(info: Any, fqn: str) -> DeviceMesh:
+def _mesh_of(info: object, fqn: str) -> DeviceMesh:
     mesh = getattr(info, "mesh", None)
     shard, replicate = getattr(info, "shard_mesh_dim", None), getattr(info, "replicate_mesh_dim", None)
     fix = (

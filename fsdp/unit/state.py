@@ -41,7 +41,7 @@ from __future__ import annotations
 import functools
 import logging
 from types import MethodType
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
@@ -330,7 +330,7 @@ class FSDPState(pipelining.FSDP2Names):
             return self.root is not self
         return self.reshard_after_forward
 
-    def _post_forward(self, module: nn.Module, args: tuple, output: Any):
+    def _post_forward(self, module: nn.Module, args: tuple, output: object) -> object:
         if in_backward():  # a recomputation: its backward runs next, on these weights
             return self._cast_output(output)
         with label("fsdp::post_forward", self.fqn):
@@ -366,7 +366,7 @@ class FSDPState(pipelining.FSDP2Names):
             self.unshard()
             self.register_unsharded_params()
 
-    def _cast_output(self, output: Any) -> Any:
+    def _cast_output(self, output: object) -> object:
         if self.policy.output_dtype is not None:
             output = cast_floats(output, self.policy.output_dtype)
         return output

@@ -23,7 +23,7 @@ streams, :mod:`fsdp.group.streams`), ``set_allocate_memory_from_process_group_fo
 
 from __future__ import annotations
 
-from typing import Any, Callable, Literal, Optional
+from typing import TYPE_CHECKING, Callable, Literal, Optional
 
 import torch
 import torch.nn as nn
@@ -34,6 +34,10 @@ from fsdp.compose import custom_comm
 from fsdp.compose.tensor_parallel import DataParallelDims
 from fsdp.group.reduction import check_divide_factor
 from fsdp.unit.state import FSDPState
+
+if TYPE_CHECKING:
+    from fsdp.group.comms import AllGatherComm, ReduceScatterComm
+    from fsdp.group.streams import DeviceEvent, DeviceStream
 
 __all__ = [
     "ArgumentTypeError",
@@ -57,7 +61,7 @@ def _units(module: nn.Module, recurse: bool) -> list["FSDPState"]:
     return module._states(recurse)
 
 
-def _set_reduction(module: nn.Module, recurse: bool, **changes: Any) -> None:
+def _set_reduction(module: nn.Module, recurse: bool, **changes: object) -> None:
     groups = [g for state in _units(module, recurse) for g in state.groups if g.requires_grad]
     for group in groups:  # every group is checked before any changes
         group.grads.set_reduction(**changes)  # raises, changing nothing, mid-reduction
@@ -83,7 +87,7 @@ def set_requires_all_reduce(self: nn.Module, requires_all_reduce: bool, *, recur
 
 
 def set_all_reduce_hook(
-    self: nn.Module, hook: Callable[[torch.Tensor], None], *, stream: Optional[Any] = None
+    self: nn.Module, hook: Callable[[torch.Tensor], None], *, stream: Optional[DeviceStream] = None
 ) -> None:
     """Call ``hook(reduced)`` on this unit's reduced gradient shard of each reduction (not
     recursive): after the reduce-scatter on a 1-D mesh (e.g. to all-reduce across groups you
@@ -161,7 +165,7 @@ def set_unshard_in_backward(self: nn.Module, unshard_in_backward: bool) -> None:
     self._fsdp_state.unshard_in_backward = unshard_in_backward
 
 
-def set_post_optim_event(self: nn.Module, event: Any) -> None:
+def set_post_optim_event(self: nn.Module, event: DeviceEvent) -> None:
     """The root's next forward gathers only after ``event`` (recorded after the optimizer step);
     used once, then dropped. With real streams (CUDA, XPU) the all-gather stream waits for it;
     unlike FSDP2 it still waits for the current stream too (fsdp's launch always orders after
@@ -181,7 +185,7 @@ def reset_iter_state(self: nn.Module) -> None:
 # ---------------------------------------------------------------- FSDP2 internals fsdp lacks
 
 
-def set_custom_all_gather(self: nn.Module, comm: Any) -> None:
+def set_custom_all_gather(self: nn.Module, comm: AllGatherComm) -> None:
     """FSDP2's: gather this unit's weights (not recursive) with ``comm``, an object of FSDP2's
     ``AllGather`` protocol (``allocate`` + ``__call__(output_tensor=, input_tensor=, group=,
     async_op=)``), on the flat buffers dbuffer would have used; see :mod:`fsdp.compose.custom_comm`.
@@ -192,7 +196,7 @@ def set_custom_all_gather(self: nn.Module, comm: Any) -> None:
         custom_comm.install(group, all_gather_comm=comm)
 
 
-def set_custom_reduce_scatter(self: nn.Module, comm: Any) -> None:
+def set_custom_reduce_scatter(self: nn.Module, comm: ReduceScatterComm) -> None:
     """FSDP2's: reduce-scatter this unit's gradients (not recursive) with ``comm``, an object of
     FSDP2's ``ReduceScatter`` protocol (``allocate`` + ``__call__(output_tensor=, input_tensor=,
     group=, op=, async_op=)``); see :mod:`fsdp.compose.custom_comm`. Set it on every rank."""

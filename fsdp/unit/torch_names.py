@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import importlib
 import sys
-from typing import Any, Optional
+from typing import Optional
 
 from fsdp.group.policy import MixedPrecisionPolicy
 from fsdp.unit.fully_shard import fully_shard
@@ -53,10 +53,10 @@ _CLASS_ONLY = ("torch.distributed.fsdp._fully_shard._fully_shard",)
 # when already imported (a later import takes the names from torch.distributed.fsdp anyway).
 _PIPELINING = ("torch.distributed.pipelining.stage", "torch.distributed.pipelining.schedules")
 
-_SAVED: Optional[dict[tuple[str, str], Any]] = None  # torch's objects while fsdp's are bound
+_SAVED: Optional[dict[tuple[str, str], object]] = None  # torch's objects while fsdp's are bound
 
 
-def _ours() -> dict[str, Any]:
+def _ours() -> dict[str, object]:
     return {
         "fully_shard": fully_shard,
         "FSDPModule": FSDPModule,
@@ -122,7 +122,7 @@ def torch_names(enabled: bool = True) -> _Switch:
     return _Switch(was)
 
 
-def _restore_pipelining(saved: dict[tuple[str, str], Any]) -> None:
+def _restore_pipelining(saved: dict[tuple[str, str], object]) -> None:
     """Pipelining modules imported while the switch was on bound fsdp's objects: give them
     torch's (as ``torch.distributed.fsdp`` had them)."""
     ours = {id(obj): name for name, obj in _ours().items()}

@@ -1,22 +1,31 @@
 """The part Protocols (fsdp/group/parts.py) hold for every implementation: each class a group
 is given as a part has every member its Protocol names, and a real group has every member its
-parts may read (``WeightsGroup``, ``ReducerGroup``), so the Protocols stay true as code moves."""
+parts may read (``WeightsGroup``, ``ReducerGroup``), so the Protocols stay true as code moves.
+The same for the Protocols that name an object without importing its class: a unit as the
+tree's code reads it (``fsdp.unit.root.Unit``), the device's streams and events, FSDP2's comm
+objects and a gradient hook's target."""
 
 from __future__ import annotations
 
 import inspect
 
 import pytest
+import torch
 import torch.nn as nn
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
 
 import fsdp
-from fsdp.compose.custom_comm import CustomComms
+from fsdp.compose.custom_comm import CustomComms, MemoryAllGather, MemoryReduceScatter
 from fsdp.compose.extensions import SubclassWeights
 from fsdp.compose.post_forward import PostForwardShard
 from fsdp.group import parts
-from fsdp.group.comms import DBufferComms
+from fsdp.group.comms import AllGatherComm, DBufferComms, ReduceScatterComm
+from fsdp.group.grads import GradReducer
 from fsdp.group.shared_gather import SharedGather
+from fsdp.group.streams import DeviceEvent, DeviceStream
+from fsdp.group.weak_hooks import GradTarget
 from fsdp.group.weights import BufferWeights
+from fsdp.unit.root import Unit
 from tests.harness import run_ranks
 
 
@@ -50,14 +59,44 @@ def test_every_part_has_what_its_protocol_names(protocol, impl) -> None:
     assert not missing, f"{impl.__name__} lacks {sorted(missing)} of {protocol.__name__}"
 
 
+def methods(protocol: type) -> set[str]:
+    """The methods a Protocol declares itself, private ones and ``__call__`` included."""
+    return {n for n, v in vars(protocol).items() if inspect.isfunction(v) and (not n.startswith("__") or n == "__call__")}
+
+
 def _group_members() -> dict:
     m = fsdp.fully_shard(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)))
-    group = m._fsdp_state.groups[0]
-    return {p.__name__: sorted(n for n in members(p) if not hasattr(group, n))
-            for p in (parts.WeightsGroup, parts.ReducerGroup)}
+    group, unit = m._fsdp_state.groups[0], m._fsdp_state
+    missing = {p.__name__: sorted(n for n in members(p) if not hasattr(group, n))
+               for p in (parts.WeightsGroup, parts.ReducerGroup)}
+    missing["Unit"] = sorted(n for n in members(Unit) | methods(Unit) if not hasattr(unit, n))
+    return missing
 
 
 def test_a_group_has_what_its_parts_may_read() -> None:
     (missing,) = run_ranks(_group_members, 1, backend="threaded")
-    assert missing == {"WeightsGroup": [], "ReducerGroup": []}
+    assert missing == {"WeightsGroup": [], "ReducerGroup": [], "Unit": []}
     assert {"streams", "reduction", "reduce_into", "names", "main"} <= members(parts.ReducerGroup)
+    assert {"groups", "root", "root_ctx", "_enter", "_final_callback"} <= members(Unit) | methods(Unit)
+
+
+OBJECTS = [
+    (DeviceStream, torch.cpu.Stream),
+    (DeviceStream, torch.cuda.Stream),
+    (DeviceEvent, torch.cpu.Event),
+    (DeviceEvent, torch.cuda.Event),
+    (DeviceEvent, torch.Event),
+    (AllGatherComm, DefaultAllGather),
+    (AllGatherComm, MemoryAllGather),
+    (ReduceScatterComm, DefaultReduceScatter),
+    (ReduceScatterComm, MemoryReduceScatter),
+    (GradTarget, GradReducer),
+]
+
+
+@pytest.mark.parametrize("protocol,impl", OBJECTS, ids=[f"{p.__name__}-{i.__module__}.{i.__qualname__}" for p, i in OBJECTS])
+def test_what_a_protocol_names_without_importing_has_its_methods(protocol, impl) -> None:
+    wanted = methods(protocol)
+    assert wanted, protocol
+    missing = {n for n in wanted if not callable(getattr(impl, n, None))}
+    assert not missing, f"{impl.__qualname__} lacks {sorted(missing)} of {protocol.__name__}"
