@@ -1,0 +1,447 @@
+"""A group's plan as data: every buffer it holds and the route each phase takes, from its configuration.
+
+A :class:`~fsdp.group.param_group.ParameterGroup` and its parts decide their moves by asking, on
+every call, what the group is (``strategy.shard_params``, ``offload.on_host``, ``comms is
+DBUFFER_COMMS``, the weights part's predicates). Here the same decisions are taken once, by one
+pure function: :func:`plan_group` turns a :class:`GroupConfig` (plain values ``fully_shard`` and
+the unit's setters decided) into a frozen :class:`GroupPlan`: every buffer the group will hold
+(placements, dtype, host or device, lifetime, aliases) and, as enums, the route of each phase (the
+refresh after the optimizer, how the unsharded weights are made, what a gather reads and where it
+lands, what happens after forward, how gradients reach ``main_grad``).
+
+This first step states what the code does today (``weights.py``'s predicates,
+``ParameterGroup.refresh`` / ``launch_gather`` / ``reshard_after_forward``,
+``GradReducer.launch_reduce``, ``FSDPState._post_forward``); ``tests/fsdp/test_group_plan.py``
+checks its invariants over the whole configuration space, ``test_group_plan_agreement.py`` that
+it agrees with the groups ``fully_shard`` builds. The parts do not read it yet; they will, one route at a time.
+
+Not planned here: ``init_weights``' temporary full weights, the staging buffers of FSDP2's custom
+comm objects (theirs), and the buffers of a gather shared by a unit's groups (the unit's:
+:mod:`fsdp.group.shared_gather`).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from dbuffer.layout import OwnedLayout, RaggedLayout
+from fsdp.group.comms import DBUFFER_COMMS
+from fsdp.group.forward_only import reads_only_in_forward
+from fsdp.group.layouts import ChunkedLayout
+from fsdp.group.policy import Dtypes, Strategy
+from fsdp.group.weights import BufferWeights
+
+__all__ = ["BufferPlan", "GroupConfig", "GroupPlan", "ReducePlan", "plan_group"]
+
+# ---------------------------------------------------------------------------------- configuration
+
+
+MeshKind = enum.Enum("MeshKind", "FSDP HSDP HFSDP", module=__name__)
+ResidenceKind = enum.Enum("ResidenceKind", "DEVICE HOST OPTIM_STATE", module=__name__)
+LayoutKind = enum.Enum("LayoutKind", "CHUNK ROW RAGGED OWNED WHOLE", module=__name__)
+ParamsKind = enum.Enum("ParamsKind", "PLAIN TENSOR_PARALLEL SUBCLASS", module=__name__)
+CommsKind = enum.Enum("CommsKind", "DBUFFER CUSTOM", module=__name__)
+ModelShard = enum.Enum("ModelShard", "PERSISTENT LEAN", module=__name__)
+GatherScope = enum.Enum("GatherScope", "UNIT OWN", module=__name__)
+ForwardOnly = enum.Enum("ForwardOnly", "NONE TAIL", module=__name__)
+ReplicaReduce = enum.Enum("ReplicaReduce", "NOW DEFERRED", module=__name__)
+UnshardedStorage = enum.Enum("UnshardedStorage", "FREE KEEP", module=__name__)
+
+
+@dataclass(frozen=True)
+class GroupConfig:
+    """What decides a group's plan, as plain values (:meth:`of` says where each comes from):
+    ``mesh`` 1-D, 2-D ``(replicate, shard)`` or HFSDP's transposed one; ``residence`` no offload,
+    ``CPUOffloadPolicy`` or ``OptimizerStateOffloadPolicy``; ``layout`` FSDP2's torch.chunk pieces
+    (copied out of each gather), flat row-atomic, flat ragged, ``Owned()`` or ``no_shard``'s one
+    shard; ``params`` plain, tensor-parallel DTensors or tensor subclasses; ``comms`` dbuffer's or
+    FSDP2's custom comm objects; ``model_shard``: ``persistent_param_shard``; ``gather_scope``:
+    it may share its unit's all-gather, or (explicit bucket) not; ``slice_ranks``: the ``n`` of
+    ``reshard_after_forward=n`` asked for its mesh (None: none); ``forward_only``: it ends with
+    parameters only forward reads; ``replica_reduce``: ``set_requires_all_reduce``;
+    ``unsharded_storage``: ``set_keep_unsharded_storage``. Building one raises ``ValueError``
+    for a combination ``fully_shard`` refuses."""
+
+    strategy: Strategy
+    dtypes: Dtypes
+    requires_grad: bool
+    mesh: MeshKind = MeshKind.FSDP
+    residence: ResidenceKind = ResidenceKind.DEVICE
+    layout: LayoutKind = LayoutKind.CHUNK
+    params: ParamsKind = ParamsKind.PLAIN
+    comms: CommsKind = CommsKind.DBUFFER
+    model_shard: ModelShard = ModelShard.PERSISTENT
+    gather_scope: GatherScope = GatherScope.UNIT
+    slice_ranks: Optional[int] = None
+    forward_only: ForwardOnly = ForwardOnly.NONE
+    replica_reduce: ReplicaReduce = ReplicaReduce.NOW
+    unsharded_storage: UnshardedStorage = UnshardedStorage.FREE
+
+    def __post_init__(self) -> None:
+        problem = self._problem()
+        if problem:
+            raise ValueError(f"GroupConfig: {problem}")
+
+    def _problem(self) -> Optional[str]:
+        s, plain = self.strategy, self.params is ParamsKind.PLAIN
+        if (s.shard_params and not s.shard_grads) or (s.shard_grads and not s.shard_optim):
+            return "shard_params needs shard_grads, which needs shard_optim (ZeRO-3 > 2 > 1 > 0)"
+        if (self.layout is LayoutKind.WHOLE) == s.shard_optim:
+            return "the WHOLE layout is no_shard's, and only its"
+        if self.layout is LayoutKind.OWNED and self.mesh is not MeshKind.FSDP:
+            return "Owned() needs a 1-D mesh"
+        flat_shard = self.layout in (LayoutKind.ROW, LayoutKind.RAGGED)
+        if self.mesh is MeshKind.HFSDP and not (self.residence is ResidenceKind.DEVICE and plain and flat_shard):
+            return "HFSDP shards plain parameters in a flat Shard(0) layout, without offload"
+        if self.residence is not ResidenceKind.DEVICE and not plain:
+            return "offload takes plain parameters only"
+        if self.params is ParamsKind.SUBCLASS and self.layout is not LayoutKind.CHUNK:
+            return "tensor subclasses are sharded in torch.chunk pieces along dim 0"
+        if self.slice_ranks is not None and (self.slice_ranks < 2 or self.mesh is not MeshKind.FSDP):
+            return "reshard_after_forward=n keeps a slice for n > 1 on a 1-D mesh only"
+        if not self.requires_grad and self.replica_reduce is ReplicaReduce.DEFERRED:
+            return "a frozen group has no reduction to defer"
+        return None
+
+    @classmethod
+    def of(cls, group: Any, slice_ranks: Optional[int] = None) -> "GroupConfig":
+        """The configuration of a built ParameterGroup, read from the parts ``fully_shard`` and
+        the unit's setters gave it. ``slice_ranks``: the ``n`` of ``reshard_after_forward=n``
+        for the group's mesh, which ``fully_shard`` knows (a group holds a slice only where it
+        can keep one: that is for the plan to decide)."""
+        layout, s, offload, policy = group.layout, group.strategy, group.offload, group.policy
+        if isinstance(layout, ChunkedLayout):
+            kind = LayoutKind.CHUNK
+        elif isinstance(layout.layout, OwnedLayout):
+            kind = LayoutKind.OWNED
+        elif not s.shard_optim:
+            kind = LayoutKind.WHOLE
+        else:
+            kind = LayoutKind.RAGGED if isinstance(layout.layout, RaggedLayout) else LayoutKind.ROW
+        if not isinstance(group.weights, BufferWeights):
+            params = ParamsKind.SUBCLASS
+        else:
+            params = ParamsKind.PLAIN if group.kind.plain else ParamsKind.TENSOR_PARALLEL
+        if group.placements.model is not None:
+            mesh = MeshKind.HFSDP
+        else:
+            mesh = MeshKind.HSDP if group.mesh.ndim == 2 else MeshKind.FSDP
+        residence = ResidenceKind.HOST if offload.on_host else (
+            ResidenceKind.OPTIM_STATE if offload.optim_state is not None else ResidenceKind.DEVICE
+        )
+        lean = policy is not None and not policy.persistent_param_shard
+        tail = bool(group.infos) and reads_only_in_forward(group.infos[-1])
+        defer = group.requires_grad and not group.reduction.all_reduce
+        return cls(
+            strategy=s, dtypes=group.dtypes, requires_grad=group.requires_grad, mesh=mesh, residence=residence,
+            layout=kind, params=params, comms=CommsKind.DBUFFER if group.comms is DBUFFER_COMMS else CommsKind.CUSTOM,
+            model_shard=ModelShard.LEAN if lean else ModelShard.PERSISTENT,
+            gather_scope=GatherScope.OWN if group.own_gather else GatherScope.UNIT, slice_ranks=slice_ranks,
+            forward_only=ForwardOnly.TAIL if tail else ForwardOnly.NONE,
+            replica_reduce=ReplicaReduce.DEFERRED if defer else ReplicaReduce.NOW,
+            unsharded_storage=UnshardedStorage.KEEP if group.weights.keep_unsharded_storage else UnshardedStorage.FREE,
+        )
+
+
+# ---------------------------------------------------------------------------------- buffers
+
+
+Buf = enum.Enum(
+    "Buf", "MAIN MODEL CAST_MAIN UPLOAD UNSHARDED GATHERED SEND SLICE GRAD_IN REDUCE_OUT PARTIAL MAIN_GRAD GRAD_COPY",
+    module=__name__,
+)
+Place = enum.Enum("Place", "SHARD OWNED REPLICATE PARTIAL", module=__name__)
+Where = enum.Enum("Where", "DEVICE HOST", module=__name__)
+Lifetime = enum.Enum(
+    "Lifetime", "RUN NEVER REFRESH_TO_FORWARD GATHER GATHER_TO_RESHARD FORWARD_TO_BACKWARD REDUCTION GRADIENTS DEFERRED",
+    module=__name__,
+)
+
+
+@dataclass(frozen=True)
+class BufferPlan:
+    """One buffer: its ``name`` (the main weights; the compute-dtype model shard; HFSDP's main cast
+    before its replica gather; the model shard uploaded for a gather under host offload; the
+    unsharded weights; the chunked layout's gather target; a tensor subclass's pre-all-gather
+    outputs; the ``1/n`` post-forward slice; the packed gradients; a reduction's temporary output;
+    HSDP's deferred partial sums; the reduced gradients; ``param.grad``'s cast copies where
+    main_grad's dtype differs), placements per mesh axis (the slice's on the ``(W/n, n)`` view of
+    the shard mesh), dtype (None: what a subclass's ``fsdp_pre_all_gather`` returns), where it
+    lives, the buffer it *is* (``alias_of``: the same object, no storage of its own), and when it
+    has storage (``lifetime``): from ``fully_shard`` on (a kept unsharded storage: from its first
+    gather); never (released at ``fully_shard``: it
+    lends its layout, or every gather writes elsewhere); from each refresh until the next forward
+    with grad (a later gather casts it again); just before a gather until it lands; from a gather
+    to the reshard; from forward to backward; from packing the gradients until their reduction
+    lands; from the first reduction after ``zero_grad()`` to the next one; until the next
+    reduction that all-reduces."""
+
+    name: Buf
+    placements: tuple
+    dtype: Optional[torch.dtype]
+    where: Where
+    lifetime: Lifetime
+    alias_of: Optional[Buf] = None
+
+
+# ---------------------------------------------------------------------------------- routes
+
+
+ModelRefresh = enum.Enum("ModelRefresh", "NONE CAST GATHER_REPLICAS CAST_GATHER_REPLICAS PRE_ALL_GATHER", module=__name__)
+Unsharding = enum.Enum("Unsharding", "GATHER_AT_UNSHARD GATHER_AT_REFRESH IS_MODEL UPLOAD_AT_REFRESH", module=__name__)
+GatherSource = enum.Enum("GatherSource", "NONE OWN_ROW MAIN MODEL HOST_UPLOAD SEND", module=__name__)
+GatherLanding = enum.Enum("GatherLanding", "NONE UNSHARDED GATHERED", module=__name__)
+Sharing = enum.Enum("Sharing", "NEVER MAY_SHARE", module=__name__)
+AfterForward = enum.Enum("AfterForward", "KEEP FREE KEEP_SLICE", module=__name__)
+KeptAfterForward = enum.Enum("KeptAfterForward", "KEEP_ALL FREE_FORWARD_ONLY_TAIL FREE_TAIL_IF_LAST", module=__name__)
+BackwardGather = enum.Enum("BackwardGather", "NONE FULL FROM_SLICE", module=__name__)
+ReduceCollective = enum.Enum(
+    "ReduceCollective", "NONE REDUCE_SCATTER ALL_REDUCE REDUCE_SCATTER_ALL_REDUCE REDUCE_SCATTER_TWICE SHARD_AXIS_ONLY",
+    module=__name__,
+)
+ReduceRoute = enum.Enum("ReduceRoute", "NONE DIRECT TEMPORARY IN_PLACE DEFERRED", module=__name__)
+FoldWhen = enum.Enum("FoldWhen", "NONE AT_LAUNCH_IF_FREE AT_FINISH", module=__name__)
+
+
+@dataclass(frozen=True)
+class ReducePlan:
+    """The gradients' route: the ``collective`` (reduce-scatter; all-reduce of unsharded main
+    grads; HSDP's reduce-scatter then all-reduce across replicas; HFSDP's reduce-scatter on both
+    axes; the shard axis only, the replica step deferred); the route of a reduction that
+    overwrites ``main_grad`` (the first after ``zero_grad()``) and of one that accumulates
+    (micro-batches): straight into ``MAIN_GRAD``, into ``REDUCE_OUT`` then folded in, all-reduced
+    in ``GRAD_IN`` then folded in, or into ``PARTIAL`` for a later all-reduce; when ``REDUCE_OUT``
+    is folded (at its launch where waiting costs the host nothing: real streams, or the collective
+    already completed; else when finished); and where the fold writes (``HOST``: a download)."""
+
+    collective: ReduceCollective
+    overwrite: ReduceRoute
+    accumulate: ReduceRoute
+    fold: FoldWhen
+    into: Where
+
+
+# What each route reads or writes: every buffer a route touches must be planned.
+_TOUCHES: dict[enum.Enum, tuple[Buf, ...]] = {
+    ModelRefresh.CAST: (Buf.MAIN, Buf.MODEL),
+    ModelRefresh.GATHER_REPLICAS: (Buf.MAIN, Buf.MODEL),
+    ModelRefresh.CAST_GATHER_REPLICAS: (Buf.MAIN, Buf.CAST_MAIN, Buf.MODEL),
+    ModelRefresh.PRE_ALL_GATHER: (Buf.SEND,),
+    Unsharding.IS_MODEL: (Buf.MODEL, Buf.UNSHARDED),
+    Unsharding.UPLOAD_AT_REFRESH: (Buf.MODEL, Buf.UNSHARDED),
+    GatherSource.OWN_ROW: (Buf.MAIN,),
+    GatherSource.MAIN: (Buf.MAIN,),
+    GatherSource.MODEL: (Buf.MODEL,),
+    GatherSource.HOST_UPLOAD: (Buf.MODEL, Buf.UPLOAD),
+    GatherSource.SEND: (Buf.SEND,),
+    GatherLanding.UNSHARDED: (Buf.UNSHARDED,),
+    GatherLanding.GATHERED: (Buf.GATHERED, Buf.UNSHARDED),
+    AfterForward.KEEP_SLICE: (Buf.SLICE,),
+    BackwardGather.FROM_SLICE: (Buf.SLICE,),
+    ReduceRoute.DIRECT: (Buf.GRAD_IN, Buf.MAIN_GRAD),
+    ReduceRoute.TEMPORARY: (Buf.GRAD_IN, Buf.REDUCE_OUT, Buf.MAIN_GRAD),
+    ReduceRoute.IN_PLACE: (Buf.GRAD_IN, Buf.MAIN_GRAD),
+    ReduceRoute.DEFERRED: (Buf.GRAD_IN, Buf.PARTIAL),
+}
+
+
+@dataclass(frozen=True)
+class GroupPlan:
+    """Everything a group will hold and do, compiled from ``config`` by :func:`plan_group`.
+
+    * ``model_refresh``, after the optimizer: nothing (the model shard is main, or each gather
+      casts); a local cast into the model shard (skipped where the step wrote it); HFSDP's
+      all-gather over the replicate axis (after a cast into ``CAST_MAIN``); a subclass's
+      ``fsdp_pre_all_gather`` into ``SEND``.
+    * ``unsharding``: gathered before each use (ZeRO-3); gathered once per step at the refresh
+      (ZeRO-1/2); the model weights themselves (``no_shard``); uploaded at the refresh
+      (``no_shard`` under host offload).
+    * ``gather_source``: main cast into the target's own row (gathered in place), main itself,
+      the model shard, its upload from the host, or a subclass's outputs; ``gather_landing``: the
+      unsharded weights, or ``GATHERED`` (copied out); ``sharing``: whether a ZeRO-3 gather may be
+      one collective with the unit's other groups, and ``shared_source`` what it then reads.
+    * ``after_forward``, in a unit that reshards after forward: nothing freed (ZeRO-0..2), the
+      unsharded weights freed, or the ``1/n`` slice kept; ``kept_after_forward``, in a unit
+      that keeps them after a forward with grad (the root by default): all kept, the
+      forward-only tail freed, or freed where it lies last in the buffer (``Owned()``: its
+      owner decides); ``backward_gather`` after a resharding forward: none, the
+      forward's again, or within ``n`` ranks from the slices.
+    * ``reduce`` (:class:`ReducePlan`); ``optim_state``: where the optimizer state lives."""
+
+    config: GroupConfig
+    buffers: tuple[BufferPlan, ...]
+    model_refresh: ModelRefresh
+    unsharding: Unsharding
+    gather_source: GatherSource
+    gather_landing: GatherLanding
+    sharing: Sharing
+    shared_source: GatherSource
+    after_forward: AfterForward
+    kept_after_forward: KeptAfterForward
+    backward_gather: BackwardGather
+    reduce: ReducePlan
+    optim_state: Where
+
+    def buffer(self, name: Buf) -> Optional[BufferPlan]:
+        return next((b for b in self.buffers if b.name is name), None)
+
+    def names(self) -> frozenset[Buf]:
+        return frozenset(b.name for b in self.buffers)
+
+    def touched(self) -> frozenset[Buf]:
+        """Every buffer some route of this plan reads or writes."""
+        routes = (
+            self.model_refresh, self.unsharding, self.gather_source, self.gather_landing, self.shared_source,
+            self.after_forward, self.backward_gather, self.reduce.overwrite, self.reduce.accumulate,
+        )
+        return frozenset(b for r in routes for b in _TOUCHES.get(r, ()))
+
+
+# ---------------------------------------------------------------------------------- the planner
+
+
+def _placements(c: GroupConfig) -> dict[str, Optional[tuple[Place, ...]]]:
+    """GroupPlacements.for_mesh's (or HFSDP's .outer) tuples, as Place values."""
+    P, R, S = Place.PARTIAL, Place.REPLICATE, (Place.OWNED if c.layout is LayoutKind.OWNED else Place.SHARD)
+    if c.mesh is MeshKind.HFSDP:
+        return dict(sharded=(S, S), replicated=(R, R), partial=(P, P), deferred=(S, P), model=(S, R))
+    lead = (R,) if c.mesh is MeshKind.HSDP else ()
+    partial = (P,) * (len(lead) + 1)
+    return dict(sharded=lead + (S,), replicated=lead + (R,), partial=partial, deferred=partial[:-1] + (S,), model=None)
+
+
+def plan_group(c: GroupConfig) -> GroupPlan:
+    """The plan of a group configured as ``c`` (pure: equal configs give equal plans)."""
+    s, d, pl = c.strategy, c.dtypes, _placements(c)
+    host, subclass, chunk = c.residence is ResidenceKind.HOST, c.params is ParamsKind.SUBCLASS, c.layout is LayoutKind.CHUNK
+    home = Where.HOST if host else Where.DEVICE
+    main_pl = pl["sharded"] if s.shard_optim else pl["replicated"]
+    keep = c.unsharded_storage is UnshardedStorage.KEEP
+    bufs = [BufferPlan(Buf.MAIN, main_pl, d.main, home, Lifetime.NEVER if subclass else Lifetime.RUN)]
+
+    # the weights: main -> model shard -> (gather) -> unsharded
+    hfsdp_model = pl["model"]
+    model_alias = not subclass and hfsdp_model is None and d.model == d.main
+    # BufferWeights._can_cast_into_gather: Owned() placements are no local scatter of the target
+    into_row = not (subclass or model_alias or host or hfsdp_model is not None) and s.shard_optim and (
+        c.layout is not LayoutKind.OWNED
+    )
+    lean = not (subclass or model_alias or hfsdp_model is not None) and s.shard_optim and (
+        into_row or c.model_shard is ModelShard.LEAN
+    )
+    may_share = s.shard_params and chunk and c.gather_scope is GatherScope.UNIT and c.comms is CommsKind.DBUFFER
+    if subclass:
+        refresh = ModelRefresh.PRE_ALL_GATHER
+    elif model_alias:
+        refresh = ModelRefresh.NONE
+        bufs.append(BufferPlan(Buf.MODEL, main_pl, d.main, home, Lifetime.RUN, alias_of=Buf.MAIN))
+    elif hfsdp_model is not None:  # rebuilt by a collective: always persistent
+        refresh = ModelRefresh.GATHER_REPLICAS if d.model == d.main else ModelRefresh.CAST_GATHER_REPLICAS
+        bufs.append(BufferPlan(Buf.MODEL, hfsdp_model, d.model, Where.DEVICE, Lifetime.RUN))
+        if d.model != d.main:
+            bufs.append(BufferPlan(Buf.CAST_MAIN, main_pl, d.model, Where.DEVICE, Lifetime.RUN))
+    else:
+        refresh = ModelRefresh.NONE if lean else ModelRefresh.CAST
+        if lean:  # cast before a gather that reads it; a gather into its own target casts into the row
+            life = Lifetime.GATHER if not into_row or may_share else Lifetime.NEVER
+        elif not s.shard_optim or host:
+            life = Lifetime.RUN
+        else:  # freed after each forward with grad; ZeRO-1/2's once the refresh's gather landed
+            life = Lifetime.REFRESH_TO_FORWARD if s.shard_params else Lifetime.GATHER
+        bufs.append(BufferPlan(Buf.MODEL, main_pl, d.model, home, life))
+
+    if not s.shard_optim:
+        unsharding = Unsharding.UPLOAD_AT_REFRESH if host else Unsharding.IS_MODEL
+    else:
+        unsharding = Unsharding.GATHER_AT_UNSHARD if s.shard_params else Unsharding.GATHER_AT_REFRESH
+    view_dtype = None if subclass else d.model
+    if unsharding is Unsharding.IS_MODEL:
+        model = next(b for b in bufs if b.name is Buf.MODEL)
+        target = model.alias_of or Buf.MODEL
+        bufs.append(BufferPlan(Buf.UNSHARDED, model.placements, model.dtype, model.where, model.lifetime, target))
+    else:
+        life = Lifetime.GATHER_TO_RESHARD if s.shard_params and not keep else Lifetime.RUN
+        bufs.append(BufferPlan(Buf.UNSHARDED, pl["replicated"], view_dtype, Where.DEVICE, life))
+    if chunk:  # a subclass's gathered outputs are copied out and freed, kept storage or not
+        life = Lifetime.RUN if keep and not subclass else Lifetime.GATHER
+        bufs.append(BufferPlan(Buf.GATHERED, pl["replicated"], view_dtype, Where.DEVICE, life))
+    if subclass:
+        bufs.append(BufferPlan(Buf.SEND, pl["sharded"], None, Where.DEVICE, Lifetime.RUN))
+    if host and s.shard_optim:
+        bufs.append(BufferPlan(Buf.UPLOAD, main_pl, d.model, Where.DEVICE, Lifetime.GATHER))
+
+    source = shared = landing = None
+    if unsharding in (Unsharding.GATHER_AT_UNSHARD, Unsharding.GATHER_AT_REFRESH):
+        # a shared gather reads the model shard: only a gather into its own target casts into the row
+        if subclass:
+            shared = GatherSource.SEND
+        elif host:
+            shared = GatherSource.HOST_UPLOAD
+        else:
+            shared = GatherSource.MAIN if model_alias else GatherSource.MODEL
+        source = GatherSource.OWN_ROW if into_row else shared
+        landing = GatherLanding.GATHERED if chunk else GatherLanding.UNSHARDED
+
+    # after forward, and the backward's gather
+    slice_kept = (
+        c.slice_ranks is not None and c.params is ParamsKind.PLAIN and s.shard_params and c.mesh is MeshKind.FSDP
+        and not host
+    )
+    if slice_kept:
+        slice_pl = (Place.REPLICATE, Place.SHARD)
+        bufs.append(BufferPlan(Buf.SLICE, slice_pl, d.model, Where.DEVICE, Lifetime.FORWARD_TO_BACKWARD))
+    if not s.shard_params:
+        after, backward = AfterForward.KEEP, BackwardGather.NONE
+    else:
+        after = AfterForward.KEEP_SLICE if slice_kept else AfterForward.FREE
+        backward = BackwardGather.FROM_SLICE if slice_kept else BackwardGather.FULL
+    kept = KeptAfterForward.KEEP_ALL
+    if c.forward_only is ForwardOnly.TAIL and s.shard_params and c.params is ParamsKind.PLAIN and not keep:
+        # the storage shrinks to the bytes before the tail: in an Owned() layout, where its owner puts it
+        owned = c.layout is LayoutKind.OWNED
+        kept = KeptAfterForward.FREE_TAIL_IF_LAST if owned else KeptAfterForward.FREE_FORWARD_ONLY_TAIL
+
+    reduce = _plan_reduce(c, pl, main_pl, home, bufs)
+    return GroupPlan(
+        config=c, buffers=tuple(bufs), model_refresh=refresh, unsharding=unsharding,
+        gather_source=source or GatherSource.NONE, gather_landing=landing or GatherLanding.NONE,
+        sharing=Sharing.MAY_SHARE if may_share else Sharing.NEVER,
+        shared_source=shared if may_share and shared else GatherSource.NONE,
+        after_forward=after, kept_after_forward=kept,
+        backward_gather=backward, reduce=reduce,
+        optim_state=Where.DEVICE if c.residence is ResidenceKind.DEVICE else Where.HOST,
+    )
+
+
+def _plan_reduce(c: GroupConfig, pl: dict, main_pl: tuple, home: Where, bufs: list[BufferPlan]) -> ReducePlan:
+    """``GradReducer``'s buffers (appended to ``bufs``) and its route (``launch_reduce``)."""
+    s, d = c.strategy, c.dtypes
+    if not c.requires_grad:
+        return ReducePlan(ReduceCollective.NONE, ReduceRoute.NONE, ReduceRoute.NONE, FoldWhen.NONE, Where.DEVICE)
+    grad_pl = pl["sharded"] if s.shard_grads else pl["replicated"]
+    bufs.append(BufferPlan(Buf.GRAD_IN, pl["partial"], d.reduce, Where.DEVICE, Lifetime.REDUCTION))
+    bufs.append(BufferPlan(Buf.MAIN_GRAD, grad_pl, d.main_grad, home, Lifetime.GRADIENTS))
+    if d.main_grad != d.main:
+        bufs.append(BufferPlan(Buf.GRAD_COPY, main_pl, d.main, home, Lifetime.GRADIENTS))
+    if c.mesh is not MeshKind.FSDP and s.shard_grads and c.replica_reduce is ReplicaReduce.DEFERRED:
+        bufs.append(BufferPlan(Buf.PARTIAL, pl["deferred"], d.reduce, Where.DEVICE, Lifetime.DEFERRED))
+        deferred = ReduceRoute.DEFERRED
+        return ReducePlan(ReduceCollective.SHARD_AXIS_ONLY, deferred, deferred, FoldWhen.NONE, home)
+    if not s.shard_grads:
+        collective = ReduceCollective.ALL_REDUCE
+    elif c.mesh is MeshKind.FSDP:
+        collective = ReduceCollective.REDUCE_SCATTER
+    else:
+        collective = ReduceCollective.REDUCE_SCATTER_ALL_REDUCE if c.mesh is MeshKind.HSDP else ReduceCollective.REDUCE_SCATTER_TWICE
+    folded = ReduceRoute.TEMPORARY if s.shard_grads else ReduceRoute.IN_PLACE
+    overwrite = ReduceRoute.DIRECT if d.reduce == d.main_grad and home is Where.DEVICE else folded
+    fold = FoldWhen.NONE
+    if s.shard_grads:  # every accumulation goes through the temporary
+        bufs.append(BufferPlan(Buf.REDUCE_OUT, grad_pl, d.reduce, Where.DEVICE, Lifetime.REDUCTION))
+        free = home is Where.DEVICE and c.comms is CommsKind.DBUFFER
+        fold = FoldWhen.AT_LAUNCH_IF_FREE if free else FoldWhen.AT_FINISH
+    return ReducePlan(collective, overwrite, folded, fold, home)
