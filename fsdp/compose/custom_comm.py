@@ -111,6 +111,7 @@ def install(group: ParameterGroup, all_gather_comm: object = _KEEP, reduce_scatt
     gather = have.all_gather_comm if all_gather_comm is _KEEP else all_gather_comm
     reduce = have.reduce_scatter_comm if reduce_scatter_comm is _KEEP else reduce_scatter_comm
     group.comms = CustomComms(gather, reduce) if gather is not None or reduce is not None else DBUFFER_COMMS
+    group.replan()
 
 
 def _default_alloc(comm: Union[AllGatherComm, ReduceScatterComm]) -> bool:

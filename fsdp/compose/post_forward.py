@@ -69,6 +69,7 @@ def enable_post_forward_slices(groups: list, mesh: DeviceMesh, n: int) -> None:
     for group in groups:
         if group.mesh is mesh and group.can_keep_post_forward_slice():
             group.post_forward = PostForwardShard(group.weights.gathered_buffer(), view)
+            group.replan()
 
 
 class PostForwardShard:
@@ -79,6 +80,11 @@ class PostForwardShard:
         self.unsharded = unsharded
         self.buffer = unsharded.sibling([Replicate(), Shard(0)], zero_fill=False, mesh=mesh)
         self.buffer.release_storage()
+
+    @property
+    def ranks(self) -> int:
+        """The ``n`` of ``reshard_after_forward=n``: the ranks a backward's gather spans."""
+        return self.mesh.size(1)
 
     def rebuilt(self, unsharded: DBuffer) -> "PostForwardShard":
         """The same slice for a group whose gathered buffer was rebuilt (``module.to``, ``to_empty``)."""

@@ -99,4 +99,5 @@ def convert(group: ParameterGroup, dtype: Optional[torch.dtype] = None, device=N
     swap_in(group.sharded_params, group.weights.new_sharded_params())
     if group.grads is not None:
         group.grads.reattach_after_swap()
+    group.replan()
     return True

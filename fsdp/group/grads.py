@@ -16,9 +16,11 @@ it costs nothing, as in FSDP2. A reduction after such a drop overwrites ``main_g
 (:attr:`Reduction.ACCUMULATE`); with HSDP's all-reduce deferred, a reduce-scatter only keeps
 its partial sums (:attr:`Reduction.DEFERRED`).
 
-The reducer reads its group's buffers' shapes, placements, dtypes, layout and parts through
-``self.group`` (it is built by the group and rebuilt when the group's buffers change); it keeps
-the gradient state to itself.
+A reduction's route (deferred; into ``main_grad`` directly, through a temporary or in place;
+folded at launch or landing; to the host or not) is the group's compiled plan, handed in as
+``route`` (:class:`~fsdp.group.plan.ReducePlan`): run here, never re-decided. Buffers' shapes,
+placements, dtypes, layout and parts are read through ``self.group`` (the reducer is rebuilt
+when they change); the gradient state it keeps to itself.
 """
 
 from __future__ import annotations
@@ -31,10 +33,10 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from dbuffer import DBuffer, Pending
-from fsdp.group.comms import DBUFFER_COMMS
 from fsdp.group.grad_mode import without_grad
 from fsdp.group.main_grad_state import ALLOWED, MainGrad, check_move
 from fsdp.group.parts import ReducerGroup
+from fsdp.group.plan import FoldWhen, ReduceCollective, ReducePlan, ReduceRoute, Where
 from fsdp.group.policy import converted
 from fsdp.group.weak_hooks import post_accumulate_grad_hook, weak_callable
 
@@ -59,8 +61,9 @@ class InFlight:
 class GradReducer:
     """The gradient state of one group that requires grad; see the module docstring."""
 
-    def __init__(self, group: ReducerGroup) -> None:
+    def __init__(self, group: ReducerGroup, route: ReducePlan) -> None:
         self.group = group
+        self.route = route  # the group sets it again whenever its plan is compiled again
         g, s, d, pl = group, group.strategy, group.dtypes, group.placements
         self.grad_in = g.sibling(pl.partial, d.reduce, zero_fill=False)
         self.grad_in.release_storage()
@@ -91,7 +94,7 @@ class GradReducer:
     def rebuilt(self) -> "GradReducer":
         """A fresh reducer for the group's new buffers (``to_empty``), with the same callbacks,
         hooked on the group's new unsharded parameters."""
-        fresh = GradReducer(self.group)
+        fresh = GradReducer(self.group, self.route)
         fresh.cast_grads = self.cast_grads
         fresh._callbacks = self._callbacks
         fresh.hook_params()
@@ -231,8 +234,8 @@ class GradReducer:
         streams, reduce_dtype = g.streams, g.dtypes.reduce
         self.pack_held()
         self._zero_unwritten()
-        target_pl = self.main_grad.placements
-        if self.defers_all_reduce():
+        target_pl, route = self.main_grad.placements, self.route
+        if route.collective is ReduceCollective.SHARD_AXIS_ONLY:
             partial_pl = g.placements.deferred
             with streams.launch(streams.reduce_scatter):
                 pending = g.reduce_into(self.grad_in, partial_pl, g.sibling(partial_pl, reduce_dtype, zero_fill=False))
@@ -251,23 +254,24 @@ class GradReducer:
             self._partial_members = set()
         overwrite = self._overwrite_main_grad()
         self._in_main = set(members) if overwrite else self._in_main | members
-        direct = overwrite and reduce_dtype == g.dtypes.main_grad and not g.offload.on_host
         if overwrite:
             self.main_grad.reallocate_storage()
         kind = Reduction.OVERWRITE if overwrite else Reduction.ACCUMULATE
+        step = route.overwrite if overwrite else route.accumulate
         folded = False
         with streams.launch(streams.reduce_scatter):
-            if direct:
+            if step is ReduceRoute.DIRECT:
                 pending = g.reduce_into(source, target_pl, self.main_grad)
-            elif g.strategy.shard_grads:
+            elif step is ReduceRoute.TEMPORARY:
                 pending = g.reduce_into(source, target_pl, g.sibling(target_pl, reduce_dtype, zero_fill=False))
-                # A sharded temporary: folded now, on this stream, if that blocks no host (FSDP2's
-                # order), so that it is not alive through the next unit's backward. Not under host
-                # offload (a download) nor a custom comm (its staging is read on the compute stream).
-                if not g.offload.on_host and g.comms is DBUFFER_COMMS and streams.wait_is_free(pending):
+                # Folded now, on this stream, if that blocks no host (FSDP2's order), so that the
+                # temporary is not alive through the next unit's backward (the plan says where
+                # it may be: not under host offload, a download, nor a custom comm, whose staging
+                # is read on the compute stream).
+                if route.fold is FoldWhen.AT_LAUNCH_IF_FREE and streams.wait_is_free(pending):
                     self._fold(pending.wait(), kind)
                     folded = True
-            else:
+            else:  # IN_PLACE
                 pending = self._allreduce_in_place()
         self._local = set()
         self._in_flight = InFlight(pending, kind, folded)
@@ -275,8 +279,7 @@ class GradReducer:
     def defers_all_reduce(self) -> bool:
         """Whether a reduction now would reduce-scatter only and keep partial sums (HSDP with
         ``set_requires_all_reduce(False)``)."""
-        g = self.group
-        return g.mesh.ndim == 2 and not g.reduction.all_reduce and g.strategy.shard_grads
+        return self.route.collective is ReduceCollective.SHARD_AXIS_ONLY
 
     def _allreduce_in_place(self) -> Pending:
         """All-reduce ``grad_in`` over every mesh axis in its own storage (the last one async)."""
@@ -334,7 +337,7 @@ class GradReducer:
         into ``main_grad`` (replace or add, as ``kind`` says); a sharded temporary is freed."""
         g, overwrite = self.group, kind is Reduction.OVERWRITE
         g.reduction.finish(result.local_buffer, g.mesh, g.streams)  # divide, hook (FSDP2's knobs)
-        if g.offload.on_host:  # to the host, off the compute stream (which need not wait)
+        if self.route.into is Where.HOST:  # to the host, off the compute stream (which need not wait)
             with g.streams.launch(g.streams.reduce_scatter):
                 g.offload.download(result.local_buffer, self.main_grad.local_buffer, add=not overwrite)
         elif result is not self.main_grad:

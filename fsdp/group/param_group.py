@@ -45,10 +45,11 @@ from fsdp.group.grads import GradReducer
 from fsdp.group.layouts import PLAIN, ChunkedLayout, FlatLayout, ParamKind, flat_layout
 from fsdp.group.members import GroupPlacements, ParamInfo
 from fsdp.group.parts import Comms, GatherKind, PostForwardSlice, SharedGatherPart, Weights
+from fsdp.group.plan import GroupConfig, GroupPlan, Unsharding, plan_group
 from fsdp.group.policy import Dtypes, MixedPrecisionPolicy, Strategy
 from fsdp.group.profiling import label
 from fsdp.group.reduction import ReduceSettings
-from fsdp.group.registration import note_registration
+from fsdp.group.registration import Registrations
 from fsdp.group.residence import NO_OFFLOAD, HostResidence, Residence
 from fsdp.group.streams import CommStreams
 from fsdp.group.unsharded_state import Unsharded, UnshardedLife
@@ -105,8 +106,7 @@ class ParameterGroup:
         after a forward that keeps the rest (:mod:`fsdp.group.forward_only`)."""
         self.infos = infos
         self.call_label = CallLabel(f"fsdp parameter group {self.names()}")  # its collectives' (lazy init names the unit)
-        # every (parameter index, module, name) it is registered under: checked at each registration
-        self._slots = tuple((k, m, name) for k, info in enumerate(infos) for m, name in info.registrations)
+        self.registrations = Registrations(infos)  # where each parameter is registered, and what fsdp put there
         self.mesh = mesh
         self.strategy = strategy
         self.dtypes = dtypes
@@ -132,8 +132,6 @@ class ParameterGroup:
             self.weights.fill(tensors)
         self.weights.build()
         self.sharded_params: list[nn.Parameter] = self.weights.new_sharded_params()
-        # The parameters fsdp last registered on the modules (None: not yet, the originals are there).
-        self.registered: Optional[list[nn.Parameter]] = None
         self.initialising = False  # inside init_weights (fsdp.group.meta_init)
         self._stale = True  # the main weights changed since the last refresh
         self._key: object = None  # weights.version_key() at the last refresh
@@ -142,8 +140,34 @@ class ParameterGroup:
         self.unsharded = UnshardedLife(self.names)  # the unsharded weights' state and version
         self._gather_pending: Optional[Pending] = None
         self._shared: Optional[tuple[SharedGatherPart, int]] = None  # (SharedGather, part) of the gather in flight
-        self.grads: Optional[GradReducer] = GradReducer(self) if requires_grad else None
+        self.plan: GroupPlan = self.compile_plan()
+        self.grads: Optional[GradReducer] = GradReducer(self, self.plan.reduce) if requires_grad else None
         self.refresh()
+
+    # ------------------------------------------------------------------ the plan
+
+    def compile_plan(self) -> GroupPlan:
+        """The group's plan (:mod:`fsdp.group.plan`) for what it is now: its parts, dtypes,
+        comms, reduction settings, kept storage and post-forward slice."""
+        ranks = self.post_forward.ranks if self.post_forward is not None else None
+        return plan_group(GroupConfig.of(self, ranks))
+
+    def replan(self) -> None:
+        """Compile the plan again and hand its routes to the parts that run them: after
+        anything it is compiled from changed (``module.to(dtype)``, a custom comm, a reduction
+        setting, ``set_keep_unsharded_storage``, a post-forward slice), between steps."""
+        self.plan = self.compile_plan()
+        if self.grads is not None:
+            self.grads.route = self.plan.reduce
+
+    def set_reduction(self, **changes: object) -> None:
+        """Change how the gradients are reduced (:meth:`GradReducer.set_reduction
+        <fsdp.group.grads.GradReducer.set_reduction>`: raises, changing nothing, while some wait
+        to be reduced), and the plan with it."""
+        if self.grads is None:
+            raise RuntimeError(f"parameters {self.names()} do not require grad: they have no reduction to set")
+        self.grads.set_reduction(**changes)
+        self.replan()
 
     # ------------------------------------------------------------------ buffers
 
@@ -216,7 +240,7 @@ class ParameterGroup:
         with label("fsdp::optimizer_refresh"):
             self.weights.refresh(model_current=key == self._written_key)
             self._written_key = None
-            if self.strategy.shard_optim and not self.strategy.shard_params:
+            if self.plan.unsharding is Unsharding.GATHER_AT_REFRESH:  # ZeRO-1/2
                 self.unsharded.begin_gather()
                 target = self.weights.begin_gather()
                 self.all_gather(self.weights.gather_source(), target).wait()
@@ -224,7 +248,7 @@ class ParameterGroup:
                 self.weights.release_model_shard()  # gathered until the next step: read again only after it
         self._key, self._stale = key, False
         self._refreshes += 1
-        if not self.strategy.shard_params:  # ZeRO-0/1/2: current from here to the next step
+        if self.plan.unsharding is not Unsharding.GATHER_AT_UNSHARD:  # ZeRO-0/1/2: current from here to the next step
             if self.unsharded.state is not Unsharded.GATHERING:
                 self.unsharded.begin_gather()  # ZeRO-0: the model weights are made from main here
             self.unsharded.gathered(self._refreshes)
@@ -444,41 +468,20 @@ class ParameterGroup:
     def register(self, params: list[nn.Parameter]) -> None:
         """Put ``params`` on the modules in place of each parameter's registrations (tied ones
         included); raises, registering nothing, as :meth:`check_registered` does."""
-        self.check_registered()
-        for info, p in zip(self.infos, params):
-            for module, name in info.registrations:
-                module._parameters[name] = p
-        if self.registered is None:  # fully_shard: optimizers are checked again
-            note_registration()
+        self.registrations.put(params, owner=getattr(self.sharded_params[0], "_fsdp_owner", "its fsdp unit"))
         if params is self.unsharded_params and not hasattr(params[0], "_fsdp_unsharded"):
             for p in params:  # found by the optimizer-step pre-hook (fsdp.optim.step_hooks)
                 p._fsdp_unsharded = True
-        self.registered = params
+
+    @property
+    def registered(self) -> Optional[list[nn.Parameter]]:
+        """The parameters fsdp last registered on the modules (None: not yet, the originals are there)."""
+        return self.registrations.registered
 
     def check_registered(self) -> None:
-        """Raise if a module no longer holds the parameter fsdp registered there: one assigned
-        after ``fully_shard`` (``module.weight = nn.Parameter(...)``) would otherwise be silently
-        replaced by fsdp's own at the next registration, and never trained or used."""
-        expected = self.registered
-        if expected is None:
-            return
-        for k, module, name in self._slots:
-            if module._parameters.get(name) is not expected[k]:
-                self._raise_replaced(k, module, name)
-
-    def _raise_replaced(self, k: int, module: nn.Module, name: str) -> None:
-        info, have = self.infos[k], module._parameters.get(name)
-        owner = getattr(self.sharded_params[0], "_fsdp_owner", "its fsdp unit")
-        alias = "" if (module, name) == info.registrations[0] else f" (tied; its {type(module).__name__}.{name})"
-        what = "removed" if have is None else "replaced"
-        raise RuntimeError(
-            f"parameter {info.fqn!r} of {owner}{alias} was {what} after fully_shard; fsdp "
-            f"registers its own sharded parameter there and would silently drop yours. Assign "
-            f"parameters before fully_shard, or change the values in place: "
-            f"fsdp.checkpoint.set_state_dict(model, model_state_dict={{name: full_tensor}}, "
-            f"options=StateDictOptions(full_state_dict=True, strict=False)), or "
-            f"fsdp.init_weights(model, fn) with fn copying into the (then full) parameter"
-        )
+        """Raise if a module no longer holds the parameter fsdp registered there
+        (:meth:`Registrations.check <fsdp.group.registration.Registrations.check>`)."""
+        self.registrations.check(owner=getattr(self.sharded_params[0], "_fsdp_owner", "its fsdp unit"))
 
 
 def meta_error(fqns: list[str]) -> str:

@@ -67,6 +67,10 @@ class PostForwardSlice(Protocol):
 
     buffer: DBuffer
 
+    @property
+    def ranks(self) -> int:
+        """The ``n`` of ``reshard_after_forward=n``: the ranks a backward's gather spans."""
+
     def keep(self, fill: Optional[Callable[[torch.Tensor, int, int], None]] = None) -> None:
         """Copy this rank's slice out of the gathered weights (or let ``fill`` write it)."""
 

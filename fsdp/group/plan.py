@@ -13,7 +13,10 @@ This first step states what the code does today (``weights.py``'s predicates,
 ``ParameterGroup.refresh`` / ``launch_gather`` / ``reshard_after_forward``,
 ``GradReducer.launch_reduce``, ``FSDPState._post_forward``); ``tests/fsdp/test_group_plan.py``
 checks its invariants over the whole configuration space, ``test_group_plan_agreement.py`` that
-it agrees with the groups ``fully_shard`` builds. The parts do not read it yet; they will, one route at a time.
+it agrees with the groups ``fully_shard`` builds. A group holds its plan (``ParameterGroup.plan``,
+compiled again by ``replan()`` whenever something it is compiled from changes); its gradient
+reducer runs the ``reduce`` route and its refresh the ``unsharding`` route; the other parts will
+read theirs, one route at a time.
 
 Not planned here: ``init_weights``' temporary full weights, the staging buffers of FSDP2's custom
 comm objects (theirs), and the buffers of a gather shared by a unit's groups (the unit's:

@@ -176,6 +176,7 @@ class FSDPModule:
         for state in self._states(recurse):
             for group in state.groups:
                 group.weights.keep_unsharded_storage = bool(keep)
+                group.replan()
 
     def set_modules_to_forward_prefetch(self, modules: list["FSDPModule"]) -> None:
         """Start gathering these units right after this unit's forward gather (replacing the

@@ -64,7 +64,7 @@ def _units(module: nn.Module, recurse: bool) -> list["FSDPState"]:
 def _set_reduction(module: nn.Module, recurse: bool, **changes: object) -> None:
     groups = [g for state in _units(module, recurse) for g in state.groups if g.requires_grad]
     for group in groups:  # every group is checked before any changes
-        group.grads.set_reduction(**changes)  # raises, changing nothing, mid-reduction
+        group.set_reduction(**changes)  # raises, changing nothing, mid-reduction
 
 
 # ---------------------------------------------------------------- gradient reduction
@@ -83,7 +83,7 @@ def set_requires_all_reduce(self: nn.Module, requires_all_reduce: bool, *, recur
     groups = [g for state in _units(self, recurse) for g in state.groups if g.requires_grad]
     for group in groups:
         if group.mesh.ndim == 2:
-            group.grads.set_reduction(all_reduce=requires_all_reduce)
+            group.set_reduction(all_reduce=requires_all_reduce)
 
 
 def set_all_reduce_hook(
@@ -100,7 +100,7 @@ def set_all_reduce_hook(
     if stream is not None and any(g.mesh.ndim == 2 for g in groups):
         raise ValueError("stream cannot be set when using native HSDP")
     for group in groups:
-        group.grads.set_reduction(hook=hook, hook_stream=stream)
+        group.set_reduction(hook=hook, hook_stream=stream)
 
 
 def set_gradient_divide_factor(self: nn.Module, factor: float) -> None:

@@ -208,3 +208,48 @@ def test_group_config_refuses_what_fully_shard_refuses() -> None:
         with pytest.raises(ValueError, match="GroupConfig: "):
             replace(base, **change)
     assert replace(base, layout=P.LayoutKind.ROW, mesh=P.MeshKind.HFSDP).mesh is P.MeshKind.HFSDP
+
+
+def _plans_after_setters() -> list[tuple[str, bool, bool]]:
+    """A fake world of 4 on a (2, 2) mesh: after each setter that changes what a plan is compiled
+    from, whether every group's plan equals a fresh compile of its configuration, whether its
+    reducer runs that plan's route, and whether the setter changed some plan at all."""
+    import torch.nn as nn
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import fsdp
+    from fsdp.compose.custom_comm import install
+    from tests.fsdp.test_custom_comm import CountingAllGather
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    fsdp.fully_shard(model[0], mesh=mesh)
+    fsdp.fully_shard(model, mesh=mesh)
+    groups = [g for m in (model[0], model) for g in fsdp.fully_shard.state(m).groups]
+    seen, before = [], [None] * len(groups)
+
+    def check(what: str) -> None:  # (setter, plans fresh, routes handed on, some plan changed)
+        fresh = [plan_group(GroupConfig.of(g)) for g in groups]
+        seen.append((what, all(g.plan == f for g, f in zip(groups, fresh)),
+                     all(g.grads.route is g.plan.reduce for g in groups), fresh != before))
+        before[:] = fresh
+
+    check("fully_shard")
+    model.set_requires_all_reduce(False)
+    check("set_requires_all_reduce(False)")
+    model.set_keep_unsharded_storage(True)
+    check("set_keep_unsharded_storage(True)")
+    install(groups[0], all_gather_comm=CountingAllGather())
+    check("a custom all-gather comm")
+    model.to(torch.float64)
+    check("module.to(float64)")
+    return seen
+
+
+def test_every_setter_compiles_the_plan_again_and_hands_its_route_on() -> None:
+    from tests.harness import run_ranks
+
+    seen = run_ranks(_plans_after_setters, 4, backend="fake")[0]
+    assert [w for w, *_ in seen] == ["fully_shard", "set_requires_all_reduce(False)", "set_keep_unsharded_storage(True)",
+                                     "a custom all-gather comm", "module.to(float64)"]
+    assert all(same and handed and changed for _, same, handed, changed in seen), seen
