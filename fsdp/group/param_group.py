@@ -106,7 +106,7 @@ class ParameterGroup:
         after a forward that keeps the rest (:mod:`fsdp.group.forward_only`)."""
         self.infos = infos
         self.call_label = CallLabel(f"fsdp parameter group {self.names()}")  # its collectives' (lazy init names the unit)
-        self.registrations = Registrations(infos)  # where each parameter is registered, and what fsdp put there
+        self.registrations = Registrations(infos)  # every module and name each parameter is registered under
         self.mesh = mesh
         self.strategy = strategy
         self.dtypes = dtypes
@@ -132,6 +132,7 @@ class ParameterGroup:
             self.weights.fill(tensors)
         self.weights.build()
         self.sharded_params: list[nn.Parameter] = self.weights.new_sharded_params()
+        self.registered: Optional[list[nn.Parameter]] = None  # what fsdp last put on the modules (None: the originals)
         self.initialising = False  # inside init_weights (fsdp.group.meta_init)
         self._stale = True  # the main weights changed since the last refresh
         self._key: object = None  # weights.version_key() at the last refresh
@@ -468,20 +469,19 @@ class ParameterGroup:
     def register(self, params: list[nn.Parameter]) -> None:
         """Put ``params`` on the modules in place of each parameter's registrations (tied ones
         included); raises, registering nothing, as :meth:`check_registered` does."""
-        self.registrations.put(params, owner=getattr(self.sharded_params[0], "_fsdp_owner", "its fsdp unit"))
+        self.registrations.put(params, self.registered, self._owner)
         if params is self.unsharded_params and not hasattr(params[0], "_fsdp_unsharded"):
             for p in params:  # found by the optimizer-step pre-hook (fsdp.optim.step_hooks)
                 p._fsdp_unsharded = True
-
-    @property
-    def registered(self) -> Optional[list[nn.Parameter]]:
-        """The parameters fsdp last registered on the modules (None: not yet, the originals are there)."""
-        return self.registrations.registered
+        self.registered = params
 
     def check_registered(self) -> None:
         """Raise if a module no longer holds the parameter fsdp registered there
         (:meth:`Registrations.check <fsdp.group.registration.Registrations.check>`)."""
-        self.registrations.check(owner=getattr(self.sharded_params[0], "_fsdp_owner", "its fsdp unit"))
+        self.registrations.check(self.registered, self._owner)
+
+    def _owner(self) -> str:
+        return getattr(self.sharded_params[0], "_fsdp_owner", "its fsdp unit")
 
 
 def meta_error(fqns: list[str]) -> str:

@@ -9,7 +9,7 @@ each optimizer again when the count has moved since its last check.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch.nn as nn
 
@@ -32,42 +32,42 @@ def registrations() -> int:
 
 
 class Registrations:
-    """Every ``(module, name)`` a group's parameters are registered under (tied ones included)
-    and what fsdp last put there, checked before each registration: a parameter assigned after
-    ``fully_shard`` (``module.weight = nn.Parameter(...)``) would otherwise be silently replaced
-    by fsdp's own at the next registration, and never trained or used."""
+    """Every ``(module, name)`` a group's parameters are registered under (tied ones included),
+    checked before each registration against what fsdp put there last: a parameter assigned
+    after ``fully_shard`` (``module.weight = nn.Parameter(...)``) would otherwise be silently
+    replaced by fsdp's own at the next registration, and never trained or used."""
 
     def __init__(self, infos: Sequence[ParamInfo]) -> None:
         self.infos = infos
         self._slots = tuple((k, m, name) for k, info in enumerate(infos) for m, name in info.registrations)
-        self.registered: Optional[list[nn.Parameter]] = None  # None: the originals are still there
 
-    def put(self, params: list[nn.Parameter], owner: str) -> None:
-        """Register ``params`` in place of each parameter; raises, registering nothing, as
-        :meth:`check` does (``owner``: the unit's name, for the message)."""
-        self.check(owner)
+    def put(self, params: list[nn.Parameter], last: Optional[list[nn.Parameter]], owner: Callable[[], str]) -> None:
+        """Register ``params`` in place of ``last`` (None: the originals, at ``fully_shard``);
+        raises, registering nothing, as :meth:`check` does (``owner()``: the unit's name, for the message)."""
+        if last is not None:  # check()'s loop, inline: this runs at every registration
+            for k, module, name in self._slots:
+                if module._parameters.get(name) is not last[k]:
+                    self._raise_replaced(k, module, name, owner)
         for info, p in zip(self.infos, params):
             for module, name in info.registrations:
                 module._parameters[name] = p
-        if self.registered is None:  # fully_shard: optimizers are checked again
+        if last is None:  # fully_shard: optimizers are checked again
             note_registration()
-        self.registered = params
 
-    def check(self, owner: str) -> None:
-        """Raise ``RuntimeError`` naming the parameter if a module no longer holds what fsdp registered."""
-        expected = self.registered
-        if expected is None:
+    def check(self, last: Optional[list[nn.Parameter]], owner: Callable[[], str]) -> None:
+        """Raise ``RuntimeError`` naming the parameter if a module no longer holds ``last``'s."""
+        if last is None:
             return
         for k, module, name in self._slots:
-            if module._parameters.get(name) is not expected[k]:
+            if module._parameters.get(name) is not last[k]:
                 self._raise_replaced(k, module, name, owner)
 
-    def _raise_replaced(self, k: int, module: nn.Module, name: str, owner: str) -> None:
+    def _raise_replaced(self, k: int, module: nn.Module, name: str, owner: Callable[[], str]) -> None:
         info, have = self.infos[k], module._parameters.get(name)
         alias = "" if (module, name) == info.registrations[0] else f" (tied; its {type(module).__name__}.{name})"
         what = "removed" if have is None else "replaced"
         raise RuntimeError(
-            f"parameter {info.fqn!r} of {owner}{alias} was {what} after fully_shard; fsdp "
+            f"parameter {info.fqn!r} of {owner()}{alias} was {what} after fully_shard; fsdp "
             f"registers its own sharded parameter there and would silently drop yours. Assign "
             f"parameters before fully_shard, or change the values in place: "
             f"fsdp.checkpoint.set_state_dict(model, model_state_dict={{name: full_tensor}}, "
