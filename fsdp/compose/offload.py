@@ -34,7 +34,8 @@ Why the copies are safe on CUDA (``pin_memory=True``: host buffers are pinned an
 * each non-blocking copy records an event; the host never touches a host buffer a copy may still
   read or write without first waiting for those events (:meth:`HostOffload.settle`): before the
   gradients are attached (so before the optimizer can read them or write the weights), before
-  the model weights are cast again, before gradients are accumulated on the host, zeroed or freed.
+  the model weights are cast again, before gradients are accumulated on the host, zeroed or freed,
+  before a model shard cast for one gather (``persistent_param_shard=False``) is freed after it.
 
 ``pin_memory`` on a mesh whose device is the CPU (gloo, no accelerator): there is no device copy
 for pinned memory to speed up, so the host buffers are ordinary memory and the policy works as

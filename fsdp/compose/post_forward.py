@@ -15,7 +15,8 @@ from ``fully_shard``). The kept slice is shard ``j`` of the unit's own row-atomi
 gather is its ``redistribute`` to ``[Replicate(), Replicate()]`` into the unsharded buffer. A
 chunked group (FSDP2's torch.chunk pieces, :class:`fsdp.group.layouts.ChunkedLayout`) keeps a slice of its shard-major
 all-gather buffer instead: ``W/n`` whole rank shards, rebuilt from the unsharded parameters, and
-the backward gather lands there and is copied out as after any gather.
+the backward gather lands there and is copied out as after any gather. An ``Owned()`` group
+(each tensor whole on one rank: no ``Shard(0)`` cut of it) keeps no slice and reshards fully.
 """
 
 from __future__ import annotations

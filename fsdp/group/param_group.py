@@ -37,7 +37,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from dbuffer import CallLabel, DBuffer, Pending
+from dbuffer import CallLabel, DBuffer, Owned, Pending
 from fsdp.group.comms import DBUFFER_COMMS
 from fsdp.group.forward_only import ForwardOnlyTail
 from fsdp.group.grad_mode import without_grad
@@ -361,10 +361,14 @@ class ParameterGroup:
 
     def can_keep_post_forward_slice(self) -> bool:
         """Whether ``reshard_after_forward=n`` may keep a slice of this group: ZeRO-3 plain
-        parameters (any layout) on a 1-D mesh without offload (:mod:`fsdp.compose.post_forward`)."""
+        parameters on a 1-D mesh without offload, in a packed layout (row-atomic, ragged or
+        FSDP2's chunks: :mod:`fsdp.compose.post_forward`). Not an ``Owned()`` group: its layout
+        puts each tensor whole on one of the ``W`` ranks, which cuts into no ``Shard(0)`` slice
+        for ``n`` ranks. Such a group, like every other one refused here, reshards fully after
+        forward and gathers over the whole mesh in backward, as ``reshard_after_forward=True``."""
         return (
             self.weights.keeps_post_forward_slice and self.kind.plain and self.strategy.shard_params
-            and self.mesh.ndim == 1 and not self.offload.on_host
+            and self.mesh.ndim == 1 and not self.offload.on_host and not isinstance(self.placements.sharded[-1], Owned)
         )
 
     def reshard_after_forward(self) -> None:

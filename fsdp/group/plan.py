@@ -389,10 +389,11 @@ def plan_group(c: GroupConfig) -> GroupPlan:
         source = GatherSource.OWN_ROW if into_row else shared
         landing = GatherLanding.GATHERED if chunk else GatherLanding.UNSHARDED
 
-    # after forward, and the backward's gather
+    # after forward, and the backward's gather (ParameterGroup.can_keep_post_forward_slice: a
+    # packed layout; an Owned() one has no Shard(0) slice for n ranks and reshards fully)
     slice_kept = (
         c.slice_ranks is not None and c.params is ParamsKind.PLAIN and s.shard_params and c.mesh is MeshKind.FSDP
-        and not host
+        and not host and c.layout is not LayoutKind.OWNED
     )
     if slice_kept:
         slice_pl = (Place.REPLICATE, Place.SHARD)

@@ -155,7 +155,13 @@ class BufferWeights:
         return self.model is not self.group.main and not self.lean_model and self.group.placements.model is None
 
     def _release_lean_model(self) -> None:
+        """Free a lean model shard once its gather has landed. Under host offload it is a host
+        buffer the gather's non-blocking upload read (:mod:`fsdp.compose.offload`): that copy
+        is settled first: the host never frees or writes a host buffer a copy may still read
+        (the offload part's ordering rule; this device's allocator is not relied on for it)."""
         if self.lean_model:
+            if self.group.offload.on_host:
+                self.group.offload.settle()
             self.model.release_storage()
 
     def _cast_model(self) -> None:
@@ -260,8 +266,8 @@ class BufferWeights:
         version counter is put back (DBuffer's refill guard covers the collective, this the
         copy-out)."""
         g = self.group
-        self._release_lean_model()
         g.offload.release_upload()
+        self._release_lean_model()  # after the upload from it settled, under host offload
         if self.gathered is not None:
             with label("fsdp::copy_out"):
                 self.unsharded.reallocate_storage()

@@ -98,8 +98,8 @@ def fully_shard(
     resharding to a smaller group) must divide the shard group's size ``W``: 1 means False, ``W``
     True; in between, each rank keeps ``1/n`` of the gathered weights after forward and backward
     gathers them within groups of ``n`` consecutive ranks (:mod:`fsdp.compose.post_forward`; ZeRO-3
-    groups of plain parameters on a 1-D mesh without offload; the other groups reshard fully,
-    like True).
+    groups of plain parameters on a 1-D mesh without offload, not in an ``Owned()`` bucket; the
+    other groups reshard fully, like True).
 
     ``mesh``: 1-D (the data-parallel ranks) or 2-D ``(replicate, shard)`` for HSDP: parameters
     are sharded and gathered within the inner axis, gradients are reduce-scattered within it and

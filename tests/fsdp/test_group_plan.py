@@ -151,9 +151,9 @@ def _check_plan(c: GroupConfig) -> None:
     keep = c.unsharded_storage is P.UnshardedStorage.KEEP
     assert (life is Lifetime.GATHER_TO_RESHARD) == (s.shard_params and not keep)
     assert (plan.after_forward is P.AfterForward.KEEP) == (not s.shard_params) == (plan.backward_gather is P.BackwardGather.NONE)
-    slice_kept = (
+    slice_kept = (  # an Owned() layout has no Shard(0) slice for n ranks: it reshards fully
         c.slice_ranks is not None and s.shard_params and c.mesh is P.MeshKind.FSDP and not host
-        and c.params is P.ParamsKind.PLAIN
+        and c.params is P.ParamsKind.PLAIN and c.layout is not P.LayoutKind.OWNED
     )
     assert (Buf.SLICE in buf) == slice_kept == (plan.after_forward is P.AfterForward.KEEP_SLICE)
     assert (plan.backward_gather is P.BackwardGather.FROM_SLICE) == slice_kept

@@ -97,12 +97,15 @@ def _cases() -> list[Case]:
     z3 = "optim_grads_params"
     cases += [
         Case(z3, layout="owned"), Case(z3, layout="owned", policy="bf16 param, fp32 main, bf16 reduce", reshard=True),
+        Case(z3, layout="owned", reshard=2),  # an Owned() group keeps no slice: reshards fully
         Case("optim_grads", layout="owned", policy="bf16 param, lean shard"),
         Case(z3, policy="bf16 param, lean shard", reshard=True), Case(z3, layout="row", policy="bf16 param, lean shard"),
         Case(z3, keep=True, reshard=True, policy="bf16 param, fp32 reduce"), Case(z3, keep=True, layout="row"),
         Case(z3, mesh="hsdp", comms="custom", policy="bf16 param, fp32 reduce", reshard=True),
         Case(z3, mesh="hfsdp", defer=True, policy="bf16 param, fp32 main, bf16 reduce"),
         Case(z3, residence="host", policy="bf16 param, fp32 main, bf16 reduce", reshard=True),
+        Case(z3, residence="host", policy="bf16 param, lean shard", reshard=True),  # freed after its upload settled
+        Case(z3, residence="host", policy="bf16 param, lean shard", layout="row"),
         Case(z3, reshard=2, policy="bf16 main grads", layout="ragged"),
         Case("optim_grads", mesh="hfsdp", layout="ragged", reshard=True),
     ]

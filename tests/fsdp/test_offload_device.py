@@ -14,7 +14,10 @@ Offloaded training under both equals the single-process model on the global batc
 FSDP2 with its ``CPUOffloadPolicy`` in the same run, for every strategy, both layouts, pinned and
 pageable, fp32 and bf16 compute, micro-batches; and everything sits where FSDP2 puts it: each
 sharded parameter is a view of the host ``main`` buffer (same storage), each ``.grad`` a view of
-the host ``main_grad``, optimizer state on the host; pinned where asked.
+the host ``main_grad``, optimizer state on the host; pinned where asked. With
+``persistent_param_shard=False`` the host model shard cast for each gather is freed only after
+the non-blocking upload from it settled (the stand-in checks every upload's source at its
+settle), and training equals the persistent run's and the reference.
 """
 
 from __future__ import annotations
@@ -116,6 +119,59 @@ def test_offload_trains_right_where_from_local_would_copy(pin: bool) -> None:
     if pin:  # every copy was non-blocking and the host waited for each one
         assert sum(t.downloads for t in made) > 0 and sum(t.uploads for t in made) > 0
         assert sum(t.synchronized for t in made) == sum(t.downloads + t.uploads for t in made)
+
+
+def _lean_shard_offload(model, batches) -> dict:
+    """ZeRO-3 under pinned offload with a bf16 model shard cast on the host for each gather
+    (``persistent_param_shard=False``) and freed after it, micro-batches (host accumulation
+    settles too); then the same with the persistent shard, and without offload."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = {}
+    for name, persistent, offload in (("lean", False, True), ("persistent", True, True), ("no offload", False, False)):
+        kw = dict(mp_policy=fsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, persistent_param_shard=persistent))
+        if offload:
+            kw["offload_policy"] = fsdp.CPUOffloadPolicy(pin_memory=True)
+        m = shard(copy.deepcopy(model), True, **kw)
+        groups = [g for mod in m.modules() if isinstance(mod, fsdp.FSDPModule) for g in mod._fsdp_state.groups]
+        train(m, batches, rank=rank, world=world, micro=2)
+        out[name] = full_state(m)
+        if name == "lean":  # a model shard on the host, cast for each gather and freed after it
+            out["lean groups"] = [(g.offload.on_host and g.offload.pin, g.weights.lean_model,
+                                   g.weights.model.is_storage_released()) for g in groups]
+    return out
+
+
+def test_a_lean_host_model_shard_is_freed_only_after_its_upload_settled() -> None:
+    """Freed at the end of its gather while the upload from it was in flight, the shard's
+    pinned memory could be handed out and overwritten before the copy read it (the stand-in
+    read freed memory: the process crashed); now each upload settles first."""
+    model, batches = make_model(), make_batches(2)
+    ref = reference(model, batches)
+    with deferred_transfers() as made:
+        results = run_ranks(_lean_shard_offload, 2, model, batches, backend="threaded")
+    assert sum(t.uploads for t in made) > 0 and sum(t.freed_sources for t in made) == 0
+    assert sum(t.synchronized for t in made) == sum(t.downloads + t.uploads for t in made)  # each one checked
+    for r in results:
+        assert r["lean groups"] and all(r["lean groups"]) and all(all(flags) for flags in r["lean groups"]), r["lean groups"]
+        # the same bf16 casts of the same main weights, only later: the same training bit for bit
+        assert max_diff(r["lean"], r["persistent"]) == 0.0 and max_diff(r["lean"], r["no offload"]) == 0.0
+        assert max_diff(r["lean"], ref) < 5e-2  # bf16 compute: close to the fp32 reference, as above
+
+
+def test_the_stand_in_catches_an_upload_source_freed_before_its_settle() -> None:
+    """What the test above relies on: a host buffer freed while an upload from it is in flight
+    fails at the settle (instead of the copy reading freed memory), and is counted."""
+    from tests.models.device_standins import DeferredTransfers
+
+    transfers = DeferredTransfers(torch.device("cpu"), pin_memory=True)
+    src = transfers.host_tensor(8, torch.float32, zero=True)
+    settled = transfers.copy(torch.empty(8), src)
+    settled.synchronize()  # untouched: fine
+    in_flight = transfers.copy(torch.empty(8), src)
+    src.untyped_storage().resize_(0)  # what DBuffer.release_storage does
+    with pytest.raises(AssertionError, match="freed a host buffer"):
+        in_flight.synchronize()
+    assert transfers.freed_sources == 1 and transfers.uploads == 2
 
 
 def _copied_views() -> list[str]:

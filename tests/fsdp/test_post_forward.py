@@ -7,6 +7,9 @@
   model with ``reshard_after_forward=True`` (the same numbers, another gather).
 * A unit whose weights the optimizer changed since forward is gathered fully again (the slice
   is stale): checked by a forward, an optimizer step, then a backward of a fresh forward.
+* An ``Owned()`` bucket keeps no slice (its tensors lie whole on their owners: no ``Shard(0)``
+  slice for n ranks): it reshards fully after forward and gathers fully in backward, beside
+  packed groups of the same units that keep theirs, and trains as the single process does.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 import fsdp
+from dbuffer import Owned
 from fsdp.group.layout_choice import layout_policy
 from fsdp.group.layouts import ChunkedLayout
 from fsdp.group.unsharded_state import Unsharded
@@ -81,6 +85,57 @@ def test_reshard_after_forward_n_keeps_a_slice_and_gathers_in_n_ranks(layout: st
         assert r["backward_gather_sizes"] == [N], r["backward_gather_sizes"]
         assert r["emptied"]
         assert r["stale_gather_sizes"] == [4], r["stale_gather_sizes"]
+        assert r["equal_to_true"] == 0.0
+        assert max_diff(r["weights"], want) < 1e-5
+
+
+MATRICES = ["gate.weight", "up.weight", "down.weight"]  # each block's Owned() bucket
+
+
+def _owned_bucket(model, batches) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    built = {}
+    for reshard in (N, True):
+        m = copy.deepcopy(model)
+        for block in m.blocks:
+            fsdp.fully_shard(block, reshard_after_forward=reshard, buckets=[fsdp.Bucket(MATRICES, placement=Owned())])
+        built[reshard] = fsdp.fully_shard(m, reshard_after_forward=reshard)
+    m = built[N]
+    groups = [g for block in m.blocks for g in block._fsdp_state.groups]
+    owned = [isinstance(g.placements.sharded[-1], Owned) for g in groups]
+    out: dict = {"owned": owned, "slices": [g.post_forward is not None for g in groups]}
+    gathers = {id(g): [] for g in groups}  # per group, in backward: "full" or "slice"
+    for g in groups:
+        for obj, attr, kind in ((g, "all_gather", "full"), (g.post_forward, "gather", "slice")):
+            if obj is not None:
+                real = getattr(obj, attr)
+                setattr(obj, attr, lambda *a, real=real, kind=kind, seen=gathers[id(g)], **k: seen.append(kind) or real(*a, **k))
+    x, y = batches[0]
+    per = x.shape[0] // world
+    loss = loss_fn(m, x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per])
+    out["after_forward"] = [(g.unsharded.state.name, g.weights.unsharded.is_storage_released()) for g in groups]
+    for seen in gathers.values():
+        seen.clear()
+    loss.backward()
+    out["backward_gathers"] = [sorted(set(gathers[id(g)])) for g in groups]
+    m.zero_grad(set_to_none=True)
+    for r in (N, True):
+        train(built[r], batches, rank=rank, world=world)
+    out["weights"] = full_state(m)
+    out["equal_to_true"] = max_diff(full_state(m), full_state(built[True]))
+    return out
+
+
+def test_an_owned_bucket_reshards_fully_beside_slices_and_trains_right() -> None:
+    """``reshard_after_forward=2`` on 4 ranks with an ``Owned()`` bucket per block (fully_shard
+    raised building a ``Shard(0)`` slice of an owned layout before)."""
+    model, batches = make_model(), make_batches(3)
+    want = reference(model, batches)
+    for r in run_ranks(_owned_bucket, 4, model, batches):
+        assert any(r["owned"]) and not all(r["owned"]), r["owned"]  # both kinds in every block
+        assert r["slices"] == [not o for o in r["owned"]], r
+        assert r["after_forward"] == [("SHARDED", True) if o else ("SLICE_KEPT", True) for o in r["owned"]], r
+        assert r["backward_gathers"] == [["full"] if o else ["slice"] for o in r["owned"]], r
         assert r["equal_to_true"] == 0.0
         assert max_diff(r["weights"], want) < 1e-5
 

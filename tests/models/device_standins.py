@@ -11,9 +11,10 @@ through a seam, and these drive the seams on the CPU:
   :class:`~fsdp.compose.offload.HostTransfers` with "pinned" host memory on the CPU and every
   non-blocking copy deferred to its completion: a device-to-host copy poisons its destination
   (NaN) until the host synchronizes the copy, and a host-to-device copy checks, when
-  synchronized, that the host did not write its source meanwhile. Code that reads a host buffer
-  before waiting for the copy into it, or writes one a copy may still read, then fails on the
-  CPU as it would (silently, at random) on a GPU.
+  synchronized, that the host neither freed its source meanwhile (its storage gone, or moved:
+  a source freed and given storage again at the same address escapes this) nor wrote it. Code
+  that reads a host buffer before waiting for the copy into it, or frees or writes one a copy may
+  still read, then fails on the CPU as it would (silently, at random) on a GPU.
 * :class:`SyncCounter`: a dispatch mode counting the aten ops that need a device tensor's value on
   the host (``item``, ``nonzero``, ...): each one would stall the host on a GPU, where
   ``torch.cuda.set_sync_debug_mode("error")`` raises instead.
@@ -78,13 +79,15 @@ class DeferredTransfers:
     """:class:`~fsdp.compose.offload.HostTransfers` as a GPU with ``pin_memory=True`` behaves,
     on the CPU (see the module docstring). Counts what it did: ``uploads``, ``downloads``
     (non-blocking copies of each direction), ``synchronized``, and ``largest_upload`` (the most
-    elements one host-to-device copy moved)."""
+    elements one host-to-device copy moved). ``freed_sources`` counts the uploads whose source
+    was freed before they were synchronized (each also raises ``AssertionError`` then, instead
+    of reading freed memory)."""
 
     def __init__(self, compute_device: torch.device, pin_memory: bool) -> None:
         self.pinned = pin_memory
         self.streams = CommStreams.for_device(compute_device)
         self._host: dict[int, torch.Tensor] = {}  # storage -> a tensor on it (kept: no reuse of the key)
-        self.uploads = self.downloads = self.synchronized = self.largest_upload = 0
+        self.uploads = self.downloads = self.synchronized = self.largest_upload = self.freed_sources = 0
 
     def host_tensor(self, numel: int, dtype: torch.dtype, zero: bool) -> torch.Tensor:
         t = (torch.zeros if zero else torch.empty)(numel, dtype=dtype)
@@ -109,8 +112,16 @@ class DeferredTransfers:
         before = src.detach().clone()
         self.uploads += 1
         self.largest_upload = max(self.largest_upload, src.numel())
+        address, nbytes = src.untyped_storage().data_ptr(), src.untyped_storage().nbytes()
 
         def check_source_untouched() -> None:
+            storage = src.untyped_storage()
+            if storage.nbytes() != nbytes or storage.data_ptr() != address:  # reading it would read freed memory
+                self.freed_sources += 1
+                raise AssertionError(
+                    "the host freed a host buffer while a non-blocking upload from it may still "
+                    "have been reading it (settle() before freeing)"
+                )
             if not torch.equal(src, before):
                 raise AssertionError(
                     "the host wrote a host buffer while a non-blocking upload from it may still "
