@@ -45,7 +45,7 @@ from fsdp.group.grads import GradReducer
 from fsdp.group.layouts import PLAIN, ChunkedLayout, FlatLayout, ParamKind, flat_layout
 from fsdp.group.members import GroupPlacements, ParamInfo
 from fsdp.group.parts import Comms, GatherKind, PostForwardSlice, SharedGatherPart, Weights
-from fsdp.group.plan import GroupConfig, GroupPlan, Unsharding, plan_group
+from fsdp.group.plan import GroupConfig, GroupPlan, Sharing, Unsharding, plan_group
 from fsdp.group.policy import Dtypes, MixedPrecisionPolicy, Strategy
 from fsdp.group.profiling import label
 from fsdp.group.reduction import ReduceSettings
@@ -262,7 +262,8 @@ class ParameterGroup:
         launch). A query: it changes nothing."""
         if self._gather_pending is not None:
             return False
-        return self.strategy.shard_params and not (self.unsharded.is_current(self._refreshes) and self.weights.has_unsharded())
+        gathers = self.plan.unsharding is Unsharding.GATHER_AT_UNSHARD  # ZeRO-3
+        return gathers and not (self.unsharded.is_current(self._refreshes) and self.weights.has_unsharded())
 
     def prepare_gather(self) -> None:
         """Before a gather is decided: raise FSDP2's ``RuntimeError`` for a group still on the
@@ -273,13 +274,10 @@ class ParameterGroup:
 
     def can_share_gather(self) -> bool:
         """Whether this group's next gather may be one collective with its unit's other groups
-        (:mod:`fsdp.group.shared_gather`): its weights part lands gathers in rows it copies out
-        of, its comms are dbuffer's, it is no explicit bucket, and no post-forward slice is to be
+        (:mod:`fsdp.group.shared_gather`): its plan lets it (a ZeRO-3 gather into rows copied
+        out of, by dbuffer's comms, of no explicit bucket) and no post-forward slice is to be
         gathered instead."""
-        return (
-            not self.own_gather and self.weights.shares_gather and self.comms is DBUFFER_COMMS
-            and self.unsharded.state is not Unsharded.SLICE_KEPT
-        )
+        return self.plan.sharing is Sharing.MAY_SHARE and self.unsharded.state is not Unsharded.SLICE_KEPT
 
     def join_gather(self, pending: Pending, shared: SharedGatherPart, index: int) -> None:
         """Take part ``index`` of a gather shared with other groups (launched by
@@ -423,7 +421,7 @@ class ParameterGroup:
     def reshard(self) -> None:
         """Free the unsharded weights (ZeRO-3 only: the other strategies keep them), and a
         post-forward slice kept for backward."""
-        if not self.strategy.shard_params:
+        if self.plan.unsharding is not Unsharding.GATHER_AT_UNSHARD:
             return
         self.wait_unshard()
         if self.post_forward is not None:
@@ -435,7 +433,7 @@ class ParameterGroup:
         self.unsharded.freed()
 
     def _free_unsharded(self) -> None:
-        if self.strategy.shard_params:
+        if self.plan.unsharding is Unsharding.GATHER_AT_UNSHARD:
             self.weights.free_unsharded()
             self.unsharded.freed()
 
