@@ -60,6 +60,7 @@ from dbuffer.view import contiguous_stride
 from fsdp.compose.extension_protocol import POST, PRE, numel as _numel, plain as _plain, plain_leaves as _plain_leaves
 from fsdp.group.layouts import ParamKind
 from fsdp.group.parts import GatherKind, WeightsGroup
+from fsdp.group.plan import GroupPlan
 
 __all__ = ["SUBCLASS", "SubclassKind", "SubclassWeights"]
 
@@ -129,7 +130,11 @@ class SubclassWeights:
     def fill(self, tensors: list[torch.Tensor]) -> None:
         self._make_pieces(tensors, fill=True)
 
-    def build(self) -> None:
+    def replanned(self, plan: GroupPlan) -> None:
+        """Nothing to take: a subclass's routes (``fsdp_pre_all_gather``, a copy out of each
+        gather) are the same in every plan."""
+
+    def build(self, plan: GroupPlan) -> None:
         """Pieces on ``main``'s device (zeros when built on meta or just materialised); ``main``
         keeps no storage: it only lends its layout to the gradient buffers."""
         g = self.group

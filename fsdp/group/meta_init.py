@@ -51,7 +51,7 @@ def materialize(group: ParameterGroup, device: torch.device) -> None:
     check_swappable(group)
     main = group.main
     group.place_main(main.placements, main.shapes, main.dtype, main.layout, device)
-    group.weights.build()
+    group.weights.build(group.plan)
     if group.grads is not None:
         group.grads = group.grads.rebuilt()
     swap_in(group.sharded_params, group.weights.new_sharded_params())

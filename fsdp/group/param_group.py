@@ -45,7 +45,8 @@ from fsdp.group.grads import GradReducer
 from fsdp.group.layouts import PLAIN, ChunkedLayout, FlatLayout, ParamKind, flat_layout
 from fsdp.group.members import GroupPlacements, ParamInfo
 from fsdp.group.parts import Comms, GatherKind, PostForwardSlice, SharedGatherPart, Weights
-from fsdp.group.plan import GroupConfig, GroupPlan, Sharing, Unsharding, plan_group
+from fsdp.group.configure import config_of
+from fsdp.group.plan import GroupPlan, Sharing, Unsharding, plan_group
 from fsdp.group.policy import Dtypes, MixedPrecisionPolicy, Strategy
 from fsdp.group.profiling import label
 from fsdp.group.reduction import ReduceSettings
@@ -128,9 +129,10 @@ class ParameterGroup:
         device = tensors[0].device  # meta: built under torch.device("meta"), so are the shards (FSDP2)
         self.place_main(main_pl, buffer_shapes, dtypes.main, buffer_layout, device)
         self.weights: Weights = weights(self)
+        self.plan: GroupPlan = self.compile_plan()
         if not self.is_meta:
             self.weights.fill(tensors)
-        self.weights.build()
+        self.weights.build(self.plan)
         self.sharded_params: list[nn.Parameter] = self.weights.new_sharded_params()
         self.registered: Optional[list[nn.Parameter]] = None  # what fsdp last put on the modules (None: the originals)
         self.initialising = False  # inside init_weights (fsdp.group.meta_init)
@@ -141,7 +143,6 @@ class ParameterGroup:
         self.unsharded = UnshardedLife(self.names)  # the unsharded weights' state and version
         self._gather_pending: Optional[Pending] = None
         self._shared: Optional[tuple[SharedGatherPart, int]] = None  # (SharedGather, part) of the gather in flight
-        self.plan: GroupPlan = self.compile_plan()
         self.grads: Optional[GradReducer] = GradReducer(self, self.plan.reduce) if requires_grad else None
         self.refresh()
 
@@ -151,13 +152,14 @@ class ParameterGroup:
         """The group's plan (:mod:`fsdp.group.plan`) for what it is now: its parts, dtypes,
         comms, reduction settings, kept storage and post-forward slice."""
         ranks = self.post_forward.ranks if self.post_forward is not None else None
-        return plan_group(GroupConfig.of(self, ranks))
+        return plan_group(config_of(self, ranks))
 
     def replan(self) -> None:
         """Compile the plan again and hand its routes to the parts that run them: after
         anything it is compiled from changed (``module.to(dtype)``, a custom comm, a reduction
         setting, ``set_keep_unsharded_storage``, a post-forward slice), between steps."""
         self.plan = self.compile_plan()
+        self.weights.replanned(self.plan)
         if self.grads is not None:
             self.grads.route = self.plan.reduce
 

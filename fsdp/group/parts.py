@@ -32,6 +32,7 @@ if TYPE_CHECKING:  # annotations only: these modules import this one's users
     from fsdp.group.forward_only import ForwardOnlyTail
     from fsdp.group.layouts import ChunkedLayout, FlatLayout, ParamKind
     from fsdp.group.members import GroupPlacements, ParamInfo
+    from fsdp.group.plan import GroupPlan
     from fsdp.group.policy import Dtypes, MixedPrecisionPolicy, Strategy
     from fsdp.group.reduction import ReduceSettings
     from fsdp.group.residence import Residence
@@ -113,8 +114,12 @@ class Weights(Protocol):
     def fill(self, tensors: list[torch.Tensor]) -> None:
         """Copy the original parameters' values into ``main``."""
 
-    def build(self) -> None:
-        """(Re)build the model-weight and gathered buffers for the group's current dtypes."""
+    def build(self, plan: "GroupPlan") -> None:
+        """(Re)build the model-weight and gathered buffers for the group's current dtypes, to
+        run ``plan``'s routes."""
+
+    def replanned(self, plan: "GroupPlan") -> None:
+        """The group compiled its plan again (a setter, between steps): run ``plan``'s routes."""
 
     def new_sharded_params(self) -> list[nn.Parameter]:
         """The sharded parameters (DTensor views of ``main``) to register on the modules."""

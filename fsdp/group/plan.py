@@ -14,9 +14,11 @@ This first step states what the code does today (``weights.py``'s predicates,
 ``GradReducer.launch_reduce``, ``FSDPState._post_forward``); ``tests/fsdp/test_group_plan.py``
 checks its invariants over the whole configuration space, ``test_group_plan_agreement.py`` that
 it agrees with the groups ``fully_shard`` builds. A group holds its plan (``ParameterGroup.plan``,
-compiled again by ``replan()`` whenever something it is compiled from changes); its gradient
-reducer runs the ``reduce`` route and its refresh the ``unsharding`` route; the other parts will
-read theirs, one route at a time.
+compiled again by ``replan()`` whenever something it is compiled from changes, from the
+:class:`GroupConfig` that :mod:`fsdp.group.configure` reads off it): its gradient reducer runs the
+``reduce`` route, its weights part ``model_refresh`` and ``gather_source``, the group's gather
+and reshard ``unsharding`` and ``sharing``; the rest follows, one route at a time. The planner
+imports nothing of the parts it plans.
 
 Not planned here: ``init_weights``' temporary full weights, the staging buffers of FSDP2's custom
 comm objects (theirs), and the buffers of a gather shared by a unit's groups (the unit's:
@@ -27,16 +29,11 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 
-from dbuffer.layout import OwnedLayout, RaggedLayout
-from fsdp.group.comms import DBUFFER_COMMS
-from fsdp.group.forward_only import reads_only_in_forward
-from fsdp.group.layouts import ChunkedLayout
 from fsdp.group.policy import Dtypes, Strategy
-from fsdp.group.weights import BufferWeights
 
 __all__ = ["BufferPlan", "GroupConfig", "GroupPlan", "ReducePlan", "plan_group"]
 
@@ -57,7 +54,8 @@ UnshardedStorage = enum.Enum("UnshardedStorage", "FREE KEEP", module=__name__)
 
 @dataclass(frozen=True)
 class GroupConfig:
-    """What decides a group's plan, as plain values (:meth:`of` says where each comes from):
+    """What decides a group's plan, as plain values (:func:`fsdp.group.configure.config_of`
+    says where each comes from in a built group):
     ``mesh`` 1-D, 2-D ``(replicate, shard)`` or HFSDP's transposed one; ``residence`` no offload,
     ``CPUOffloadPolicy`` or ``OptimizerStateOffloadPolicy``; ``layout`` FSDP2's torch.chunk pieces
     (copied out of each gather), flat row-atomic, flat ragged, ``Owned()`` or ``no_shard``'s one
@@ -109,45 +107,6 @@ class GroupConfig:
         if not self.requires_grad and self.replica_reduce is ReplicaReduce.DEFERRED:
             return "a frozen group has no reduction to defer"
         return None
-
-    @classmethod
-    def of(cls, group: Any, slice_ranks: Optional[int] = None) -> "GroupConfig":
-        """The configuration of a built ParameterGroup, read from the parts ``fully_shard`` and
-        the unit's setters gave it. ``slice_ranks``: the ``n`` of ``reshard_after_forward=n``
-        for the group's mesh, which ``fully_shard`` knows (a group holds a slice only where it
-        can keep one: that is for the plan to decide)."""
-        layout, s, offload, policy = group.layout, group.strategy, group.offload, group.policy
-        if isinstance(layout, ChunkedLayout):
-            kind = LayoutKind.CHUNK
-        elif isinstance(layout.layout, OwnedLayout):
-            kind = LayoutKind.OWNED
-        elif not s.shard_optim:
-            kind = LayoutKind.WHOLE
-        else:
-            kind = LayoutKind.RAGGED if isinstance(layout.layout, RaggedLayout) else LayoutKind.ROW
-        if not isinstance(group.weights, BufferWeights):
-            params = ParamsKind.SUBCLASS
-        else:
-            params = ParamsKind.PLAIN if group.kind.plain else ParamsKind.TENSOR_PARALLEL
-        if group.placements.model is not None:
-            mesh = MeshKind.HFSDP
-        else:
-            mesh = MeshKind.HSDP if group.mesh.ndim == 2 else MeshKind.FSDP
-        residence = ResidenceKind.HOST if offload.on_host else (
-            ResidenceKind.OPTIM_STATE if offload.optim_state is not None else ResidenceKind.DEVICE
-        )
-        lean = policy is not None and not policy.persistent_param_shard
-        tail = bool(group.infos) and reads_only_in_forward(group.infos[-1])
-        defer = group.requires_grad and not group.reduction.all_reduce
-        return cls(
-            strategy=s, dtypes=group.dtypes, requires_grad=group.requires_grad, mesh=mesh, residence=residence,
-            layout=kind, params=params, comms=CommsKind.DBUFFER if group.comms is DBUFFER_COMMS else CommsKind.CUSTOM,
-            model_shard=ModelShard.LEAN if lean else ModelShard.PERSISTENT,
-            gather_scope=GatherScope.OWN if group.own_gather else GatherScope.UNIT, slice_ranks=slice_ranks,
-            forward_only=ForwardOnly.TAIL if tail else ForwardOnly.NONE,
-            replica_reduce=ReplicaReduce.DEFERRED if defer else ReplicaReduce.NOW,
-            unsharded_storage=UnshardedStorage.KEEP if group.weights.keep_unsharded_storage else UnshardedStorage.FREE,
-        )
 
 
 # ---------------------------------------------------------------------------------- buffers

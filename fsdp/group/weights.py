@@ -26,13 +26,13 @@ from typing import Optional
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import Shard
 
 from dbuffer import DBuffer
 from fsdp.group.forward_only import ForwardOnlyTail
 from fsdp.group.grad_mode import without_grad
 from fsdp.group.members import check_no_late_extension
 from fsdp.group.parts import GatherKind, PostForwardSlice, WeightsGroup
+from fsdp.group.plan import GatherSource, GroupPlan, ModelRefresh, Unsharding
 from fsdp.group.profiling import label
 
 __all__ = ["BufferWeights", "GatherKind"]
@@ -53,7 +53,16 @@ class BufferWeights:
 
     keeps_post_forward_slice = True  # reshard_after_forward=n may keep a slice of the gathered weights
     dtype_fixed: Optional[str] = None  # module.to(dtype) is allowed
-    casts_into_gather = False  # set by build()
+    # The plan's routes, taken by build() / replanned(): a gather casts main into its own row
+    # (GatherSource.OWN_ROW); no model shard is kept between gathers (lean: nothing to refresh,
+    # the model shard is not main); the refresh casts the model shard, which fsdp.optim's step
+    # may write instead (ModelRefresh.CAST); HFSDP's refresh gathers it over the replicas; no_shard
+    # under offload uploads the unsharded weights at the refresh.
+    casts_into_gather = False
+    lean_model = False
+    step_writes_model = False
+    _refresh: ModelRefresh = ModelRefresh.NONE
+    _uploads_at_refresh = False
     # FSDP2's set_keep_unsharded_storage: a reshard keeps the unsharded (and gathered) storage, so
     # their data pointers stay the same across steps (CUDA graph capture), for their memory.
     keep_unsharded_storage = False
@@ -77,10 +86,11 @@ class BufferWeights:
         """Copy this rank's part of every (identically initialised) full tensor into ``main``."""
         self.group.layout.fill(self.group.main, tensors)
 
-    def build(self) -> None:
+    def build(self, plan: GroupPlan) -> None:
         """``model``, ``unsharded`` and the unsharded parameters (views of it) for the group's
-        current ``main`` and dtypes; with a layout that copies, also ``gathered`` (storage only
-        while a gather lands). Their values come from the next refresh / gather."""
+        current ``main`` and dtypes, to run ``plan``'s routes; with a layout that copies, also
+        ``gathered`` (storage only while a gather lands). Their values come from the next
+        refresh / gather."""
         g = self.group
         d, strategy, pl = g.dtypes, g.strategy, g.placements
         self.cast_main = None
@@ -101,7 +111,7 @@ class BufferWeights:
             self.unsharded = g.layout.unsharded_buffer(
                 g.main, pl.replicated, d.model, g.compute_device, zero_fill=not strategy.shard_params
             )
-        self.casts_into_gather = self._can_cast_into_gather()
+        self.replanned(plan)
         self._release_lean_model()
         self.unsharded_params = [g.kind.unsharded(k, self.unsharded.get_local_tensor(k), g.requires_grad) for k in range(len(g.infos))]
         if strategy.shard_params:  # gathered before each use (its views exist now)
@@ -127,32 +137,14 @@ class BufferWeights:
         check_no_late_extension(g)
         return sum(map(_VERSION, g.sharded_params)) + g.main.local_buffer._version
 
-    def _can_cast_into_gather(self) -> bool:
-        """Whether a gather can cast the main shard straight into its own row of the target and
-        all-gather in place (FSDP2's copy-in): a cast is needed, the main weights are sharded on
-        the compute device (no host offload) at exactly the placements a local scatter of the
-        target gives (a packed layout: not ``Owned``, not HFSDP's separate model shard)."""
-        g = self.group
-        if self.model is g.main or g.placements.model is not None or g.offload.on_host or not g.strategy.shard_optim:
-            return False
-        target = self.gathered_buffer()
-        return tuple(g.main.placements) == tuple(target.placements[:-1]) + (Shard(0),)
-
-    @property
-    def lean_model(self) -> bool:
-        """Whether no model shard is kept between gathers: each gather casts the main weights
-        afresh, into its own row (:attr:`casts_into_gather`) or, with the policy's
-        ``persistent_param_shard=False``, into a temporary model shard freed when it lands."""
-        g = self.group
-        if self.model is g.main or not g.strategy.shard_optim or g.placements.model is not None:
-            return False
-        return self.casts_into_gather or (g.policy is not None and not g.policy.persistent_param_shard)
-
-    @property
-    def step_writes_model(self) -> bool:
-        """Whether :mod:`fsdp.optim` may write the model shard in its step: a persistent copy
-        at ``main``'s placements (same local ranges), not ``main`` itself."""
-        return self.model is not self.group.main and not self.lean_model and self.group.placements.model is None
+    def replanned(self, plan: GroupPlan) -> None:
+        """Take the routes of ``plan`` (see the class attributes): at build, and when the
+        group compiles its plan again."""
+        self._refresh = plan.model_refresh
+        self.casts_into_gather = plan.gather_source is GatherSource.OWN_ROW
+        self.lean_model = plan.model_refresh is ModelRefresh.NONE and self.model is not self.group.main
+        self.step_writes_model = plan.model_refresh is ModelRefresh.CAST
+        self._uploads_at_refresh = plan.unsharding is Unsharding.UPLOAD_AT_REFRESH
 
     def _release_lean_model(self) -> None:
         """Free a lean model shard once its gather has landed. Under host offload it is a host
@@ -190,14 +182,15 @@ class BufferWeights:
         ``model_current``: the optimizer wrote it already, or it is ``main`` itself), or HFSDP's
         cast and all-gather over the replicate axis; ``no_shard`` under offload uploads it
         straight into the unsharded weights."""
-        g = self.group
+        g, route = self.group, self._refresh
         g.offload.settle()  # an upload may still read model
-        if g.placements.model is not None:
+        if route is ModelRefresh.CAST:
+            if not model_current:
+                self._cast_model()
+        elif route is not ModelRefresh.NONE:  # HFSDP: (cast and) gather over the replicas
             source = g.main if self.cast_main is None else g.main.cast(g.dtypes.model, out=self.cast_main)
             source.redistribute(g.placements.model, out=self.model)
-        elif self.model is not g.main and not model_current and not self.lean_model:
-            self._cast_model()
-        if g.offload.on_host and not g.strategy.shard_optim:
+        if self._uploads_at_refresh:
             g.offload.upload(self.model, out=self.unsharded)  # no_shard: nothing to gather
 
     # ------------------------------------------------------------------ gather

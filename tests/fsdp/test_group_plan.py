@@ -219,6 +219,7 @@ def _plans_after_setters() -> list[tuple[str, bool, bool]]:
 
     import fsdp
     from fsdp.compose.custom_comm import install
+    from fsdp.group.configure import config_of
     from tests.fsdp.test_custom_comm import CountingAllGather
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
@@ -229,7 +230,7 @@ def _plans_after_setters() -> list[tuple[str, bool, bool]]:
     seen, before = [], [None] * len(groups)
 
     def check(what: str) -> None:  # (setter, plans fresh, routes handed on, some plan changed)
-        fresh = [plan_group(GroupConfig.of(g)) for g in groups]
+        fresh = [plan_group(config_of(g)) for g in groups]
         seen.append((what, all(g.plan == f for g, f in zip(groups, fresh)),
                      all(g.grads.route is g.plan.reduce for g in groups), fresh != before))
         before[:] = fresh

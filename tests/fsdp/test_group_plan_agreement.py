@@ -4,7 +4,7 @@ Threaded ranks (world 4: a 1-D mesh of 4, a 2 x 2 HSDP / HFSDP mesh). For every 
 residence ``fully_shard`` takes, with the dtype policy, layout, comms, ``reshard_after_forward``
 and the unit's setters rotated over them (and the combinations only some take), a model with a
 frozen and a trained group (an embedding last: a forward-only tail) runs two micro-batches,
-a refresh, and a gather of each group on its own. The plan of ``GroupConfig.of(group)`` is then
+a refresh, and a gather of each group on its own. The plan of ``config_of(group)`` (fsdp/group/configure.py) is then
 compared with what the current code *holds and does*, observed from outside the planner: the
 buffers' objects, aliases, dtypes, placements, pinned host memory (CPU offload through the
 device stand-in's transfers) and storage at fixed points, and the calls the group makes (casts,
@@ -29,7 +29,8 @@ from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGath
 import fsdp
 from dbuffer import Owned
 from fsdp.group import plan as P
-from fsdp.group.plan import Buf, GroupConfig, Lifetime, Place, Where, plan_group
+from fsdp.group.configure import config_of
+from fsdp.group.plan import Buf, Lifetime, Place, Where, plan_group
 from fsdp.group.policy import STRATEGIES, MixedPrecisionPolicy
 from fsdp.group.unsharded_state import Unsharded
 from tests.harness import run_ranks
@@ -361,7 +362,7 @@ def _agree(cases: list[Case], model: nn.Module, tokens: torch.Tensor) -> list:
         m = _build(case, model, meshes)
         groups = m._fsdp_state.groups
         slice_ranks = case.reshard if isinstance(case.reshard, int) and not isinstance(case.reshard, bool) else None
-        plans = [plan_group(GroupConfig.of(g, slice_ranks if case.mesh == "fsdp" else None)) for g in groups]
+        plans = [plan_group(config_of(g, slice_ranks if case.mesh == "fsdp" else None)) for g in groups]
         spies = [Spy(g) for g in groups]
         for spy in spies:
             spy.look("build")
