@@ -166,10 +166,9 @@ class ParameterGroup:
     def set_reduction(self, **changes: object) -> None:
         """Change how the gradients are reduced (:meth:`GradReducer.set_reduction
         <fsdp.group.grads.GradReducer.set_reduction>`: raises, changing nothing, while some wait
-        to be reduced), and the plan with it."""
-        if self.grads is None:
-            raise RuntimeError(f"parameters {self.names()} do not require grad: they have no reduction to set")
-        self.grads.set_reduction(**changes)
+        to be reduced), and the plan with it. Only for a group that requires grad (the unit's
+        setters pick those)."""
+        cast(GradReducer, self.grads).set_reduction(**changes)
         self.replan()
 
     # ------------------------------------------------------------------ buffers
