@@ -36,6 +36,7 @@ from dbuffer.layout import (
     compute_ragged_layout,
 )
 from dbuffer.placements import Owned
+from dbuffer.steps import PreparedRedistribute, PreparedSlot
 from dbuffer.view import dtensor_view
 
 _install_full_load()
@@ -55,6 +56,8 @@ __all__ = [
     "Owned",
     "OwnedLayout",
     "Pending",
+    "PreparedRedistribute",
+    "PreparedSlot",
     "RaggedLayout",
     "RowShardedDTensor",
     "assign_owners",

@@ -44,7 +44,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from dbuffer import collectives
 from dbuffer.agreement import check_agreement
-from dbuffer.buffer_checks import check_local_buffer, check_primitive, check_shapes, check_tensors, out_problem
+from dbuffer.buffer_checks import check_local_buffer, check_primitive, check_shapes, check_tensors, out_mismatch, out_problem
 from dbuffer.collectives import Pending
 from dbuffer.layout import Layout, OwnedLayout, RaggedLayout, compute_layout, compute_owned_layout
 from dbuffer.placements import (
@@ -57,7 +57,7 @@ from dbuffer.placements import (
     plan_redistribute,
     shard_index,
 )
-from dbuffer.steps import done, launch, owned_segments
+from dbuffer.steps import PreparedRedistribute, done, owned_segments, run_step
 from dbuffer.storage import StorageLifetime
 from dbuffer.views import TensorViews
 
@@ -264,6 +264,22 @@ class DBuffer(TensorViews, StorageLifetime):
                 current = pending.wait()
         return pending if async_op else pending.wait()
 
+    def prepare_redistribute(self, placements: Sequence[AnyPlacement], *, out: "DBuffer") -> PreparedRedistribute:
+        """:meth:`redistribute` into ``out``, validated and planned now, run by the returned
+        object's ``start()`` (async) or ``run()`` as often as needed: for a caller that moves
+        the same two buffers the same way every step. Raises here what :meth:`redistribute`
+        raises for ``placements`` and ``out`` (out's storage may be released now; it must have
+        storage when the prepared redistribute runs)."""
+        target, steps = self._plan_to(placements)
+        self._check_out(out, target, self.dtype, "prepare_redistribute", out_mismatch)
+        last = None
+        if steps:
+            step = steps[-1]
+            size, group = (self.mesh.shape[step.axis], None) if step.kind == "scatter" else self._axis_group(step.axis)
+            segments = self._sparse_owned_segments(size) if step.kind in ("allgather", "reduce_scatter") else None
+            last = (size, group, segments)
+        return PreparedRedistribute(self, out, placements, target, steps, last)
+
     # Plans kept per buffer: more distinct targets than this (a user's loop over many) start over.
     _PLANS_KEPT = 8
 
@@ -376,24 +392,8 @@ class DBuffer(TensorViews, StorageLifetime):
             size, group = self._axis_group(step.axis)
         if out is None:
             out = self._like(step.after, local_buffer=_empty_for(self, step.after))
-        dst = out.local_buffer
-        src = self.local_buffer
-        with out._refill_guard():
-            segments = self._sparse_owned_segments(size) if step.kind in ("allgather", "reduce_scatter") else None
-            work = launch(step, dst, src, group, size, async_op, self.placements[step.axis], self._coordinate, segments)
-        if not async_op:
-            return Pending([work], lambda: (work.wait(), out)[1])
-
-        def finish() -> "DBuffer":
-            work.wait()
-            self._untrack(pending)
-            out._untrack(pending)
-            return out
-
-        pending = Pending([work], finish)
-        self._track(pending)  # until it is waited for, release_storage() of either waits for it
-        out._track(pending)
-        return pending
+        segments = self._sparse_owned_segments(size) if step.kind in ("allgather", "reduce_scatter") else None
+        return run_step(self, step, out, async_op, size, group, segments)
 
     # Owned buffers move only each owner's used range (gather: broadcasts; reduction to the
     # owners: one all-to-all of unequal splits) once padded shards would carry this many times
@@ -410,11 +410,14 @@ class DBuffer(TensorViews, StorageLifetime):
             cache[size] = owned_segments(self.layout, size, self._OWNED_BROADCAST_ABOVE)
         return cache[size]
 
-    def _check_out(self, out: "DBuffer", placements: Sequence[AnyPlacement], dtype: torch.dtype, op: str) -> None:
+    def _check_out(self, out: "DBuffer", placements: Sequence[AnyPlacement], dtype: torch.dtype, op: str,
+                   find=out_problem) -> None:
+        """Raise ``ValueError`` naming ``op`` if ``find`` (default :func:`out_problem`) finds
+        ``out`` unfit for the result."""
         if not isinstance(out, DBuffer):
             problem = f"is a {type(out).__name__}, not a DBuffer"
         else:
-            problem = out_problem(self, out, placements, dtype)
+            problem = find(self, out, placements, dtype)
         if problem:
             raise ValueError(f"{op}: out {problem}. Build out with DBuffer(mesh, placements, shapes, dtype) to match.")
 

@@ -16,7 +16,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from dbuffer.layout import OwnedLayout
 from dbuffer.placements import AnyPlacement, Owned, is_shard
 
-__all__ = ["check_local_buffer", "check_primitive", "check_shapes", "check_tensors", "out_problem"]
+__all__ = ["check_local_buffer", "check_primitive", "check_shapes", "check_tensors", "out_mismatch", "out_problem"]
 
 # The placement a primitive's axis must have before it runs.
 PRIMITIVE_SOURCES = {"allgather": (Shard, Owned), "reduce_scatter": (Partial,), "allreduce": (Partial,), "scatter": (Replicate,)}
@@ -70,7 +70,17 @@ def check_primitive(kind: str, axis: int, placements: Sequence[AnyPlacement], nd
 
 def out_problem(buf, out, placements: Sequence[AnyPlacement], dtype: torch.dtype) -> str | None:
     """What makes the DBuffer ``out`` unfit to receive a result of ``buf``'s with ``placements``
-    and ``dtype`` (a phrase whose subject is ``out``), or None if it fits."""
+    and ``dtype`` now (a phrase whose subject is ``out``), or None if it fits: it must match
+    (:func:`out_mismatch`) and have storage."""
+    problem = out_mismatch(buf, out, placements, dtype)
+    if problem is None and (out.local_buffer.numel() != out._shard_numel or out.is_storage_released()):
+        return "has released storage; call out.reallocate_storage() first"
+    return problem
+
+
+def out_mismatch(buf, out, placements: Sequence[AnyPlacement], dtype: torch.dtype) -> str | None:
+    """What makes the DBuffer ``out`` the wrong buffer for a result of ``buf``'s with
+    ``placements`` and ``dtype`` (mesh, placements, layout, dtype, device; its storage aside), or None."""
     if out.mesh is not buf.mesh and out.mesh != buf.mesh:
         return f"lives on mesh {out.mesh}, not {buf.mesh}"
     if tuple(out.placements) != tuple(placements):
@@ -84,8 +94,6 @@ def out_problem(buf, out, placements: Sequence[AnyPlacement], dtype: torch.dtype
         return f"has dtype {out.dtype}; the result has {dtype}"
     if out.device != buf.device:
         return f"is on {out.device}; the result is on {buf.device}"
-    if out.local_buffer.numel() != out._shard_numel or out.is_storage_released():
-        return "has released storage; call out.reallocate_storage() first"
     return None
 
 

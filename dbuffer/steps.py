@@ -3,14 +3,18 @@ moves a :class:`~dbuffer.placements.Step`'s data from one local buffer into anot
 
 :meth:`DBuffer.redistribute <dbuffer.buffer.DBuffer.redistribute>` and its primitives validate,
 plan (:func:`dbuffer.placements.plan_redistribute`) and allocate; :func:`launch` only starts the
-step's collective. An Owned buffer whose shards are mostly padding takes a sparse path: each
+step's collective, :func:`run_step` runs it between two DBuffers (the in-flight tracking that
+keeps a release from freeing memory it touches included). :class:`PreparedRedistribute` is a
+redistribute whose checks and plan were made once, for a caller that moves the same two buffers
+the same way many times (fsdp, every step): its :meth:`~PreparedRedistribute.start` runs the
+plan and tests nothing but the ``out`` storage. An Owned buffer whose shards are mostly padding takes a sparse path: each
 owner's used range (:func:`owned_segments`) is broadcast, or reduced to its owner by one
 all-to-all of unequal splits, instead of moving padded shards.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -18,8 +22,11 @@ from dbuffer import collectives
 from dbuffer.collectives import Pending
 from dbuffer.layout import OwnedLayout
 from dbuffer.placements import AnyPlacement, Step
+from dbuffer.storage import StorageLifetime
 
-__all__ = ["done", "launch", "owned_segments"]
+Buffer = StorageLifetime  # a DBuffer (dbuffer.buffer imports this module: named by its storage mixin)
+
+__all__ = ["PreparedRedistribute", "PreparedSlot", "done", "launch", "owned_segments", "run_step"]
 
 Segments = Sequence[tuple[int, int, int]]  # (owner, start, end) in the full buffer
 
@@ -88,3 +95,104 @@ def _gather_owned(dst, src, segments, rank: int, group, async_op: bool) -> Pendi
 def done(result) -> Pending:
     """A handle whose ``wait()`` gives ``result`` at once (a step with nothing in flight)."""
     return Pending([], lambda: result)
+
+
+def run_step(
+    source: Buffer, step: Step, out: Buffer, async_op: bool, size: int, group, segments: Segments | None
+) -> Pending:
+    """Run ``step`` (validated) from ``source`` into ``out``; the Pending's ``wait()`` returns
+    ``out``. In flight (``async_op``), the collective is tracked by both buffers until waited
+    for: a :meth:`~dbuffer.storage.StorageLifetime.release_storage` of either waits for it."""
+    with out._refill_guard():
+        work = launch(
+            step, out.local_buffer, source.local_buffer, group, size, async_op,
+            source.placements[step.axis], source._coordinate, segments,
+        )
+    if not async_op:
+        return Pending([work], lambda: (work.wait(), out)[1])
+
+    def finish() -> Buffer:
+        work.wait()
+        source._untrack(pending)
+        out._untrack(pending)
+        return out
+
+    pending = Pending([work], finish)
+    source._track(pending)
+    out._track(pending)
+    return pending
+
+
+class PreparedRedistribute:
+    """``source.redistribute(placements, out=out)``, validated and planned once by
+    :meth:`DBuffer.prepare_redistribute <dbuffer.buffer.DBuffer.prepare_redistribute>`.
+
+    It holds its two buffers (and keeps them alive: hold it only as long as their owner holds
+    them). What it fixed is what a DBuffer never changes after construction (mesh, layout,
+    placements, dtype, device); what may change between runs, whether ``out`` has storage, is
+    tested at every run: ``ValueError`` (before any collective) if it was released and not
+    reallocated. A plan of several steps runs the earlier ones synchronously into temporaries,
+    as :meth:`~dbuffer.buffer.DBuffer.redistribute` does."""
+
+    __slots__ = ("source", "out", "requested", "placements", "_steps", "_last")
+
+    def __init__(self, source: Buffer, out: Buffer, requested: Sequence[AnyPlacement], placements: tuple,
+                 steps: Sequence[Step], last: Optional[tuple[int, object, Segments | None]]) -> None:
+        """Built by ``prepare_redistribute``: ``requested`` the placements it was asked for,
+        ``placements`` the validated target (out's), ``last`` the last step's ``(size, group,
+        segments)``, None for a plan of no step."""
+        self.source = source
+        self.out = out
+        self.requested = requested
+        self.placements = placements
+        self._steps = tuple(steps)
+        self._last = last
+
+    def start(self) -> Pending:
+        """Start the redistribution: the last step's collective is left in flight; the
+        Pending's ``wait()`` returns ``out``."""
+        return self._run(async_op=True)
+
+    def run(self) -> Buffer:
+        """Run the redistribution to the end and return ``out``."""
+        return self._run(async_op=False).wait()
+
+    def _run(self, async_op: bool) -> Pending:
+        out = self.out
+        if out.is_storage_released():
+            raise ValueError(
+                "prepared redistribute: out has released storage; call out.reallocate_storage() first"
+            )
+        if self._last is None:  # no step: a copy, unless out is the source's storage
+            if out.local_buffer.data_ptr() != self.source.local_buffer.data_ptr():
+                out.local_buffer.copy_(self.source.local_buffer)
+            return done(out)
+        current = self.source
+        for step in self._steps[:-1]:
+            current = current._run(step, None, False).wait()
+        size, group, segments = self._last
+        return run_step(current, self._steps[-1], out, async_op, size, group, segments)
+
+
+class PreparedSlot:
+    """The last :class:`PreparedRedistribute` of one caller, reused while it is asked for the
+    same ``(source, placements, out)`` objects and prepared again when any of them differs:
+    for a caller that moves its own, long-lived buffers (what it holds, the slot holds: pass
+    temporaries to ``redistribute`` instead). Never stale: a DBuffer never changes what a
+    preparation fixed, and identity is compared, not equality."""
+
+    __slots__ = ("_op",)
+
+    def __init__(self) -> None:
+        self._op: Optional[PreparedRedistribute] = None
+
+    def start(self, source: Buffer, placements: Sequence[AnyPlacement], out: Buffer) -> Pending:
+        """``source.redistribute(placements, out=out, async_op=True)``, prepared at most once."""
+        op = self._op
+        if op is None or op.source is not source or op.out is not out or op.requested is not placements:
+            op = self._op = source.prepare_redistribute(placements, out=out)
+        return op.start()
+
+    def clear(self) -> None:
+        """Drop the prepared move (and the buffers it holds): their owner replaced them."""
+        self._op = None

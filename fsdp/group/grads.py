@@ -32,7 +32,7 @@ from typing import Callable, Optional
 import torch
 from torch.distributed.tensor import DTensor
 
-from dbuffer import DBuffer, Pending
+from dbuffer import DBuffer, Pending, PreparedSlot
 from fsdp.group.grad_mode import without_grad
 from fsdp.group.main_grad_state import ALLOWED, MainGrad, check_move
 from fsdp.group.parts import ReducerGroup
@@ -75,15 +75,14 @@ class GradReducer:
         self._in_main: set[int] = set()  # params with gradients in main_grad
         self._held: dict[int, torch.Tensor] = {}  # autograd's gradients, until the group has them all
         self._in_flight: Optional[InFlight] = None
-        # HSDP with set_requires_all_reduce(False): reduce-scattered, not yet all-reduced sums
-        # (placements Partial x Shard) and the parameters they hold gradients of.
+        self._direct = PreparedSlot()  # grad_in reduced straight into main_grad: prepared once
+        # HSDP, set_requires_all_reduce(False): the deferred (Partial x Shard) sums and their parameters.
         self._partial: Optional[DBuffer] = None
         self._partial_members: set[int] = set()
         self._gaps: Optional[list[tuple[int, int]]] = None  # padding of grad_in, found once
         self.state = MainGrad.EMPTY  # main_grad's storage: allocated by the first reduction
         self._callbacks: Optional[list] = None  # register_hooks' (weak) callbacks
-        # Whether ``param.grad`` gets a cast copy when main grads are in another dtype than the
-        # main weights; fsdp.optim's flat optimizers turn it off (they upcast chunk by chunk).
+        # param.grad a cast copy where main grads' dtype differs (fsdp.optim's flat optimizers: off).
         self.cast_grads = True
 
     def _move(self, target: MainGrad) -> None:
@@ -226,7 +225,7 @@ class GradReducer:
         :meth:`finish_reduce`. On an HSDP mesh with ``reduction.all_reduce`` off, reduce-scatter
         only and keep the partial sums for the next reduction that all-reduces (FSDP2's
         ``set_requires_all_reduce(False)``)."""
-        if not (self._local or self._held):
+        if not self.has_local_grads():
             return
         if self._in_flight is not None:  # it may still be reading grad_in
             self.finish_reduce()
@@ -261,7 +260,7 @@ class GradReducer:
         folded = False
         with streams.launch(streams.reduce_scatter):
             if step is ReduceRoute.DIRECT:
-                pending = g.reduce_into(source, target_pl, self.main_grad)
+                pending = g.reduce_into(source, target_pl, self.main_grad, kept=self._direct if source is self.grad_in else None)
             elif step is ReduceRoute.TEMPORARY:
                 pending = g.reduce_into(source, target_pl, g.sibling(target_pl, reduce_dtype, zero_fill=False))
                 # Folded now, on this stream, if that blocks no host (FSDP2's order), so that the
@@ -369,7 +368,7 @@ class GradReducer:
 
     def busy(self) -> bool:
         """Whether gradients wait to be reduced or are being reduced."""
-        return bool(self._local or self._held) or self._in_flight is not None or self._partial is not None
+        return self.has_local_grads() or self._in_flight is not None or self._partial is not None
 
     def set_reduction(self, **changes) -> None:
         """Change the group's ``reduction`` settings (field=value), between steps: a different
@@ -393,6 +392,7 @@ class GradReducer:
             self.grad_in = g.sibling(g.placements.partial, g.dtypes.reduce, zero_fill=False)
             self.grad_in.release_storage()
             self._gaps = None
+            self._direct.clear()
         g.reduction = new
 
     # ------------------------------------------------------------------ main_grad and .grad
@@ -484,6 +484,7 @@ class GradReducer:
         old_in, old_main = self.grad_in, self.main_grad
         self.grad_in = converted(old_in, dtypes.reduce)
         self.main_grad = in_residence(converted(old_main, dtypes.main_grad))
+        self._direct.clear()
         if self.main_grad is not old_main:
             self.main_grad_views = self.make_views()  # made while it has storage
         for new, old in ((self.grad_in, old_in), (self.main_grad, old_main)):

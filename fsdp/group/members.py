@@ -11,7 +11,7 @@ import torch.nn as nn
 from torch.distributed.tensor import Partial, Replicate
 from torch.distributed.tensor.placement_types import Placement
 
-__all__ = ["GroupPlacements", "ParamInfo", "check_no_late_extension"]
+__all__ = ["GroupPlacements", "ParamInfo", "check_no_late_extension", "meta_error"]
 
 
 @dataclass(frozen=True)
@@ -80,3 +80,12 @@ def check_no_late_extension(group) -> None:
                 f"fully_shard, but it was sharded as a plain tensor (row-atomic layout), so the extension "
                 f"cannot be honoured. Make the parameter a tensor subclass defining both methods before fully_shard"
             )
+
+
+def meta_error(fqns: list[str]) -> str:
+    """FSDP2's message (tests match it) for running on parameters still on the meta device."""
+    return (
+        f"FSDP parameters should be materialized from meta device before training, but the following "
+        f"were still on meta device: {fqns}. Call model.to_empty(device=...) and then initialise "
+        f"(reset_parameters() on the sharded modules, fsdp.init_weights(model)) or load a checkpoint."
+    )

@@ -171,3 +171,4 @@ def _adoptable(assigned, ours: DTensor, mesh: DeviceMesh) -> bool:
         and assigned.device_mesh == mesh
         and not weakref.getweakrefs(assigned)
     )
+

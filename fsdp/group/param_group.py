@@ -37,16 +37,16 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from dbuffer import CallLabel, DBuffer, Owned, Pending
+from dbuffer import CallLabel, DBuffer, Owned, Pending, PreparedSlot
 from fsdp.group.comms import DBUFFER_COMMS
 from fsdp.group.forward_only import ForwardOnlyTail
 from fsdp.group.grad_mode import without_grad
 from fsdp.group.grads import GradReducer
 from fsdp.group.layouts import PLAIN, ChunkedLayout, FlatLayout, ParamKind, flat_layout
-from fsdp.group.members import GroupPlacements, ParamInfo
+from fsdp.group.members import GroupPlacements, ParamInfo, meta_error
 from fsdp.group.parts import Comms, GatherKind, PostForwardSlice, SharedGatherPart, Weights
 from fsdp.group.configure import config_of
-from fsdp.group.plan import GroupPlan, Sharing, Unsharding, plan_group
+from fsdp.group.plan import CommsKind, GatherSource, GroupPlan, Sharing, Unsharding, plan_group
 from fsdp.group.policy import Dtypes, MixedPrecisionPolicy, Strategy
 from fsdp.group.profiling import label
 from fsdp.group.reduction import ReduceSettings
@@ -56,7 +56,7 @@ from fsdp.group.streams import CommStreams
 from fsdp.group.unsharded_state import Unsharded, UnshardedLife
 from fsdp.group.weights import BufferWeights
 
-__all__ = ["ParameterGroup", "meta_error"]
+__all__ = ["ParameterGroup"]
 
 
 class ParameterGroup:
@@ -130,6 +130,7 @@ class ParameterGroup:
         self.place_main(main_pl, buffer_shapes, dtypes.main, buffer_layout, device)
         self.weights: Weights = weights(self)
         self.plan: GroupPlan = self.compile_plan()
+        self._take_comms_route(self.plan)
         if not self.is_meta:
             self.weights.fill(tensors)
         self.weights.build(self.plan)
@@ -159,9 +160,17 @@ class ParameterGroup:
         anything it is compiled from changed (``module.to(dtype)``, a custom comm, a reduction
         setting, ``set_keep_unsharded_storage``, a post-forward slice), between steps."""
         self.plan = self.compile_plan()
+        self._take_comms_route(self.plan)
         self.weights.replanned(self.plan)
         if self.grads is not None:
             self.grads.route = self.plan.reduce
+
+    def _take_comms_route(self, plan: GroupPlan) -> None:
+        """dbuffer's collectives, prepared once for a gather of buffers the weights part keeps
+        (a fresh slot drops an earlier plan's), or FSDP2's custom comm objects."""
+        self._dbuffer_comms = plan.config.comms is CommsKind.DBUFFER
+        kept_source = plan.gather_source in (GatherSource.OWN_ROW, GatherSource.MAIN, GatherSource.MODEL)
+        self._gathers = PreparedSlot() if self._dbuffer_comms and kept_source else None
 
     def set_reduction(self, **changes: object) -> None:
         """Change how the gradients are reduced (:meth:`GradReducer.set_reduction
@@ -306,7 +315,8 @@ class ParameterGroup:
             return
         post = self.post_forward
         if self.unsharded.state is Unsharded.SLICE_KEPT and self.unsharded.version != self._refreshes:
-            self._drop_slice()  # the weights changed since forward
+            self.post_forward.drop()  # the weights changed since forward
+            self.unsharded.freed()
         sliced = self.unsharded.state is Unsharded.SLICE_KEPT  # backward after reshard_after_forward=n
         target = self.weights.begin_gather(GatherKind.POST_FORWARD_SLICE if sliced else GatherKind.OWN)
         self.unsharded.begin_gather()
@@ -323,12 +333,17 @@ class ParameterGroup:
         """Gather ``source`` (sharded) into ``target`` (replicated), in flight, by the group's
         comms (dbuffer's, or FSDP2's comm objects: :mod:`fsdp.compose.custom_comm`)."""
         with label("fsdp::all_gather", call=self.call_label):
+            if self._gathers is not None:
+                return self._gathers.start(source, self.placements.replicated, target)
             return self.comms.all_gather(source, self.placements.replicated, target)
 
-    def reduce_into(self, source: DBuffer, placements: tuple, out: DBuffer, async_op: bool = True):
-        """``source.redistribute(placements, out=out)`` by the group's comms: a reduce-scatter on
-        the shard axis (and an HSDP all-reduce across replicas), or an all-reduce."""
+    def reduce_into(self, source: DBuffer, placements: tuple, out: DBuffer, async_op: bool = True,
+                    kept: Optional[PreparedSlot] = None):
+        """``source.redistribute(placements, out=out)`` by the group's comms (``kept``: the
+        caller's slot, for buffers it keeps): a reduce-scatter (and HSDP's all-reduce), or an all-reduce."""
         with label("fsdp::reduce_scatter", call=self.call_label):
+            if kept is not None and self._dbuffer_comms and async_op:
+                return kept.start(source, placements, out)
             return self.comms.reduce(source, placements, out, async_op)
 
     def wait_unshard(self) -> None:
@@ -429,10 +444,6 @@ class ParameterGroup:
             self.post_forward.drop()
         self._free_unsharded()
 
-    def _drop_slice(self) -> None:
-        self.post_forward.drop()
-        self.unsharded.freed()
-
     def _free_unsharded(self) -> None:
         if self.plan.unsharding is Unsharding.GATHER_AT_UNSHARD:
             self.weights.free_unsharded()
@@ -486,11 +497,3 @@ class ParameterGroup:
     def _owner(self) -> str:
         return getattr(self.sharded_params[0], "_fsdp_owner", "its fsdp unit")
 
-
-def meta_error(fqns: list[str]) -> str:
-    """FSDP2's message (tests match it) for running on parameters still on the meta device."""
-    return (
-        f"FSDP parameters should be materialized from meta device before training, but the following "
-        f"were still on meta device: {fqns}. Call model.to_empty(device=...) and then initialise "
-        f"(reset_parameters() on the sharded modules, fsdp.init_weights(model)) or load a checkpoint."
-    )

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 
-from dbuffer import DBuffer, Pending
+from dbuffer import DBuffer, Pending, PreparedSlot
 from dbuffer.layout import compute_layout
 from fsdp.group.profiling import label
 from fsdp.group.parts import GatherKind
@@ -68,6 +68,7 @@ class SharedGather:
         self.call_label = first.call_label  # the unit's groups share its label (lazy init names it)
         self.send.release_storage()
         self.recv.release_storage()
+        self._gather = PreparedSlot()  # send -> recv, both kept: prepared once
         self.key = self.key_of(sources)
         self._waiting = 0  # groups that have not copied their part out yet
 
@@ -86,7 +87,7 @@ class SharedGather:
             for (offset, nbytes, _), src in zip(self.parts, sources):
                 local[offset : offset + nbytes].copy_(src.local_buffer.view(torch.uint8))
             self._waiting = len(self.parts)
-            return self.send.redistribute(self.replicated, out=self.recv, async_op=True)
+            return self._gather.start(self.send, self.replicated, self.recv)
 
     def rows(self, i: int) -> torch.Tensor:
         """Group ``i``'s gathered part: ``[world, shard numel]`` in its dtype, one row per rank."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 
 from fsdp.group.meta_init import adopt_assigned
-from fsdp.group.param_group import meta_error
+from fsdp.group.members import meta_error
 from fsdp.unit.read_watch import ReadWatch
 from fsdp.unit.root import MAX_REDUCTIONS_IN_FLIGHT, RootContext, Unit
 
