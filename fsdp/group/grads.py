@@ -1,7 +1,8 @@
 """A group's gradients, from autograd's hooks to ``param.grad``: the :class:`GradReducer` a group has.
 
-What it owns: the post-accumulate-grad hooks on the unsharded parameters; holding autograd's
-gradients until the group has them all, then packing them into ``grad_in`` (allocated only
+What it owns: the gradients its unit's post-accumulate-grad hooks hand it (:meth:`GradReducer.take`;
+the unit installs the hooks and reacts to what ``take`` returns: the reducer never calls up), held
+until the group has them all, then packing them into ``grad_in`` (allocated only
 then, as FSDP2 allocates its reduce-scatter input: a full-size buffer from the first gradient on
 would live through the unit's backward, whose start is a step's memory peak); launching the
 reduce-scatter (sharded main grads) or all-reduce and finishing it into ``main_grad`` (divide,
@@ -38,7 +39,6 @@ from fsdp.group.main_grad_state import ALLOWED, MainGrad, check_move
 from fsdp.group.parts import ReducerGroup
 from fsdp.group.plan import FoldWhen, ReduceCollective, ReducePlan, ReduceRoute, Where
 from fsdp.group.policy import converted
-from fsdp.group.weak_hooks import post_accumulate_grad_hook, weak_callable
 
 __all__ = ["GradReducer", "InFlight", "Reduction"]
 
@@ -81,7 +81,7 @@ class GradReducer:
         self._partial_members: set[int] = set()
         self._gaps: Optional[list[tuple[int, int]]] = None  # padding of grad_in, found once
         self.state = MainGrad.EMPTY  # main_grad's storage: allocated by the first reduction
-        self._callbacks: Optional[list] = None  # register_hooks' (weak) callbacks
+        self._hook_for: Optional[Callable[[int], Callable]] = None  # the unit's hook of each parameter
         # param.grad a cast copy where main grads' dtype differs (fsdp.optim's flat optimizers: off).
         self.cast_grads = True
 
@@ -95,7 +95,7 @@ class GradReducer:
         hooked on the group's new unsharded parameters."""
         fresh = GradReducer(self.group, self.route)
         fresh.cast_grads = self.cast_grads
-        fresh._callbacks = self._callbacks
+        fresh._hook_for = self._hook_for
         fresh.hook_params()
         return fresh
 
@@ -110,54 +110,44 @@ class GradReducer:
 
     # ------------------------------------------------------------------ from autograd
 
-    def register_hooks(self, on_group_done: Callable, on_group_start: Callable) -> None:
-        """Take each unsharded gradient from autograd as soon as it is accumulated, hold it until
-        the group has all of them, then copy them into ``grad_in``; report (with the group) when
-        the whole group has its gradients (``on_group_done``), and when its first gradient
-        arrives in a backward round or ``grad_in`` is about to be allocated (``on_group_start``).
-        The unit finishes the reductions still in flight there; both points count: the first
-        frees their buffers before this group's gradients pile up beside them, the second
-        catches a reduction launched since, by another group of the same unit."""
-        # Held weakly, as the hooks hold the reducer (fsdp.group.weak_hooks says why).
-        self._callbacks = [weak_callable(f) for f in (on_group_done, on_group_start)]
+    def install_grad_hooks(self, hook_for: Callable[[int], Callable[[torch.Tensor], None]]) -> None:
+        """Hook each unsharded parameter ``k`` with ``hook_for(k)``, now and whenever they are
+        rebuilt: the unit's hook, which hands the gradient to :meth:`take` (the reducer never
+        calls back)."""
+        self._hook_for = hook_for
         self.hook_params()
 
     def hook_params(self) -> None:
         """Hook the group's current unsharded parameters (again after they were rebuilt)."""
         params = self.group.unsharded_params
-        if self._callbacks is None or params is None:
+        if self._hook_for is None or params is None:
             return
         for k, p in enumerate(params):
-            p.register_post_accumulate_grad_hook(post_accumulate_grad_hook(self, k))
+            p.register_post_accumulate_grad_hook(self._hook_for(k))
 
-    def _on_grad(self, k: int, p: torch.Tensor) -> None:
-        """Autograd accumulated parameter ``k``'s gradient (once per parameter per backward: the
-        hot path holds it, no tensor op, so no grad-mode switch unless one runs)."""
-        done_ref, start_ref = self._callbacks
-        on_group_done, on_group_start = done_ref(), start_ref()
-        if on_group_done is None or on_group_start is None:  # the unit is gone
-            return
-        grad, p.grad = p.grad, None
-        if grad is None:
-            return
+    def starts_round(self) -> bool:
+        """Whether the next gradient is the group's first of a backward round (a query)."""
+        return not self._seen
+
+    def take(self, k: int, grad: torch.Tensor) -> bool:
+        """Take parameter ``k``'s gradient from autograd (once per parameter per backward: the
+        hot path holds it, no tensor op, so no grad-mode switch unless one runs); True once the
+        group has them all (the unit then frees the weights and calls :meth:`pack_held`: FSDP2's
+        order, the unsharded weights go before the gradient buffer comes). Counted afresh each
+        round: a unit run twice whose gradients arrive in two rounds of one backward (reentrant
+        checkpointing) completes the group once per round."""
         if self._in_flight is not None:  # left in flight by set_is_last_backward(False)
             self.finish_reduce()
-        if not self._seen:
-            on_group_start(self.group)
         self._seen.add(k)
         if not self._local:  # hold autograd's gradient; grad_in comes once the group is complete
             held = self._held.get(k)  # summed without a graph (create_graph=True runs hooks with grad on)
             self._held[k] = grad if held is None else held.detach() + grad.detach()
         else:
-            self._pack(k, grad, on_group_start)
-        if len(self._seen) == len(self.group.infos):
-            # The unit packs what is held (pack_held) once it freed the weights: FSDP2's order,
-            # the unsharded weights go before the gradient buffer comes. Counted afresh: a unit
-            # run twice whose gradients arrive in two rounds of one backward (reentrant
-            # checkpointing: each recomputation has its own nested backward) completes the
-            # group once per round, not at every later gradient.
-            self._seen.clear()
-            on_group_done(self.group)
+            self._pack(k, grad)
+        if len(self._seen) < len(self.group.infos):
+            return False
+        self._seen.clear()
+        return True
 
     @without_grad
     def _pack(self, k: int, grad: torch.Tensor, before_alloc: Optional[Callable] = None) -> None:

@@ -1,15 +1,16 @@
 """The end of a backward iteration: automatic (the root's callback) or manual (``finalize_backward``).
 
-By default the root's end-of-backward callback (:mod:`fsdp.unit.state`) ends each backward:
-reductions launched, units resharded, gradients waited for and attached
-(:func:`finish_grad_sync`). A pipeline schedule runs several backwards per step (one per
+By default the root's end-of-backward callback (:func:`end_of_backward`, queued by
+:mod:`fsdp.unit.state`) ends each backward: reductions launched, units resharded, gradients
+waited for and attached (:func:`finish_grad_sync`). A pipeline schedule runs several backwards per step (one per
 micro-batch, some split into an input-gradient and a weight-gradient part) and wants one end,
 after all of them, as a step of its own: torch 2.15's ``set_manual_backward_finalization(True)``
 and ``finalize_backward(async_op=...)``. Then each backward's callback only closes the backward
 (:func:`end_backward`), and :func:`finalize_backward` does the rest once, leaving the reductions
 in flight until :func:`finish_finalized` (a :class:`~fsdp.unit.module.GradientReductionHandle`'s
 ``wait()`` when asynchronous). Where the iteration stands is the root context's
-:class:`~fsdp.unit.root.Finalization`, whose moves are checked.
+:class:`~fsdp.unit.root.Finalization`, whose moves are checked. After a forward or backward
+that raised, :func:`reset_iter_state` returns the tree to the start of an iteration.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from fsdp.group.profiling import label
 from fsdp.unit.root import Finalization, RootContext, Unit
 from fsdp.unit.training_state import TrainingState, in_backward
 
-__all__ = ["end_backward", "finalize_backward", "finish_finalized", "finish_grad_sync"]
+__all__ = ["end_backward", "end_of_backward", "finalize_backward", "finish_finalized", "finish_grad_sync", "reset_iter_state"]
 
 
 def finish_grad_sync(units: list[Unit], launch: bool) -> None:
@@ -33,6 +34,64 @@ def finish_grad_sync(units: list[Unit], launch: bool) -> None:
         for grads in reducers:
             grads.finish_reduce()
             grads.attach_grads()
+
+
+def end_of_backward(ctx: RootContext) -> None:
+    """The root's callback at the end of a backward (queued once per backward on the autograd
+    engine): every unit IDLE, the gradients still held reduced (units that sync), every unit
+    resharded and, on the last backward, every reduction waited for and ``.grad`` attached.
+    Under manual finalization only :func:`end_backward`."""
+    with label("fsdp::root_post_backward"):
+        ctx.final_callback_queued = False
+        if ctx.manual_finalization:
+            end_backward(ctx)
+            return
+        ctx.reductions_in_flight.clear()  # whatever is still in flight is finished below
+        for unit in ctx.units:
+            unit._enter(TrainingState.IDLE)
+            if unit.requires_grad_sync:
+                for group in unit.groups:
+                    if group.grads is not None and group.grads.has_local_grads():
+                        group.grads.launch_reduce()
+            # Not the last backward and weights kept: they stay registered too, so a pipeline's
+            # weight-gradient step differentiates the parameters its input-gradient step saw
+            # (as FSDP2 leaves them).
+            if unit.reshard_after_backward or ctx.is_last_backward:
+                unit.settle_after_backward()
+            for group in unit.groups:
+                if group.grads is not None:
+                    group.grads.end_backward()
+        if ctx.is_last_backward:
+            finish_grad_sync(ctx.units, launch=False)
+        # Idle collective scratch would otherwise stay through the next forward, the peak of a
+        # step; the next backward's first reduction allocates it again.
+        release_workspaces()
+
+
+def reset_iter_state(unit: Unit) -> None:
+    """Recover after a forward or backward raised (FSDP2's ``reset_iter_state``): wait for
+    gathers, drop every gradient not yet reduced into the main grads (the failed iteration's,
+    and those of microbatches accumulated without sync), reshard every unit of ``unit``'s tree
+    and return it to IDLE. Only the root may do it: it owns the end of backward."""
+    if unit.root is not None and unit.root is not unit:  # never run: nothing to reset but itself
+        raise RuntimeError(
+            "reset_iter_state must be called on the root FSDP module (the one whose forward ran "
+            "first, normally the one fully_shard was applied to last)"
+        )
+    ctx = unit.root_ctx
+    with label("fsdp::reset_iter_state"):
+        if ctx is not None:
+            ctx.final_callback_queued = False
+            ctx.reductions_in_flight.clear()
+            ctx.finalization = Finalization.OPEN  # a handle's wait() now raises
+        for each in ctx.units if ctx is not None else [unit]:
+            for group in each.groups:
+                group.wait_unshard()
+                if group.grads is not None:
+                    group.grads.discard_in_flight()
+            each.reshard()
+            each._enter(TrainingState.IDLE)
+        release_workspaces()
 
 
 def end_backward(ctx: RootContext) -> None:

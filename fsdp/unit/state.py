@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import weakref
 from types import MethodType
 from typing import Callable, Optional
 
@@ -47,7 +48,6 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
-from dbuffer.collectives import release_workspaces
 from fsdp.group.meta_init import adopt_assigned
 from fsdp.group.param_group import ParameterGroup
 from fsdp.group.policy import MixedPrecisionPolicy
@@ -127,9 +127,7 @@ class FSDPState(pipelining.FSDP2Names):
         """Called once the unit is fully built, so a failed setup leaves no hook behind."""
         for group in self.groups:
             if group.grads is not None:
-                # The group's first gradient and its gradient buffer's allocation both finish the
-                # reductions in flight first (the second is a no-op after the first).
-                group.grads.register_hooks(self._on_group_grads_done, self._finish_reductions_in_flight)
+                group.grads.install_grad_hooks(functools.partial(self._grad_hook, weakref.ref(group)))
         self._pre_backward_hook = _run_eagerly(self._pre_backward)
         for group in self.groups:  # such a module recomputed in backward reads its freed weight
             for module in group.forward_only_modules():
@@ -407,6 +405,33 @@ class FSDPState(pipelining.FSDP2Names):
             for prev in self._next_units(self.backward_prefetch, -1):
                 prev.unshard_for_backward(async_op=True)
 
+    def _grad_hook(self, group_ref: weakref.ref, k: int) -> Callable[[torch.Tensor], None]:
+        """The post-accumulate-grad hook of parameter ``k`` of a group: it lives in autograd's
+        C++ hook table, which the garbage collector cannot see, so it holds the unit and the
+        group weakly (strongly, they would close a cycle through the parameter and a sharded
+        module would never be freed), and does nothing once they are gone."""
+        unit_ref = weakref.ref(self)
+
+        def hook(p: torch.Tensor) -> None:
+            unit, group = unit_ref(), group_ref()
+            if unit is not None and group is not None:
+                unit._on_grad(group, k, p)
+
+        return hook
+
+    def _on_grad(self, group: ParameterGroup, k: int, p: torch.Tensor) -> None:
+        """Autograd accumulated parameter ``k``'s gradient: the group's reducer takes it. The
+        group's first gradient of a round, and its gradient buffer's allocation, first finish
+        the reductions in flight; once the group has them all, it is reduced."""
+        grad, p.grad = p.grad, None
+        if grad is None:
+            return
+        grads = group.grads
+        if grads.starts_round():
+            self._finish_reductions_in_flight(group)
+        if grads.take(k, grad):
+            self._on_group_grads_done(group)
+
     def _finish_reductions_in_flight(self, group: ParameterGroup) -> None:
         """A group got its first gradient of this backward, or is about to allocate its gradient
         buffer (:class:`~fsdp.group.grads.GradReducer`): finish the reductions still in flight
@@ -440,32 +465,8 @@ class FSDPState(pipelining.FSDP2Names):
             torch.autograd.Variable._execution_engine.queue_callback(_run_eagerly(self._final_callback))
 
     def _final_callback(self) -> None:
-        with label("fsdp::root_post_backward"):
-            ctx = self.root_ctx
-            ctx.final_callback_queued = False
-            if ctx.manual_finalization:
-                finalization.end_backward(ctx)
-                return
-            ctx.reductions_in_flight.clear()  # whatever is still in flight is finished below
-            for unit in ctx.units:
-                unit._enter(TrainingState.IDLE)
-                if unit.requires_grad_sync:
-                    for group in unit.groups:
-                        if group.grads is not None and group.grads.has_local_grads():
-                            group.grads.launch_reduce()
-                # Not the last backward and weights kept: they stay registered too, so a
-                # pipeline's weight-gradient step differentiates the parameters its
-                # input-gradient step saw (as FSDP2 leaves them).
-                if unit.reshard_after_backward or ctx.is_last_backward:
-                    unit.settle_after_backward()
-                for group in unit.groups:
-                    if group.grads is not None:
-                        group.grads.end_backward()
-            if ctx.is_last_backward:
-                self.finish_grad_sync(launch=False)
-            # Idle collective scratch would otherwise stay through the next forward, the peak of
-            # a step; the next backward's first reduction allocates it again.
-            release_workspaces()
+        """The root's end of backward (:func:`fsdp.unit.finalization.end_of_backward`)."""
+        finalization.end_of_backward(self.root_ctx)
 
     def finish_grad_sync(self, launch: bool = True) -> None:
         """Wait for every reduction of this tree and attach the gradients; with ``launch``, first
@@ -473,25 +474,5 @@ class FSDPState(pipelining.FSDP2Names):
         finish_grad_sync(self._tree(), launch)
 
     def reset_iter_state(self) -> None:
-        """Recover after a forward or backward raised (FSDP2's ``reset_iter_state``): wait for
-        gathers, drop every gradient not yet reduced into the main grads (the failed
-        iteration's, and those of microbatches accumulated without sync), reshard every unit and
-        return it to IDLE. Only the root may do it: it owns the end of backward."""
-        if self.root is not None and self.root is not self:  # never run: nothing to reset but itself
-            raise RuntimeError(
-                "reset_iter_state must be called on the root FSDP module (the one whose forward ran "
-                "first, normally the one fully_shard was applied to last)"
-            )
-        with label("fsdp::reset_iter_state"):
-            if self.root_ctx is not None:
-                self.root_ctx.final_callback_queued = False
-                self.root_ctx.reductions_in_flight.clear()
-                self.root_ctx.finalization = Finalization.OPEN  # a handle's wait() now raises
-            for unit in self._tree():
-                for group in unit.groups:
-                    group.wait_unshard()
-                    if group.grads is not None:
-                        group.grads.discard_in_flight()
-                unit.reshard()
-                unit._enter(TrainingState.IDLE)
-            release_workspaces()
+        """Recover after a forward or backward raised (:func:`fsdp.unit.finalization.reset_iter_state`)."""
+        finalization.reset_iter_state(self)

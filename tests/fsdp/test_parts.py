@@ -20,10 +20,8 @@ from fsdp.compose.extensions import SubclassWeights
 from fsdp.compose.post_forward import PostForwardShard
 from fsdp.group import parts
 from fsdp.group.comms import AllGatherComm, DBufferComms, ReduceScatterComm
-from fsdp.group.grads import GradReducer
 from fsdp.group.shared_gather import SharedGather
 from fsdp.group.streams import DeviceEvent, DeviceStream
-from fsdp.group.weak_hooks import GradTarget
 from fsdp.group.weights import BufferWeights
 from fsdp.unit.root import Unit
 from tests.harness import run_ranks
@@ -90,7 +88,6 @@ OBJECTS = [
     (AllGatherComm, MemoryAllGather),
     (ReduceScatterComm, DefaultReduceScatter),
     (ReduceScatterComm, MemoryReduceScatter),
-    (GradTarget, GradReducer),
 ]
 
 

@@ -306,14 +306,7 @@ def _grad_buffers_in_backward(model, batches, ref) -> tuple[int, float]:
             original(group)
             most = max(most, sum(not g.grads.grad_in.is_storage_released() for g in groups))
 
-        unit._on_group_grads_done = watched
-    for g in groups:  # the hooks captured the bound method at setup: register them again
-        for p in g.unsharded_params:
-            p._post_accumulate_grad_hooks.clear()
-    for unit in units:
-        for g in unit.groups:
-            if g.requires_grad:
-                g.grads.register_hooks(unit._on_group_grads_done, unit._finish_reductions_in_flight)
+        unit._on_group_grads_done = watched  # the hooks look the unit's method up at each call
     train(m, batches, rank=rank, world=world)
     return most, max_diff(full_state(m), ref)
 
@@ -367,10 +360,10 @@ def _gradient_buffers_during_backward(model, batches, ref) -> dict:
 
         unit._on_group_grads_done = watched
         for g in unit.groups:
-            for p in g.unsharded_params:
+            for p in g.unsharded_params:  # this hook first, fsdp's after it
                 p._post_accumulate_grad_hooks.clear()
                 p.register_post_accumulate_grad_hook(lambda p, g=g: early.append(g.grads.grad_in.is_storage_released()))
-            g.grads.register_hooks(unit._on_group_grads_done, unit._finish_reductions_in_flight)
+            g.grads.hook_params()
     train(m, batches, rank=rank, world=world)
     return {"seen": seen, "early": early, "diff": max_diff(full_state(m), ref)}
 
