@@ -11,7 +11,7 @@ import torch.nn as nn
 from torch.distributed.tensor import Partial, Replicate
 from torch.distributed.tensor.placement_types import Placement
 
-__all__ = ["GroupPlacements", "ParamInfo", "check_no_late_extension", "meta_error"]
+__all__ = ["GroupPlacements", "ParamInfo", "meta_error"]
 
 
 @dataclass(frozen=True)
@@ -64,22 +64,6 @@ class ParamInfo:
     fqn: str
     param: Optional[nn.Parameter]
     registrations: list[tuple[nn.Module, str]] = field(default_factory=list)
-
-
-def check_no_late_extension(group) -> None:
-    """A plain parameter whose local tensor was given FSDP2's ``fsdp_pre_all_gather`` (or
-    ``fsdp_post_all_gather``) after ``fully_shard``: its shard is the row-atomic layout's rows,
-    not the padded ``torch.chunk`` piece the protocol assumes, so raise (before any gather)
-    rather than silently gather plain values. Tensor subclasses get the protocol: see
-    :mod:`fsdp.compose.extensions`. Checked at every refresh (a few attribute lookups per parameter)."""
-    for info, p in zip(group.infos, group.sharded_params):
-        local = getattr(p, "_local_tensor", p)
-        if hasattr(local, "fsdp_pre_all_gather") or hasattr(local, "fsdp_post_all_gather"):
-            raise TypeError(
-                f"parameter {info.fqn!r}: its local tensor got fsdp_pre_all_gather/fsdp_post_all_gather after "
-                f"fully_shard, but it was sharded as a plain tensor (row-atomic layout), so the extension "
-                f"cannot be honoured. Make the parameter a tensor subclass defining both methods before fully_shard"
-            )
 
 
 def meta_error(fqns: list[str]) -> str:

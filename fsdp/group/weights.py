@@ -30,7 +30,6 @@ import torch.nn as nn
 from dbuffer import DBuffer
 from fsdp.group.forward_only import ForwardOnlyTail
 from fsdp.group.grad_mode import without_grad
-from fsdp.group.members import check_no_late_extension
 from fsdp.group.parts import GatherKind, PostForwardSlice, WeightsGroup
 from fsdp.group.plan import GatherSource, GroupPlan, ModelRefresh, Unsharding
 from fsdp.group.profiling import label
@@ -132,9 +131,9 @@ class BufferWeights:
         for-loop optimizer). Foreach ops on DTensors do not bump it, hence also the group's
         ``mark_stale``, called after every ``torch.optim`` optimizer step. Checked first, as at
         every refresh: no local tensor got FSDP2's extension methods after ``fully_shard``
-        (:func:`~fsdp.group.members.check_no_late_extension`)."""
+        (:func:`_check_no_late_extension`)."""
         g = self.group
-        check_no_late_extension(g)
+        _check_no_late_extension(g)
         return sum(map(_VERSION, g.sharded_params)) + g.main.local_buffer._version
 
     def replanned(self, plan: GroupPlan) -> None:
@@ -314,3 +313,19 @@ class BufferWeights:
         buf, self._init_buffer = self._init_buffer, None
         if commit and buf is not None:
             self.fill([buf.get_local_tensor(k) for k in range(len(self.group.infos))])
+
+
+def _check_no_late_extension(group: WeightsGroup) -> None:
+    """A plain parameter whose local tensor was given FSDP2's ``fsdp_pre_all_gather`` (or
+    ``fsdp_post_all_gather``) after ``fully_shard``: its shard is the row-atomic layout's rows,
+    not the padded ``torch.chunk`` piece the protocol assumes, so raise (before any gather)
+    rather than silently gather plain values. Tensor subclasses get the protocol: see
+    :mod:`fsdp.compose.extensions`. Checked at every refresh (a few attribute lookups per parameter)."""
+    for info, p in zip(group.infos, group.sharded_params):
+        local = getattr(p, "_local_tensor", p)
+        if hasattr(local, "fsdp_pre_all_gather") or hasattr(local, "fsdp_post_all_gather"):
+            raise TypeError(
+                f"parameter {info.fqn!r}: its local tensor got fsdp_pre_all_gather/fsdp_post_all_gather after "
+                f"fully_shard, but it was sharded as a plain tensor (row-atomic layout), so the extension "
+                f"cannot be honoured. Make the parameter a tensor subclass defining both methods before fully_shard"
+            )

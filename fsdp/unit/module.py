@@ -19,7 +19,7 @@ from fsdp.group.convert import accepts_device, check_convert, convert
 from fsdp.group.meta_init import materialize
 from fsdp.group.param_group import ParameterGroup
 from fsdp.unit import surface
-from fsdp.unit.finalization import finalize_backward, finish_finalized
+from fsdp.unit.root import finalize_backward, finish_finalized
 from fsdp.unit.root import Finalization
 from fsdp.unit.state import FSDPState, finish_grad_sync
 from fsdp.unit.surface import ArgumentTypeError

@@ -53,11 +53,11 @@ from fsdp.group.param_group import ParameterGroup
 from fsdp.group.policy import MixedPrecisionPolicy
 from fsdp.group.profiling import label
 from fsdp.group.shared_gather import gather_together
-from fsdp.unit import finalization, pipelining
+from fsdp.unit import pipelining
 from fsdp.unit.casting import cast_floats, cast_inputs
-from fsdp.unit.finalization import finish_grad_sync
 from fsdp.unit.lazy_init import find_tree
-from fsdp.unit.root import MAX_REDUCTIONS_IN_FLIGHT, Finalization, RootContext
+from fsdp.unit.root import MAX_REDUCTIONS_IN_FLIGHT, Finalization, RootContext, end_of_backward, finish_grad_sync
+from fsdp.unit.root import reset_iter_state as reset_tree
 from fsdp.unit.training_state import ALLOWED, TrainingState, check_transition, in_backward
 
 __all__ = ["LABELS", "FSDPState", "MAX_REDUCTIONS_IN_FLIGHT", "finish_grad_sync"]
@@ -223,7 +223,8 @@ class FSDPState(pipelining.FSDP2Names):
             if not group.gather_in_flight():  # a prefetch checked and refreshed it at its launch
                 group.check_registered()
                 group.prepare_gather()
-        gather_together(groups, self.shared_gathers)  # one collective where groups can share it
+        if len(groups) > 1:  # one collective where groups can share it
+            gather_together(groups, self.shared_gathers)
         for group in groups:
             group.launch_gather(async_op=True)
         if not async_op:
@@ -465,8 +466,8 @@ class FSDPState(pipelining.FSDP2Names):
             torch.autograd.Variable._execution_engine.queue_callback(_run_eagerly(self._final_callback))
 
     def _final_callback(self) -> None:
-        """The root's end of backward (:func:`fsdp.unit.finalization.end_of_backward`)."""
-        finalization.end_of_backward(self.root_ctx)
+        """The root's end of backward (:func:`fsdp.unit.root.end_of_backward`)."""
+        end_of_backward(self.root_ctx)
 
     def finish_grad_sync(self, launch: bool = True) -> None:
         """Wait for every reduction of this tree and attach the gradients; with ``launch``, first
@@ -474,5 +475,5 @@ class FSDPState(pipelining.FSDP2Names):
         finish_grad_sync(self._tree(), launch)
 
     def reset_iter_state(self) -> None:
-        """Recover after a forward or backward raised (:func:`fsdp.unit.finalization.reset_iter_state`)."""
-        finalization.reset_iter_state(self)
+        """Recover after a forward or backward raised (:func:`fsdp.unit.root.reset_iter_state`)."""
+        reset_tree(self)
