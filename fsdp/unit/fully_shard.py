@@ -14,7 +14,7 @@ shards the same parameters with the same values (:mod:`dbuffer.agreement`).
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Callable, Iterable, Optional, Sequence, Union
 
 import torch.nn as nn
@@ -32,10 +32,11 @@ from fsdp.compose.tensor_parallel import DataParallelDims, TensorParallelKind, c
 from fsdp.group.bucket import Bucket, GroupSpec, plan_buckets
 from fsdp.group.forward_only import ForwardOnlyTail, reads_only_in_forward
 from fsdp.group.layout_choice import chunk_by_default
-from fsdp.group.layouts import PLAIN, ChunkedLayout, describe_layout
+from fsdp.group.layouts import PLAIN, ChunkedLayout, ParamKind, describe_layout
 from fsdp.group.members import ParamInfo
 from fsdp.group.param_group import ParameterGroup
 from fsdp.group.policy import MixedPrecisionPolicy, Strategy, as_policy, parse_strategy
+from fsdp.group.weights import BufferWeights
 from fsdp.unit import surface
 from fsdp.unit.checks import (
     check_devices,
@@ -157,6 +158,44 @@ def fully_shard(
     ``fully_shard.state(module)`` returns the unit's state, or None for a module not sharded.
     """
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
+    plan = _plan_unit(
+        modules, mesh, reshard_after_forward, mp_policy, sharding_strategy, ignored_params, buckets, bucket_size,
+        shard_placement_fn, offload_policy, dp_mesh_dims, outer_dp_sharding_strategy,
+    )
+    return _build_unit(module, modules, plan)
+
+
+fully_shard.state = state_of_module  # type: ignore[attr-defined]  # as FSDP2's contract function
+
+
+@dataclass(frozen=True)
+class UnitPlan:
+    """What ``fully_shard`` decided for one unit, every argument checked (and the one agreement
+    collective run): its parameters (``infos``, in registration order) and the ties another unit
+    owns (``shared_with_other_units``: raised at lazy init, as FSDP2 does), the shard mesh, one
+    :class:`~fsdp.group.bucket.GroupSpec` per group with its offload policy, whether the main
+    state is sharded across replicas too (HFSDP: ``outer``), the post-forward slice's ranks, the
+    unit's ``reshard_after_forward``, the policy, and the dp dims of a DataParallelMeshDims mesh."""
+
+    infos: list[ParamInfo]
+    shared_with_other_units: list[str]
+    mesh: DeviceMesh
+    specs: list[GroupSpec]
+    offloads: list[Optional[AnyOffload]]
+    outer: bool
+    slice_ranks: Optional[int]
+    reshard_after_forward: Optional[bool]
+    mp_policy: MixedPrecisionPolicy
+    spmd: Optional[DataParallelDims]
+
+
+def _plan_unit(
+    modules: list[nn.Module], mesh, reshard_after_forward, mp_policy, sharding_strategy, ignored_params, buckets,
+    bucket_size, shard_placement_fn, offload_policy, dp_mesh_dims, outer_dp_sharding_strategy,
+) -> UnitPlan:
+    """Check ``fully_shard``'s arguments (raising, identically on every rank, before any
+    collective), plan the unit's groups, then check that every rank plans the same (one
+    collective)."""
     strategy = parse_strategy(sharding_strategy)
     offload = check_offload_policy(offload_policy)
     mesh, spmd = surface.data_parallel_mesh(mesh, dp_mesh_dims)
@@ -210,16 +249,24 @@ def fully_shard(
     )
     # The arguments are valid here; now the one collective: do all ranks shard the same thing?
     check_ranks_agree(mesh, infos, specs, config)
+    return UnitPlan(
+        infos, shared_with_other_units, mesh, specs, offloads, outer, slice_ranks, reshard_after_forward, mp_policy, spmd
+    )
 
+
+def _build_unit(module, modules: list[nn.Module], plan: UnitPlan):
+    """Build the unit ``plan`` describes: its groups (the modules' classes swapped to
+    ``FSDP<Orig>`` first, and back if anything raises), its state, the sharded parameters
+    registered and owned, its hooks. Returns ``module``."""
     classes = [type(m) for m in modules]
     try:
         for m in modules:
             m.__class__ = fsdp_class(type(m))
-        groups = _build_groups(infos, specs, offload, outer, spmd)
-        if slice_ranks is not None:  # every rank gets here: the view's groups are made together
-            enable_post_forward_slices(groups, mesh, slice_ranks)
-        state = FSDPState(modules, groups, mp_policy, reshard_after_forward)
-        state.shared_with_other_units = shared_with_other_units
+        groups = _build_groups(plan)
+        if plan.slice_ranks is not None:  # every rank gets here: the view's groups are made together
+            enable_post_forward_slices(groups, plan.mesh, plan.slice_ranks)
+        state = FSDPState(modules, groups, plan.mp_policy, plan.reshard_after_forward)
+        state.shared_with_other_units = plan.shared_with_other_units
         for group in groups:
             group.register_sharded_params()
     except BaseException:
@@ -236,9 +283,6 @@ def fully_shard(
     for m in modules:
         m._fsdp_state = state
     return module
-
-
-fully_shard.state = state_of_module  # type: ignore[attr-defined]  # as FSDP2's contract function
 
 
 def _collect_params(modules: list[nn.Module], ignored: set[int]) -> tuple[list[ParamInfo], list[str]]:
@@ -284,47 +328,16 @@ def _collect_params(modules: list[nn.Module], ignored: set[int]) -> tuple[list[P
     return list(infos.values()), shared
 
 
-def _build_groups(
-    infos: list[ParamInfo], specs: list[GroupSpec], offload: Optional[AnyOffload] = None, outer: bool = False,
-    spmd: Optional[DataParallelDims] = None,
-) -> list[ParameterGroup]:
+def _build_groups(plan: UnitPlan) -> list[ParameterGroup]:
     """One group per spec (tensor-subclass members, with the plain ones that can join them, in
-    a group of their own). Every part of a group is chosen here and handed to it: its layout
-    (torch.chunk pieces where the spec has dims, else flat), its parameter kind (plain,
-    tensor-parallel or tensor subclass), its weights part (DBuffers, or the subclass pieces of
-    :mod:`fsdp.compose.extensions`), its placements and mesh (HFSDP: :mod:`fsdp.compose.outer_shard`)
-    and its host offload."""
+    a group of their own)."""
     groups = []
-    for whole in specs:
-        subclass, rest = split_extension_members(whole, [i.param for i in infos])
+    for whole, policy in zip(plan.specs, plan.offloads):
+        subclass, rest = split_extension_members(whole, [i.param for i in plan.infos])
         for members_k, is_subclass in ((subclass, True), (rest, False)):
-            if not members_k:
-                continue
-            spec = replace(whole, members=members_k, dims=_dims_of(whole, members_k))
-            members = [infos[k] for k in spec.members]
-            first, mesh = members[0].param, spec.mesh
-            kw = dict(gradient_divide_factor=spec.gradient_divide_factor, policy=spec.policy, own_gather=spec.own_collectives)
-            policy = _offload_of(spec, offload)
-            if isinstance(policy, CPUOffloadPolicy):  # everything on the host
-                kw["offload"] = HostOffload(policy, mesh_device(mesh))
-            elif policy is not None:  # the optimizer state only
-                kw["offload"] = OptimStateOffload(policy, mesh_device(mesh))
-            if is_subclass:  # validated by check_extension_params: dim 0, a sharded strategy
-                kw.update(kind=SUBCLASS, weights=SubclassWeights)
-                spec.dims = [0] * len(members)  # FSDP2's pieces, whatever the layout policy
-            elif isinstance(first, DTensor):
-                kw["kind"] = TensorParallelKind([i.param for i in members], mesh, spec.dims, spmd)
-            if spec.dims is not None:
-                shapes = [tuple(kw.get("kind", PLAIN).local(i.param).shape) for i in members]
-                kw["layout"] = ChunkedLayout(shapes, spec.dims, mesh.shape[-1], mesh.get_coordinate()[-1])
-            else:  # a flat layout, cut at the spec's placement (Shard(0) or Owned())
-                kw["shard"] = spec.placement
-                if outer:  # HFSDP, validated by check_outer_sharding
-                    mesh, kw["placements"] = outer_sharded(mesh, spec.placement)
-            grad_dtype = first.grad_dtype if getattr(first, "_has_grad_dtype_override", False) else None
-            dtypes = spec.policy.dtypes_for(first.dtype, grad_dtype, first.requires_grad)
-            kw["forward_only"] = _forward_only_tail(members, spec, kw)
-            groups.append(ParameterGroup(members, mesh, spec.strategy, dtypes, first.requires_grad, **kw))
+            if members_k:
+                spec = replace(whole, members=members_k, dims=_dims_of(whole, members_k))
+                groups.append(_build_group([plan.infos[k] for k in spec.members], spec, policy, is_subclass, plan))
     if log.isEnabledFor(logging.DEBUG):
         for group in groups:
             log.debug(
@@ -335,10 +348,49 @@ def _build_groups(
     return groups
 
 
-def _forward_only_tail(members: list[ParamInfo], spec: GroupSpec, kw: dict) -> Optional[ForwardOnlyTail]:
+def _build_group(
+    members: list[ParamInfo], spec: GroupSpec, policy: Optional[AnyOffload], is_subclass: bool, plan: UnitPlan
+) -> ParameterGroup:
+    """One group, every part chosen here and handed to it: its parameter kind (plain,
+    tensor-parallel or tensor subclass) and weights part (DBuffers, or the subclass pieces of
+    :mod:`fsdp.compose.extensions`), its layout (torch.chunk pieces where the spec has dims,
+    else flat at the spec's placement), its placements and mesh (HFSDP:
+    :mod:`fsdp.compose.outer_shard`), its offload part and its forward-only tail."""
+    first, mesh = members[0].param, spec.mesh
+    kind, weights, placements = PLAIN, BufferWeights, None
+    if is_subclass:  # validated by check_extension_params: dim 0, a sharded strategy
+        kind, weights = SUBCLASS, SubclassWeights
+        spec.dims = [0] * len(members)  # FSDP2's pieces, whatever the layout policy
+    elif isinstance(first, DTensor):
+        kind = TensorParallelKind([i.param for i in members], mesh, spec.dims, plan.spmd)
+    layout, shard = None, Shard(0)
+    if spec.dims is not None:
+        shapes = [tuple(kind.local(i.param).shape) for i in members]
+        layout = ChunkedLayout(shapes, spec.dims, mesh.shape[-1], mesh.get_coordinate()[-1])
+    else:  # a flat layout, cut at the spec's placement (Shard(0) or Owned())
+        shard = spec.placement
+        if plan.outer:  # HFSDP, validated by check_outer_sharding
+            mesh, placements = outer_sharded(mesh, spec.placement)
+    if isinstance(policy, CPUOffloadPolicy):  # everything on the host
+        offload = HostOffload(policy, mesh_device(mesh))
+    elif policy is not None:  # the optimizer state only
+        offload = OptimStateOffload(policy, mesh_device(mesh))
+    else:
+        offload = None
+    grad_dtype = first.grad_dtype if getattr(first, "_has_grad_dtype_override", False) else None
+    dtypes = spec.policy.dtypes_for(first.dtype, grad_dtype, first.requires_grad)
+    return ParameterGroup(
+        members, mesh, spec.strategy, dtypes, first.requires_grad, shard=shard,
+        gradient_divide_factor=spec.gradient_divide_factor, policy=spec.policy, offload=offload, layout=layout,
+        kind=kind, placements=placements, weights=weights, own_gather=spec.own_collectives,
+        forward_only=_forward_only_tail(members, spec, kind),
+    )
+
+
+def _forward_only_tail(members: list[ParamInfo], spec: GroupSpec, kind: ParamKind) -> Optional[ForwardOnlyTail]:
     """The part that frees the group's forward-only tail after forward (ZeRO-3 groups of plain
     parameters; None where the group has no such tail)."""
-    if not spec.strategy.shard_params or "kind" in kw:
+    if not spec.strategy.shard_params or kind is not PLAIN:
         return None
     start = len(members)
     while start and reads_only_in_forward(members[start - 1]):
