@@ -31,7 +31,7 @@ from dbuffer import DBuffer
 from fsdp.group.forward_only import ForwardOnlyTail
 from fsdp.group.grad_mode import without_grad
 from fsdp.group.parts import GatherKind, PostForwardSlice, WeightsGroup
-from fsdp.group.plan import GatherSource, GroupPlan, ModelRefresh, Unsharding
+from fsdp.group.plan import Buf, GatherSource, GroupPlan, Lifetime, ModelRefresh, ResidenceKind, Unsharding
 from fsdp.group.profiling import label
 
 __all__ = ["BufferWeights", "GatherKind"]
@@ -62,6 +62,11 @@ class BufferWeights:
     step_writes_model = False
     _refresh: ModelRefresh = ModelRefresh.NONE
     _uploads_at_refresh = False
+    # The model shard's storage goes while the unsharded weights stay gathered (its plan lifetime
+    # ends at a forward or a gather: release_model_shard); a lean one on the host waits for the
+    # upload that read it first.
+    _frees_model_when_kept = False
+    _settles_before_freeing_lean = False
     # FSDP2's set_keep_unsharded_storage: a reshard keeps the unsharded (and gathered) storage, so
     # their data pointers stay the same across steps (CUDA graph capture), for their memory.
     keep_unsharded_storage = False
@@ -144,6 +149,9 @@ class BufferWeights:
         self.lean_model = plan.model_refresh is ModelRefresh.NONE and self.model is not self.group.main
         self.step_writes_model = plan.model_refresh is ModelRefresh.CAST
         self._uploads_at_refresh = plan.unsharding is Unsharding.UPLOAD_AT_REFRESH
+        model = plan.buffer(Buf.MODEL)
+        self._frees_model_when_kept = model is not None and model.lifetime in (Lifetime.REFRESH_TO_FORWARD, Lifetime.GATHER)
+        self._settles_before_freeing_lean = self.lean_model and plan.config.residence is ResidenceKind.HOST
 
     def _release_lean_model(self) -> None:
         """Free a lean model shard once its gather has landed. Under host offload it is a host
@@ -151,7 +159,7 @@ class BufferWeights:
         is settled first: the host never frees or writes a host buffer a copy may still read
         (the offload part's ordering rule; this device's allocator is not relied on for it)."""
         if self.lean_model:
-            if self.group.offload.on_host:
+            if self._settles_before_freeing_lean:
                 self.group.offload.settle()
             self.model.release_storage()
 
@@ -168,12 +176,10 @@ class BufferWeights:
         (``shard numel x param_dtype size``, alive at the backward peak otherwise). Should a
         gather come first after all (``reshard()``, micro-batches), it casts the shard again from
         the main weights: the same values, as ``persistent_param_shard=False`` does every time.
-        Kept under HFSDP, where only a collective rebuilds it, and under offload."""
-        g, model = self.group, self.model
-        if model is None or model is g.main or g.offload.on_host or not g.strategy.shard_optim:
-            return
-        if g.placements.model is None and not model.is_storage_released():
-            model.release_storage()
+        Kept under HFSDP, where only a collective rebuilds it, and under offload (the plan's
+        lifetime of the model shard says which)."""
+        if self._frees_model_when_kept and not self.model.is_storage_released():
+            self.model.release_storage()
 
     @without_grad
     def refresh(self, model_current: bool) -> None:
