@@ -40,11 +40,12 @@ destruction of a mesh or group that lived until then does. After :func:`shutdown
 thread is left, so there is nothing to wait for and the spin is skipped.
 
 Forking after importing torch and ``torch._dynamo`` (which DTensor imports on first use; no thread
-exists yet) makes a trial cost a fraction of a fresh interpreter; ``P`` trials run at once.
+exists yet) makes a trial cost a fraction of a fresh interpreter; ``P`` trials run at once, of any of the modes
+given (a mode's trials start in order, the next mode's as slots free up).
 (Imported before ``init_process_group``, ``torch.distributed.nn.functional`` captures no group
 here; ``test_teardown.py`` covers that case in-process.) Prints one JSON line per mode: trials,
 aborted (trials in which a rank died of SIGABRT), failed (other bad exits, as "trial/rank:
-status").
+status"), as each mode's last trial ends.
 """
 
 from __future__ import annotations
