@@ -24,26 +24,37 @@ N, M = 12, 12
 TINY = ["--size", "tiny", "--world", "2"]
 
 
-def _demo(out: Path, name: str, *args: str) -> dict:
-    """Run the demo; its stdout and its per-step global losses."""
+def _launch(out: Path, name: str, *args: str) -> tuple[subprocess.Popen, Path]:
+    """Start the demo; its process and the file it logs the per-step global losses to."""
     log = out / f"{name}.json"
-    run = subprocess.run(
-        [sys.executable, str(ROOT / "tools" / "demo.py"), *TINY, "--loss-log", str(log), *args],
-        capture_output=True, text=True, timeout=240, cwd=ROOT,
-    )
-    assert run.returncode == 0, run.stdout + run.stderr
+    run = subprocess.Popen([sys.executable, str(ROOT / "tools" / "demo.py"), *TINY, "--loss-log", str(log), *args],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    return run, log
+
+
+def _finished(launched: tuple[subprocess.Popen, Path]) -> dict:
+    """Wait for a demo; its stdout and its per-step global losses."""
+    run, log = launched
+    try:
+        stdout, stderr = run.communicate(timeout=240)
+    finally:
+        run.kill()  # a no-op once it has exited
+    assert run.returncode == 0, stdout + stderr
     # a clean exit: no rank aborted in teardown, nothing left for the resource tracker to reap
     for trouble in ("terminate called", "leaked semaphore"):
-        assert trouble not in run.stderr, run.stderr
-    return {"stdout": run.stdout, **json.loads(log.read_text())}
+        assert trouble not in stderr, stderr
+    return {"stdout": stdout, **json.loads(log.read_text())}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
+    """The uninterrupted run and the first part of the interrupted one are independent (their own
+    checkpoint directories): they run at once, most of each being interpreter start-up."""
     out = tmp_path_factory.mktemp("demo")
-    whole = _demo(out, "whole", "--steps", str(N + M), "--checkpoint", str(out / "whole"))
-    first = _demo(out, "first", "--steps", str(N), "--checkpoint", str(out / "resumed"))
-    second = _demo(out, "second", "--steps", str(M), "--checkpoint", str(out / "resumed"), "--resume")
+    whole = _launch(out, "whole", "--steps", str(N + M), "--checkpoint", str(out / "whole"))
+    first = _launch(out, "first", "--steps", str(N), "--checkpoint", str(out / "resumed"))
+    whole, first = _finished(whole), _finished(first)
+    second = _finished(_launch(out, "second", "--steps", str(M), "--checkpoint", str(out / "resumed"), "--resume"))
     return {"out": out, "whole": whole, "first": first, "second": second}
 
 

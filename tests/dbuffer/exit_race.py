@@ -40,11 +40,12 @@ destruction of a mesh or group that lived until then does. After :func:`shutdown
 thread is left, so there is nothing to wait for and the spin is skipped.
 
 Forking after importing torch and ``torch._dynamo`` (which DTensor imports on first use; no thread
-exists yet) makes a trial cost a fraction of a fresh interpreter; ``P`` trials run at once.
+exists yet) makes a trial cost a fraction of a fresh interpreter; ``P`` trials run at once, of any of the modes
+given (a mode's trials start in order, the next mode's as slots free up).
 (Imported before ``init_process_group``, ``torch.distributed.nn.functional`` captures no group
 here; ``test_teardown.py`` covers that case in-process.) Prints one JSON line per mode: trials,
 aborted (trials in which a rank died of SIGABRT), failed (other bad exits, as "trial/rank:
-status").
+status"), as each mode's last trial ends.
 """
 
 from __future__ import annotations
@@ -184,35 +185,60 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _trials(mode: str, trials: int, parallel: int, forced: bool) -> dict:
-    """Run ``trials`` trials of ``mode`` in the parent; a forked rank raises SystemExit instead."""
-    aborted, failed = 0, []
-    for first in range(0, trials, parallel):
-        batch = {}
-        for trial in range(first, min(trials, first + parallel)):
-            port, go, pids = _free_port(), os.pipe(), []
-            for rank in range(WORLD):
-                pid = os.fork()
-                if pid == 0:
-                    try:
-                        status = _rank(rank, port, mode, forced, go)
-                    except BaseException:
-                        import traceback
+def _start_trial(mode: str, forced: bool) -> tuple[list[int], tuple[int, int]]:
+    """Fork one trial's ranks; in a forked rank, raise SystemExit instead of returning."""
+    port, go, pids = _free_port(), os.pipe(), []
+    for rank in range(WORLD):
+        pid = os.fork()
+        if pid == 0:
+            try:
+                status = _rank(rank, port, mode, forced, go)
+            except BaseException:
+                import traceback
 
-                        traceback.print_exc()
-                        status = 1
-                    sys.stdout.flush()
-                    raise SystemExit(status)  # unwinds to the top: a full finalisation
-                pids.append(pid)
-            batch[trial] = pids, go
-        for trial, (pids, go) in batch.items():
-            statuses = [os.waitpid(pid, 0)[1] for pid in pids]
-            os.close(go[0])
-            os.close(go[1])
-            abort = [os.WIFSIGNALED(s) and os.WTERMSIG(s) == signal.SIGABRT for s in statuses]
-            aborted += any(abort)
-            failed += [f"{trial}/{r}: {_describe(s)}" for r, s in enumerate(statuses) if s and not abort[r]]
-    return {"mode": mode, "forced": forced, "trials": trials, "aborted": aborted, "failed": failed}
+                traceback.print_exc()
+                status = 1
+            sys.stdout.flush()
+            raise SystemExit(status)  # unwinds to the top: a full finalisation
+        pids.append(pid)
+    return pids, go
+
+
+def _trials(modes: list[str], trials: int, parallel: int, forced: bool):
+    """Run ``trials`` trials of each mode, at most ``parallel`` at once across the modes (in the
+    order given: a mode's trials start before the next mode's); yields each mode's result (with
+    the seconds from its first trial's start to its last one's end) as its last trial ends."""
+    queue = [(mode, trial) for mode in modes for trial in range(trials)]
+    results = {mode: {"mode": mode, "forced": forced, "trials": trials, "aborted": 0, "failed": []} for mode in modes}
+    started, left = {}, {mode: trials for mode in modes}
+    running: dict[int, tuple[tuple[str, int], int]] = {}  # pid -> ((mode, trial), rank)
+    statuses: dict[tuple[str, int], dict[int, int]] = {}  # (mode, trial) -> rank -> wait status
+    pipes = {}
+    while queue or running:
+        while queue and len(pipes) < parallel:
+            mode, trial = queue.pop(0)
+            started.setdefault(mode, time.monotonic())
+            pids, pipes[mode, trial] = _start_trial(mode, forced)
+            running.update({pid: ((mode, trial), rank) for rank, pid in enumerate(pids)})
+            statuses[mode, trial] = {}
+        pid, status = os.wait()
+        if pid not in running:
+            continue
+        job, rank = running.pop(pid)
+        mode, trial = job
+        statuses[job][rank] = status
+        if len(statuses[job]) < WORLD:
+            continue
+        go = pipes.pop(job)
+        os.close(go[0])
+        os.close(go[1])
+        by_rank = [statuses[job][r] for r in range(WORLD)]
+        abort = [os.WIFSIGNALED(s) and os.WTERMSIG(s) == signal.SIGABRT for s in by_rank]
+        results[mode]["aborted"] += any(abort)
+        results[mode]["failed"] += [f"{trial}/{r}: {_describe(s)}" for r, s in enumerate(by_rank) if s and not abort[r]]
+        left[mode] -= 1
+        if not left[mode]:
+            yield {**results[mode], "seconds": round(time.monotonic() - started[mode], 1)}
 
 
 def main(argv: list[str]) -> int:
@@ -223,10 +249,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--forced", action="store_true", help="make every destroy-only trial abort (see above)")
     args = parser.parse_args(argv)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    for mode in args.modes:
-        start = time.monotonic()
-        result = _trials(mode, args.trials, args.parallel, args.forced)
-        print(json.dumps({**result, "seconds": round(time.monotonic() - start, 1)}), flush=True)
+    for result in _trials(args.modes, args.trials, args.parallel, args.forced):
+        print(json.dumps(result), flush=True)
     return 0
 
 

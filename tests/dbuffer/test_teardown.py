@@ -26,25 +26,24 @@ from dbuffer.teardown import shutdown
 
 ROOT = Path(__file__).resolve().parents[2]
 TRIALS = 2
+PARALLEL = 4  # trials at once: as many as the two scripts of two trials each that ran before
 
 
 def test_forced_exit_race_aborts_without_the_exit_guard_and_never_with_it_or_after_shutdown() -> None:
     """The race forced in every trial (exit_race.py --forced): a recipe that ends without
     ``shutdown`` (``destroy_process_group`` alone, or a framework's exit that keeps the mesh and
     a DTensor in a global, destroying the group or not) aborts when the exit guard ``import dbuffer`` registers is taken away,
-    and never with it; ``shutdown()`` and ``shutdown(0)`` never abort either. Two scripts run at
-    once (most of a guarded trial is a sleep that the forcing needs)."""
-    script = [sys.executable, str(ROOT / "tests" / "dbuffer" / "exit_race.py"), "--forced", "--trials", str(TRIALS),
-              "--parallel", str(TRIALS)]
-    runs = [subprocess.Popen(script + modes, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
-            for modes in (["destroy", "exit", "kept-destroy"], ["unguarded-destroy", "unguarded-exit", "shutdown",
-                                                              "shutdown-exit"])]
-    results, output = {}, ""
-    for run in runs:
-        out, err = run.communicate(timeout=300)
-        output += out + err
-        assert run.returncode == 0, output
-        results.update({r["mode"]: r for r in map(json.loads, out.splitlines())})
+    and never with it; ``shutdown()`` and ``shutdown(0)`` never abort either. One script, whose
+    trials of all the modes share ``PARALLEL`` slots (most of a guarded trial is a sleep that the
+    forcing needs), the long guarded ones first."""
+    modes = ["destroy", "exit", "kept-destroy", "shutdown", "unguarded-destroy", "unguarded-exit", "shutdown-exit"]
+    run = subprocess.run([sys.executable, str(ROOT / "tests" / "dbuffer" / "exit_race.py"), "--forced",
+                          "--trials", str(TRIALS), "--parallel", str(PARALLEL), *modes],
+                         capture_output=True, text=True, cwd=ROOT, timeout=300)
+    output = run.stdout + run.stderr
+    assert run.returncode == 0, output
+    results = {r["mode"]: r for r in map(json.loads, run.stdout.splitlines())}
+    assert sorted(results) == sorted(modes), output
     # Without the guard the recipes abort: the test can see the bug ...
     for mode in ("unguarded-destroy", "unguarded-exit"):
         assert (results[mode]["aborted"], results[mode]["failed"]) == (TRIALS, []), output

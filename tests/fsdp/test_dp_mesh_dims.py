@@ -111,8 +111,9 @@ def _shard(model: nn.Module, mesh, dims, impl: str, bf16: bool = False) -> None:
     shard_fn(model, mesh=mesh, dp_mesh_dims=dims, **kw)
 
 
-def _train_full_dtensor(ref: nn.Module, batches, shape, names, dims, impl: str, bf16: bool = False) -> dict:
-    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+def _train_full_dtensor(ref: nn.Module, batches, shape, names, dims, impl: str, bf16: bool = False,
+                        mesh=None) -> dict:
+    mesh = mesh or init_device_mesh("cpu", shape, mesh_dim_names=names)
     model = distribute_full(copy.deepcopy(ref), mesh)
     _shard(model, mesh, dims, impl, bf16)
     out = {
@@ -135,6 +136,18 @@ def _train_full_dtensor(ref: nn.Module, batches, shape, names, dims, impl: str, 
         opt.zero_grad()
     out["after"] = {n: _full(p) for n, p in model.named_parameters()}
     return out
+
+
+def _train_fsdp2_then_fsdp(ref: nn.Module, batches, shape, names, dims, bf16: bool = False) -> tuple[dict, dict]:
+    """FSDP2 (the control, on a fresh mesh in a fresh rank thread), then fsdp on the same mesh in
+    the same thread: DTensor's sharding propagation caches are per thread and cost seconds per
+    op to fill on a 2-D mesh, so the second run reuses them (an equal new mesh cannot: the cached
+    results name the old mesh, which FSDP2's check that the parameters' mesh is the one passed
+    refuses, and fsdp's output DTensors would too)."""
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    theirs = _train_full_dtensor(ref, batches, shape, names, dims, "torch", bf16, mesh)
+    ours = _train_full_dtensor(ref, batches, shape, names, dims, "fsdp", bf16, mesh)
+    return ours, theirs
 
 
 def _reference(model: nn.Module, batches, dp: int) -> dict:
@@ -164,11 +177,10 @@ def _check(shape, names, dims, expect: dict, steps: int = STEPS) -> None:
     model, batches = make_model(), make_batches(steps)
     world, dp = math.prod(shape), math.prod(shape[names.index(n)] for n in _dp_names(dims))
     want = _reference(model, batches, dp)
-    ours = run_ranks(_train_full_dtensor, world, model, batches, shape, names, dims, "fsdp", backend="threaded")
-    theirs = run_ranks(_train_full_dtensor, world, model, batches, shape, names, dims, "torch", backend="threaded")
+    both = run_ranks(_train_fsdp2_then_fsdp, world, model, batches, shape, names, dims, backend="threaded")
     initial = dict(model.named_parameters())
     for rank in range(world):
-        a, b = ours[rank], theirs[rank]
+        a, b = both[rank]
         assert a["placements"] == b["placements"], (a["placements"], b["placements"])
         for fqn, placements in expect.items():
             assert a["placements"][fqn] == (placements, names), (fqn, a["placements"][fqn])
