@@ -31,7 +31,6 @@ flags to ``tools/demo.py``; ``tools/dev.py test ...`` to pytest, not checked her
 from __future__ import annotations
 
 import ast
-import json
 import os
 import re
 import socket
@@ -261,40 +260,14 @@ def tool_commands() -> list[tuple[str, str, list[str]]]:
     return out
 
 
-# Runs each tool as ``python3 <tool> --help`` would (as ``__main__``, that argv, sys.path as the
-# interpreter sets it for a script: the tool's folder first), one after another in one child
-# process, so that torch is imported once, not once per tool. Before each tool, sys.path is put
-# back and the modules of this repository are forgotten: each tool imports them itself, and one
-# that cannot (no repository root on its path) fails as it would alone.
-_HELP_LOOP = """
-import contextlib, io, json, os, runpy, sys, traceback
-root, path, out = os.getcwd(), list(sys.path[1:]), {}
-for tool in sys.argv[1:]:
-    for name, module in list(sys.modules.items()):
-        if (getattr(module, "__file__", None) or "").startswith(root + os.sep):
-            del sys.modules[name]
-    sys.argv, sys.path[:] = [tool, "--help"], [os.path.dirname(os.path.abspath(tool)), *path]
-    text, err, code = io.StringIO(), io.StringIO(), 0
-    with contextlib.redirect_stdout(text), contextlib.redirect_stderr(err):
-        try:
-            runpy.run_path(tool, run_name="__main__")
-        except SystemExit as exc:
-            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-        except BaseException:
-            code, _ = 1, err.write(traceback.format_exc())
-    out[tool] = [code, text.getvalue(), err.getvalue()]
-print(json.dumps(out))
-"""
-
-
 def _helps(tools: set[str]) -> dict[str, str]:
-    """Each tool's ``--help`` text and exit, the tools run one after another in one fresh process."""
-    run = subprocess.run([sys.executable, "-c", _HELP_LOOP, *sorted(tools)], capture_output=True, text=True,
-                         cwd=ROOT, timeout=300)
-    assert run.returncode == 0, run.stdout + run.stderr
+    """Each tool's ``--help`` text, the tools started all at once (each imports torch)."""
+    runs = {t: subprocess.Popen([sys.executable, str(ROOT / t), "--help"], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, cwd=ROOT) for t in sorted(tools)}
     out = {}
-    for tool, (code, stdout, stderr) in json.loads(run.stdout.splitlines()[-1]).items():
-        assert code == 0 and "usage:" in stdout, f"{tool} --help failed:\n{stdout}\n{stderr}"
+    for tool, run in runs.items():
+        stdout, stderr = run.communicate(timeout=180)
+        assert run.returncode == 0 and "usage:" in stdout, f"{tool} --help failed:\n{stdout}\n{stderr}"
         out[tool] = stdout
     return out
 
