@@ -179,7 +179,9 @@ class PreparedSlot:
     same ``(source, placements, out)`` objects and prepared again when any of them differs:
     for a caller that moves its own, long-lived buffers (what it holds, the slot holds: pass
     temporaries to ``redistribute`` instead). Never stale: a DBuffer never changes what a
-    preparation fixed, and identity is compared, not equality."""
+    preparation fixed, and identity is compared, not equality. :meth:`start` raises what
+    ``prepare_redistribute`` raises for a new set of arguments, and ``ValueError`` for an
+    ``out`` whose storage is released, both before any collective."""
 
     __slots__ = ("_op",)
 

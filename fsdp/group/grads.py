@@ -26,8 +26,7 @@ when they change); the gradient state it keeps to itself.
 
 from __future__ import annotations
 
-import enum
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Callable, Optional
 
 import torch
@@ -35,27 +34,12 @@ from torch.distributed.tensor import DTensor
 
 from dbuffer import DBuffer, Pending, PreparedSlot
 from fsdp.group.grad_mode import without_grad
-from fsdp.group.main_grad_state import ALLOWED, MainGrad, check_move
+from fsdp.group.main_grad_state import ALLOWED, InFlight, MainGrad, Reduction, check_move
 from fsdp.group.parts import ReducerGroup
 from fsdp.group.plan import FoldWhen, ReduceCollective, ReducePlan, ReduceRoute, Where
 from fsdp.group.policy import converted
 
-__all__ = ["GradReducer", "InFlight", "Reduction"]
-
-
-class Reduction(enum.Enum):
-    """What a reduction in flight does with its result once it lands."""
-
-    OVERWRITE = "overwrite"  # main_grad held nothing live: the result replaces it
-    ACCUMULATE = "accumulate"  # added to main_grad (micro-batches)
-    DEFERRED = "deferred"  # HSDP, all-reduce deferred: reduce-scattered sums kept for later
-
-
-@dataclass
-class InFlight:
-    pending: Pending
-    kind: Reduction
-    folded: bool = False  # divided and folded into main_grad at its launch: nothing left to do with it
+__all__ = ["GradReducer", "InFlight", "Reduction"]  # the last two: fsdp.group.main_grad_state
 
 
 class GradReducer:
@@ -76,6 +60,8 @@ class GradReducer:
         self._held: dict[int, torch.Tensor] = {}  # autograd's gradients, until the group has them all
         self._in_flight: Optional[InFlight] = None
         self._direct = PreparedSlot()  # grad_in reduced straight into main_grad: prepared once
+        self._temporary: Optional[DBuffer] = None  # REDUCE_OUT, kept: storage only while a reduction uses it
+        self._into_temporary = PreparedSlot()
         # HSDP, set_requires_all_reduce(False): the deferred (Partial x Shard) sums and their parameters.
         self._partial: Optional[DBuffer] = None
         self._partial_members: set[int] = set()
@@ -252,7 +238,8 @@ class GradReducer:
             if step is ReduceRoute.DIRECT:
                 pending = g.reduce_into(source, target_pl, self.main_grad, kept=self._direct if source is self.grad_in else None)
             elif step is ReduceRoute.TEMPORARY:
-                pending = g.reduce_into(source, target_pl, g.sibling(target_pl, reduce_dtype, zero_fill=False))
+                kept = self._into_temporary if source is self.grad_in else None
+                pending = g.reduce_into(source, target_pl, self._reduce_out(target_pl, reduce_dtype), kept=kept)
                 # Folded now, on this stream, if that blocks no host (FSDP2's order), so that the
                 # temporary is not alive through the next unit's backward (the plan says where
                 # it may be: not under host offload, a download, nor a custom comm, whose staging
@@ -264,6 +251,20 @@ class GradReducer:
                 pending = self._allreduce_in_place()
         self._local = set()
         self._in_flight = InFlight(pending, kind, folded)
+
+    def _reduce_out(self, placements: tuple, dtype: torch.dtype) -> DBuffer:
+        """The reduction's temporary output, given storage: one buffer kept between reductions
+        (a prepared move's target), rebuilt when its placements or dtype change."""
+        out = self._temporary
+        if out is None or out.placements != placements or out.dtype != dtype:
+            out = self._temporary = self.group.sibling(placements, dtype, zero_fill=False)
+        else:
+            out.reallocate_storage()
+        return out
+
+    def _release_temporary(self) -> None:
+        if self._temporary is not None and not self._temporary.is_storage_released():
+            self._temporary.release_storage()
 
     def defers_all_reduce(self) -> bool:
         """Whether a reduction now would reduce-scatter only and keep partial sums (HSDP with
@@ -353,6 +354,7 @@ class GradReducer:
                     self.main_grad.release_storage()
         self._local, self._held, self._seen = set(), {}, set()
         self._partial, self._partial_members = None, set()
+        self._release_temporary()
         if not self.grad_in.is_storage_released():
             self.grad_in.release_storage()
 
@@ -383,6 +385,7 @@ class GradReducer:
             self.grad_in.release_storage()
             self._gaps = None
             self._direct.clear()
+            self._into_temporary.clear()
         g.reduction = new
 
     # ------------------------------------------------------------------ main_grad and .grad
@@ -447,6 +450,7 @@ class GradReducer:
             self.group.streams.wait(self.group.streams.reduce_scatter)  # a folded reduction still adds on it
             self._in_flight.pending.wait()
             self._in_flight = None
+            self._release_temporary()
         self.group.offload.settle()
         self._local = set()
         self._held = {}
@@ -475,6 +479,7 @@ class GradReducer:
         self.grad_in = converted(old_in, dtypes.reduce)
         self.main_grad = in_residence(converted(old_main, dtypes.main_grad))
         self._direct.clear()
+        self._into_temporary.clear()
         if self.main_grad is not old_main:
             self.main_grad_views = self.make_views()  # made while it has storage
         for new, old in ((self.grad_in, old_in), (self.main_grad, old_main)):

@@ -18,15 +18,20 @@ The moves (:data:`ALLOWED`), by the reducer's method that makes them: a reductio
 backward's overwrite discarded: ``FILLED -> EMPTY``, ``ATTACHED -> ZEROED``); everything dropped
 (``zero_grad()`` set every ``.grad`` to None, or :mod:`fsdp.optim` zeroed: any ``-> EMPTY``).
 A move outside the table is a bug in the reducer: :func:`check_move` raises naming both states.
+A reduction in flight (:class:`InFlight`) says what it does to ``main_grad`` when it lands
+(:class:`Reduction`).
 """
 
 from __future__ import annotations
 
+import enum
+from dataclasses import dataclass
 from enum import auto
 
+from dbuffer import Pending
 from fsdp.group.state_enum import StateEnum
 
-__all__ = ["ALLOWED", "MainGrad", "MainGradStateError", "check_move"]
+__all__ = ["ALLOWED", "InFlight", "MainGrad", "MainGradStateError", "Reduction", "check_move"]
 
 
 class MainGrad(StateEnum):
@@ -80,3 +85,18 @@ def check_move(params: str, current: MainGrad, target: MainGrad) -> MainGrad:
             f"from {current.name} it may enter {sorted(s.name for s in ALLOWED[current])}"
         )
     return target
+
+
+class Reduction(enum.Enum):
+    """What a reduction in flight does with its result once it lands."""
+
+    OVERWRITE = "overwrite"  # main_grad held nothing live: the result replaces it
+    ACCUMULATE = "accumulate"  # added to main_grad (micro-batches)
+    DEFERRED = "deferred"  # HSDP, all-reduce deferred: reduce-scattered sums kept for later
+
+
+@dataclass
+class InFlight:
+    pending: Pending
+    kind: Reduction
+    folded: bool = False  # divided and folded into main_grad at its launch: nothing left to do with it
