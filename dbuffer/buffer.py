@@ -272,12 +272,7 @@ class DBuffer(TensorViews, StorageLifetime):
         storage when the prepared redistribute runs)."""
         target, steps = self._plan_to(placements)
         self._check_out(out, target, self.dtype, "prepare_redistribute", out_mismatch)
-        last = None
-        if steps:
-            step = steps[-1]
-            size, group = (self.mesh.shape[step.axis], None) if step.kind == "scatter" else self._axis_group(step.axis)
-            segments = self._sparse_owned_segments(size) if step.kind in ("allgather", "reduce_scatter") else None
-            last = (size, group, segments)
+        last = self._step_facts(steps[-1]) if steps else None
         return PreparedRedistribute(self, out, placements, target, steps, last)
 
     # Plans kept per buffer: more distinct targets than this (a user's loop over many) start over.
@@ -383,17 +378,21 @@ class DBuffer(TensorViews, StorageLifetime):
 
     def _run(self, step: Step, out: "DBuffer | None", async_op: bool) -> Pending:
         """Run one step (arguments already validated). The Pending's wait() returns a DBuffer."""
-        if step.kind == "scatter":  # a local slice: no group
-            size, group = self.mesh.shape[step.axis], None
-            if out is None:
-                piece = self.local_buffer.view(size, -1)[self._coordinate[step.axis]]
-                return done(self._like(step.after, local_buffer=piece))
-        else:
-            size, group = self._axis_group(step.axis)
+        size, group, segments = self._step_facts(step)
+        if out is None and step.kind == "scatter":  # a local slice: a view
+            piece = self.local_buffer.view(size, -1)[self._coordinate[step.axis]]
+            return done(self._like(step.after, local_buffer=piece))
         if out is None:
             out = self._like(step.after, local_buffer=_empty_for(self, step.after))
-        segments = self._sparse_owned_segments(size) if step.kind in ("allgather", "reduce_scatter") else None
         return run_step(self, step, out, async_op, size, group, segments)
+
+    def _step_facts(self, step: Step) -> tuple[int, object, list[tuple[int, int, int]] | None]:
+        """``(size, process group, sparse Owned segments)`` a step of this buffer runs with: a
+        local scatter has no group, only gathers and reductions to owners take segments."""
+        if step.kind == "scatter":
+            return self.mesh.shape[step.axis], None, None
+        size, group = self._axis_group(step.axis)
+        return size, group, self._sparse_owned_segments(size) if step.kind in ("allgather", "reduce_scatter") else None
 
     # Owned buffers move only each owner's used range (gather: broadcasts; reduction to the
     # owners: one all-to-all of unequal splits) once padded shards would carry this many times

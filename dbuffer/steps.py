@@ -7,8 +7,8 @@ step's collective, :func:`run_step` runs it between two DBuffers (the in-flight 
 keeps a release from freeing memory it touches included). :class:`PreparedRedistribute` is a
 redistribute whose checks and plan were made once, for a caller that moves the same two buffers
 the same way many times (fsdp, every step): its :meth:`~PreparedRedistribute.start` runs the
-plan and tests nothing but the ``out`` storage. An Owned buffer whose shards are mostly padding takes a sparse path: each
-owner's used range (:func:`owned_segments`) is broadcast, or reduced to its owner by one
+plan and tests nothing but the ``out`` storage. An Owned buffer whose shards are mostly padding
+takes a sparse path: each owner's used range (:func:`owned_segments`) is broadcast, or reduced to its owner by one
 all-to-all of unequal splits, instead of moving padded shards.
 """
 

@@ -171,4 +171,3 @@ def _adoptable(assigned, ours: DTensor, mesh: DeviceMesh) -> bool:
         and assigned.device_mesh == mesh
         and not weakref.getweakrefs(assigned)
     )
-
