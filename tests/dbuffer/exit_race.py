@@ -34,8 +34,10 @@ mesh, ``destroy_process_group``) hits it on this 2-core machine.
 all-gather unwaited (rank 1 joins it 0.3 s after rank 0 starts its teardown), runs the other
 ``atexit`` hooks early (the exit guard, where the mode has it, is registered again to run at
 exit, as it does last in a real exit), and spins holding the GIL (switch interval 60 s, gc off)
-until gloo's worker, done with the all-gather, has asked for the GIL (a new Python thread state
-appears). A global whose ``__del__`` sleeps then releases the GIL during finalisation, as the
+until gloo's worker, done with the all-gather, has asked for the GIL: rank 1's part of it has
+returned (a byte the ranks share says so) and a new Python thread state has appeared; 0.2 s more,
+in case that state was another thread's (a request from an earlier work's cleanup that came
+first, whose end does not abort). A global whose ``__del__`` sleeps then releases the GIL during finalisation, as the
 destruction of a mesh or group that lived until then does. After :func:`shutdown` no gloo
 thread is left, so there is nothing to wait for and the spin is skipped.
 
@@ -55,6 +57,7 @@ import atexit
 import ctypes
 import gc
 import json
+import mmap
 import os
 import select
 import signal
@@ -127,8 +130,9 @@ def _work(rank: int, mode: str) -> None:
         dist.all_gather_object(out, {"rank": rank, "i": i, "payload": list(range(64))})
 
 
-def _rank(rank: int, port: int, mode: str, forced: bool, go: tuple[int, int]) -> int:
-    """One rank's work and teardown; returns its exit status (``sys.exit`` follows)."""
+def _rank(rank: int, port: int, mode: str, forced: bool, go: tuple[int, int], joined: mmap.mmap) -> int:
+    """One rank's work and teardown; returns its exit status (``sys.exit`` follows). ``joined``: a
+    byte shared by the trial's ranks, set by rank 1 once its part of the unwaited all-gather returned."""
     torch.set_num_threads(1)
     guarded = mode in ("destroy", "exit", "kept-destroy")
     if forced or not guarded:
@@ -151,6 +155,7 @@ def _rank(rank: int, port: int, mode: str, forced: bool, go: tuple[int, int]) ->
             time.sleep(0.3)  # by then rank 0's destroy_process_group has returned (or its
             # shutdown waits in the barrier, which waits for this all-gather)
             dist.all_gather(outputs, torch.ones(256))
+            joined[0] = 1
     status = 0
     if mode in ("destroy", "kept-destroy", "unguarded-destroy"):
         dist.destroy_process_group()
@@ -166,8 +171,11 @@ def _rank(rank: int, port: int, mode: str, forced: bool, go: tuple[int, int]) ->
         if guarded:
             atexit.register(exit_guard)  # the last hook of a real exit: the only one left
         deadline = time.monotonic() + 30.0
-        while _thread_states() == states and time.monotonic() < deadline:
+        while (not joined[0] or _thread_states() == states) and time.monotonic() < deadline:
             pass  # holding the GIL while gloo's worker finishes the all-gather and asks for it
+        settle = time.monotonic() + 0.2  # another thread's request (an earlier work's) may have come first
+        while time.monotonic() < settle:
+            pass
         global _RELEASER
         _RELEASER = _ReleaseGILWhenFinalised()
     return status
@@ -188,11 +196,12 @@ def _free_port() -> int:
 def _start_trial(mode: str, forced: bool) -> tuple[list[int], tuple[int, int]]:
     """Fork one trial's ranks; in a forked rank, raise SystemExit instead of returning."""
     port, go, pids = _free_port(), os.pipe(), []
+    joined = mmap.mmap(-1, 1)  # anonymous and shared with the forked ranks; read without releasing the GIL
     for rank in range(WORLD):
         pid = os.fork()
         if pid == 0:
             try:
-                status = _rank(rank, port, mode, forced, go)
+                status = _rank(rank, port, mode, forced, go, joined)
             except BaseException:
                 import traceback
 

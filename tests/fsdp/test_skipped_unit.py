@@ -139,8 +139,11 @@ def test_same_sized_units_pair_up_until_the_ranks_part_and_the_error_says_so() -
 
 def test_fsdp2_in_the_same_case_times_out_naming_nothing() -> None:
     """The reference: torch FSDP2 on the same model (same-sized units) fails only at the
-    timeout, with gloo's message."""
+    timeout, with gloo's message: a rank's timeout, and on the other rank either its own timeout or,
+    when the first rank's timeout closed their connection first, gloo's "Connection closed by peer"."""
     results = run_ranks(_step_with_images_on_rank_0, 2, "fsdp2", 8, 8, False, backend="gloo", timeout=90)
+    assert any("Timed out waiting" in message for _, message, _ in results), results
     for kind, message, seconds in results:
-        assert "Timed out waiting" in message and "encoder" not in message and "layers" not in message, results
+        assert "Timed out waiting" in message or "Connection closed by peer" in message, results
+        assert "encoder" not in message and "layers" not in message, results
         assert seconds >= TIMEOUT - 1, results
