@@ -99,7 +99,6 @@ class SubclassWeights:
     outputs (``send``), and the unsharded parameters are what ``fsdp_post_all_gather`` builds.
     Gradients use the group's chunked gradient buffers unchanged (plain ``Shard(0)`` pieces)."""
 
-    keeps_post_forward_slice = False  # it gathers the pre-all-gather outputs, not the model shard
     keep_unsharded_storage = False  # FSDP2's set_keep_unsharded_storage (see BufferWeights)
     dtype_fixed = (
         "tensor-subclass parameters (all-gather extensions) keep the dtype they had at fully_shard; "
@@ -326,9 +325,10 @@ class SubclassWeights:
     shares_gather = True  # its gather lands in rank-major rows it copies out of anyway
 
     def keep_slice(self, post) -> None:
-        """Never called: :attr:`keeps_post_forward_slice` is False, so ``reshard_after_forward=n``
-        frees these weights whole (the group never gives them a slice to keep)."""
-        raise RuntimeError("tensor-subclass weights keep no post-forward slice (keeps_post_forward_slice is False)")
+        """Never called: the plan keeps no slice of tensor-subclass parameters
+        (:func:`~fsdp.group.plan.can_keep_slice`), so ``reshard_after_forward=n`` frees these
+        weights whole: it gathers the pre-all-gather outputs, not a model shard."""
+        raise RuntimeError("tensor-subclass weights keep no post-forward slice (the plan keeps none)")
 
     def begin_gather(self, kind: GatherKind = GatherKind.OWN) -> Optional[DBuffer]:
         if kind is GatherKind.SHARED:

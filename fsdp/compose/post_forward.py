@@ -69,7 +69,7 @@ def enable_post_forward_slices(groups: list, mesh: DeviceMesh, n: int) -> None:
     view = post_forward_mesh(mesh, n)
     for group in groups:
         if group.mesh is mesh and group.can_keep_post_forward_slice():
-            group.post_forward = PostForwardShard(group.weights.gathered_buffer(), view)
+            group.unsharder.post_forward = PostForwardShard(group.weights.gathered_buffer(), view)
             group.replan()
 
 

@@ -89,12 +89,12 @@ def convert(group: ParameterGroup, dtype: Optional[torch.dtype] = None, device=N
     check_swappable(group)
     if group.initialising:
         raise RuntimeError("convert() inside init_weights: convert the module before or after")
-    group.wait_unshard()
+    group.unsharder.wait_unshard()
     group.dtypes = dtypes
     group.main = group.offload.in_residence(converted(group.main, dtypes.main))
     group.replan()  # the weights are built, and the gradients rebuilt, for the new dtypes' plan
     group.weights.build(group.plan)
-    group.forget_gathered()
+    group.unsharder.rebuilt(group.streams)
     if group.grads is not None:
         group.grads.convert(dtypes, in_residence=group.offload.in_residence)
     swap_in(group.sharded_params, group.weights.new_sharded_params())

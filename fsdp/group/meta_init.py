@@ -55,7 +55,7 @@ def materialize(group: ParameterGroup, device: torch.device) -> None:
     if group.grads is not None:
         group.grads = group.grads.rebuilt()
     swap_in(group.sharded_params, group.weights.new_sharded_params())
-    group.forget_gathered()
+    group.unsharder.rebuilt(group.streams)
 
 
 @torch.no_grad()
@@ -68,8 +68,8 @@ def adopt_assigned(group: ParameterGroup) -> bool:
     (contents swapped, identity kept), so an optimizer built on it trains the model.
     Collective when its layout differs from fsdp's (a ``full_tensor()``): every rank of the mesh
     adopts the same parameters. Anything else assigned raises at the next registration
-    (``ParameterGroup.check_registered``). Returns whether anything was adopted."""
-    if group.registered is not group.sharded_params:
+    (``Unsharder.check_registered``). Returns whether anything was adopted."""
+    if group.unsharder.registered is not group.sharded_params:
         return False
     adopted = False
     for k, info in enumerate(group.infos):
@@ -89,7 +89,7 @@ def adopt_assigned(group: ParameterGroup) -> bool:
         _swap_in_one(group, k, have)
         adopted = True
     if adopted:
-        group.mark_stale()
+        group.unsharder.mark_stale()
     return adopted
 
 
@@ -99,7 +99,7 @@ def begin_init(group: ParameterGroup) -> None:
     if group.is_meta:  # init_weights without to_empty
         materialize(group, mesh_device(group.mesh))
     group.initialising = True
-    group.register(group.weights.init_params())
+    group.unsharder.register(group.weights.init_params())
 
 
 @torch.no_grad()
@@ -109,10 +109,10 @@ def end_init(group: ParameterGroup, commit: bool = True) -> None:
     (after a failed init function) only restores the registration."""
     group.weights.commit_init(commit)
     group.initialising = False
-    group.register_sharded_params()
+    group.unsharder.register_sharded_params()
     if commit:
-        group.mark_stale()
-        group.refresh()
+        group.unsharder.mark_stale()
+        group.unsharder.refresh()
 
 
 def check_swappable(group: ParameterGroup) -> None:

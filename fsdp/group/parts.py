@@ -103,7 +103,6 @@ class Weights(Protocol):
     :meth:`free_unsharded` after use."""
 
     shares_gather: bool  # its gathers may be one collective with the unit's other groups
-    keeps_post_forward_slice: bool  # reshard_after_forward=n may keep a slice of it
     dtype_fixed: Optional[str]  # why module.to(dtype) must not change its dtype (None: it may)
     keep_unsharded_storage: bool  # set_keep_unsharded_storage: storage stays across reshards
 

@@ -10,14 +10,14 @@ refresh after the optimizer, how the unsharded weights are made, what a gather r
 lands, what happens after forward, how gradients reach ``main_grad``).
 
 This first step states what the code does today (``weights.py``'s predicates,
-``ParameterGroup.refresh`` / ``launch_gather`` / ``reshard_after_forward``,
+``Unsharder.refresh`` / ``launch_gather`` / ``reshard_after_forward``,
 ``GradReducer.launch_reduce``, ``FSDPState._post_forward``); ``tests/fsdp/test_group_plan.py``
 checks its invariants over the whole configuration space, ``test_group_plan_agreement.py`` that
 it agrees with the groups ``fully_shard`` builds. A group holds its plan (``ParameterGroup.plan``,
 compiled again by ``replan()`` whenever something it is compiled from changes, from the
 :class:`GroupConfig` that :mod:`fsdp.group.configure` reads off it): its gradient reducer runs the
-``reduce`` route, its weights part ``model_refresh`` and ``gather_source``, the group's gather
-and reshard ``unsharding`` and ``sharing``; the rest follows, one route at a time. The planner
+``reduce`` route, its weights part ``model_refresh`` and ``gather_source``, its unsharder (gather
+and reshard) ``unsharding`` and ``sharing``; the rest follows, one route at a time. The planner
 imports nothing of the parts it plans.
 
 Not planned here: ``init_weights``' temporary full weights, the staging buffers of FSDP2's custom
@@ -35,7 +35,7 @@ import torch
 
 from fsdp.group.policy import Dtypes, Strategy
 
-__all__ = ["BufferPlan", "GroupConfig", "GroupPlan", "ReducePlan", "plan_group"]
+__all__ = ["BufferPlan", "GroupConfig", "GroupPlan", "ReducePlan", "can_keep_slice", "plan_group"]
 
 # ---------------------------------------------------------------------------------- configuration
 
@@ -348,12 +348,7 @@ def plan_group(c: GroupConfig) -> GroupPlan:
         source = GatherSource.OWN_ROW if into_row else shared
         landing = GatherLanding.GATHERED if chunk else GatherLanding.UNSHARDED
 
-    # after forward, and the backward's gather (ParameterGroup.can_keep_post_forward_slice: a
-    # packed layout; an Owned() one has no Shard(0) slice for n ranks and reshards fully)
-    slice_kept = (
-        c.slice_ranks is not None and c.params is ParamsKind.PLAIN and s.shard_params and c.mesh is MeshKind.FSDP
-        and not host and c.layout is not LayoutKind.OWNED
-    )
+    slice_kept = c.slice_ranks is not None and can_keep_slice(c)  # after forward, and the backward's gather
     if slice_kept:
         slice_pl = (Place.REPLICATE, Place.SHARD)
         bufs.append(BufferPlan(Buf.SLICE, slice_pl, d.model, Where.DEVICE, Lifetime.FORWARD_TO_BACKWARD))
@@ -377,6 +372,19 @@ def plan_group(c: GroupConfig) -> GroupPlan:
         after_forward=after, kept_after_forward=kept,
         backward_gather=backward, reduce=reduce,
         optim_state=Where.DEVICE if c.residence is ResidenceKind.DEVICE else Where.HOST,
+    )
+
+
+def can_keep_slice(c: GroupConfig) -> bool:
+    """Whether ``reshard_after_forward=n`` may keep a slice of a group of configuration ``c``:
+    ZeRO-3 plain parameters on a 1-D mesh without offload, in a packed layout (row-atomic, ragged
+    or FSDP2's chunks: :mod:`fsdp.compose.post_forward`). Not an ``Owned()`` group: its layout
+    puts each tensor whole on one of the ``W`` ranks, which cuts into no ``Shard(0)`` slice for
+    ``n`` ranks. Such a group, like every other one refused here, reshards fully after forward
+    and gathers over the whole mesh in backward, as ``reshard_after_forward=True``."""
+    return (
+        c.params is ParamsKind.PLAIN and c.strategy.shard_params and c.mesh is MeshKind.FSDP
+        and c.residence is not ResidenceKind.HOST and c.layout is not LayoutKind.OWNED
     )
 
 

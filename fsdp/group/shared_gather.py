@@ -9,7 +9,7 @@ side into one byte shard (FSDP2's all-gather copy-in), gathered once through a D
 group copies its part out of its ``[world, bytes]`` column range of the result, which is freed
 once the last of them has.
 
-The groups' own moves are unchanged (:meth:`~fsdp.group.param_group.ParameterGroup.join_gather`
+The groups' own moves are unchanged (:meth:`~fsdp.group.unsharder.Unsharder.join_gather`
 hands a group the shared collective and its rows); this module only packs, launches and frees.
 """
 
@@ -118,7 +118,7 @@ def gather_together(groups: Sequence[ParameterGroup], cache: dict) -> list[Param
     ``cache``: the unit's :class:`SharedGather` objects, kept between steps."""
     if len(groups) < 2:
         return []
-    batch = [g for g in groups if g.can_share_gather() and g.needs_gather()]  # refreshed by the unit already
+    batch = [g for g in groups if g.unsharder.can_share_gather() and g.unsharder.needs_gather()]  # refreshed by the unit already
     if not can_share(batch):
         return []
     for g in batch:  # on the compute stream: a released model shard is cast again
@@ -129,5 +129,5 @@ def gather_together(groups: Sequence[ParameterGroup], cache: dict) -> list[Param
         shared = shared_gather_for(cache, batch, sources)
         pending = shared.launch(sources)
     for index, g in enumerate(batch):
-        g.join_gather(pending, shared, index)
+        g.unsharder.join_gather(pending, shared, index)
     return batch

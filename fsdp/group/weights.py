@@ -50,7 +50,6 @@ class BufferWeights:
     (:attr:`GroupPlacements.model <fsdp.group.members.GroupPlacements>`) and a refresh casts
     ``main`` into ``cast_main`` and all-gathers that over the replicate axis."""
 
-    keeps_post_forward_slice = True  # reshard_after_forward=n may keep a slice of the gathered weights
     dtype_fixed: Optional[str] = None  # module.to(dtype) is allowed
     # The plan's routes, taken by build() / replanned(): a gather casts main into its own row
     # (GatherSource.OWN_ROW); no model shard is kept between gathers (lean: nothing to refresh,

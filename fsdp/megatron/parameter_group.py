@@ -185,7 +185,7 @@ class FsdpParameterGroup:
         weights = g.weights
         if weights.model is g.main and g.strategy.shard_params:
             return self.main_weight
-        if g.is_current():
+        if g.unsharder.is_current():
             if not g.strategy.shard_params:
                 return self._view("unsharded", weights.unsharded)
             if not weights.model.is_storage_released():
@@ -199,7 +199,7 @@ class FsdpParameterGroup:
 
     def sync_model_weight_from_main_weight(self) -> None:
         """The main weights changed: the next forward casts and gathers them afresh."""
-        self._group.mark_stale()
+        self._group.unsharder.mark_stale()
 
     def __repr__(self) -> str:
         return f"FsdpParameterGroup({list(self.parameter_names)}, dtype={self.dtype}, requires_grad={self.requires_grad})"

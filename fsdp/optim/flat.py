@@ -206,7 +206,7 @@ class FlatOptimizer(torch.optim.Optimizer):
                 model = model if written else None
             for k in group.grads.params_with_grads():
                 state["steps"][k] += 1
-            group.mark_stale(model_written=model is not None)
+            group.unsharder.mark_stale(model_written=model is not None)
         for _, (_, group, _) in plans:
             group.offload.settle()  # no copy of an offloaded state is in flight once step() returns
         return loss

@@ -11,7 +11,7 @@ steps silently change nothing the model uses. For groups whose optimizer state i
 They are installed by intent, not as a side effect of importing a module: ``import fsdp`` (the
 package's entry point) calls :func:`optimizer_step_hooks` once, so any optimizer works
 unchanged. ``fsdp.optimizer_step_hooks(False)`` removes them (and ``True`` puts them back); a
-program that turns them off must call ``group.mark_stale()`` on the groups an optimizer updated
+program that turns them off must call ``group.unsharder.mark_stale()`` on the groups an optimizer updated
 (``fsdp.FlatOptimizer`` does it itself).
 """
 
@@ -41,7 +41,7 @@ def _after_optimizer_step(optimizer: torch.optim.Optimizer, args, kwargs) -> Non
             ref = getattr(p, "_fsdp_group", None)
             group = ref() if ref is not None else None
             if group is not None:
-                group.mark_stale()
+                group.unsharder.mark_stale()
 
 
 # Per optimizer, the (registrations, param-group sizes) it was checked at.
@@ -99,7 +99,7 @@ def optimizer_step_hooks(enabled: bool = True) -> bool:
     While installed: after any ``torch.optim`` optimizer's step, the groups whose parameters it
     updated refresh their compute weights before the next gather; before an optimizer's first step
     it is checked once not to hold parameters fsdp replaced or unsharded views (``RuntimeError``
-    naming the fix: build it after ``fully_shard``). Without them, call ``group.mark_stale()``
+    naming the fix: build it after ``fully_shard``). Without them, call ``group.unsharder.mark_stale()``
     after updating the weights yourself (:class:`fsdp.FlatOptimizer` does)."""
     if not isinstance(enabled, bool):
         raise TypeError(f"optimizer_step_hooks(enabled): pass True or False, got {enabled!r}")

@@ -268,7 +268,7 @@ def _build_unit(module, modules: list[nn.Module], plan: UnitPlan):
         state = FSDPState(modules, groups, plan.mp_policy, plan.reshard_after_forward)
         state.shared_with_other_units = plan.shared_with_other_units
         for group in groups:
-            group.register_sharded_params()
+            group.unsharder.register_sharded_params()
     except BaseException:
         for m, cls in zip(modules, classes):
             m.__class__ = cls

@@ -272,7 +272,7 @@ def reset_iter_state(unit: Unit) -> None:
             ctx.finalization = Finalization.OPEN  # a handle's wait() now raises
         for each in ctx.units if ctx is not None else [unit]:
             for group in each.groups:
-                group.wait_unshard()
+                group.unsharder.wait_unshard()
                 if group.grads is not None:
                     group.grads.discard_in_flight()
             each.reshard()

@@ -42,7 +42,7 @@ import functools
 import logging
 import weakref
 from types import MethodType
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -105,6 +105,7 @@ class FSDPState(pipelining.FSDP2Names):
                  reshard_after_forward: Optional[bool]) -> None:
         self.modules = modules
         self.groups = groups
+        self.unsharders = [g.unsharder for g in groups]  # each group's weights' cycle, driven here
         self.policy = policy
         # The unit's knobs (FSDPModule's setters).
         self.reshard_after_forward = reshard_after_forward  # None: all but the root
@@ -129,8 +130,8 @@ class FSDPState(pipelining.FSDP2Names):
             if group.grads is not None:
                 group.grads.install_grad_hooks(functools.partial(self._grad_hook, weakref.ref(group)))
         self._pre_backward_hook = _run_eagerly(self._pre_backward)
-        for group in self.groups:  # such a module recomputed in backward reads its freed weight
-            for module in group.forward_only_modules():
+        for unsharder in self.unsharders:  # such a module recomputed in backward reads its freed weight
+            for module in unsharder.forward_only_modules():
                 module.register_forward_pre_hook(_run_eagerly(self._forward_only_pre_forward))
         for module in self.modules:
             module.register_forward_pre_hook(_run_eagerly(self._pre_forward), prepend=True, with_kwargs=True)
@@ -212,39 +213,40 @@ class FSDPState(pipelining.FSDP2Names):
     # ------------------------------------------------------------------ unshard / reshard
 
     def unshard(self, async_op: bool = False) -> None:
-        self._unshard_groups(self.groups, async_op)
+        self._unshard_groups(range(len(self.groups)), async_op)
 
     def unshard_for_backward(self, async_op: bool = False) -> None:
         """:meth:`unshard`, but what only forward reads stays freed (:mod:`fsdp.group.forward_only`)."""
-        self._unshard_groups([g for g in self.groups if not g.forward_only_freed()], async_op)
+        self._unshard_groups([k for k, u in enumerate(self.unsharders) if not u.forward_only_freed()], async_op)
 
-    def _unshard_groups(self, groups: list[ParameterGroup], async_op: bool) -> None:
-        for group in groups:  # a parameter reassigned since fully_shard raises before any gather
-            if not group.gather_in_flight():  # a prefetch checked and refreshed it at its launch
-                group.check_registered()
-                group.prepare_gather()
-        if len(groups) > 1:  # one collective where groups can share it
-            gather_together(groups, self.shared_gathers)
-        for group in groups:
-            group.launch_gather(async_op=True)
+    def _unshard_groups(self, indices: Sequence[int], async_op: bool) -> None:
+        unsharders = [self.unsharders[k] for k in indices]
+        for unsharder in unsharders:  # a parameter reassigned since fully_shard raises before any gather
+            if not unsharder.gather_in_flight():  # a prefetch checked and refreshed it at its launch
+                unsharder.check_registered()
+                unsharder.prepare_gather()
+        if len(unsharders) > 1:  # one collective where groups can share it
+            gather_together([self.groups[k] for k in indices], self.shared_gathers)
+        for unsharder in unsharders:
+            unsharder.launch_gather(async_op=True)
         if not async_op:
             self.wait_unshard()
 
     def wait_unshard(self) -> None:
-        for group in self.groups:
-            group.wait_unshard()
+        for unsharder in self.unsharders:
+            unsharder.wait_unshard()
 
     def reshard(self) -> None:
         """Free the unsharded weights (ZeRO-3) and register the sharded parameters again."""
-        for group in self.groups:
-            group.reshard()
+        for unsharder in self.unsharders:
+            unsharder.reshard()
         self.register_sharded_params()
 
     def release_after_forward(self) -> None:
         """As :meth:`reshard`, but groups with ``reshard_after_forward=n`` keep their ``1/n``
         slice for backward."""
-        for group in self.groups:
-            group.reshard_after_forward()
+        for unsharder in self.unsharders:
+            unsharder.reshard_after_forward()
         self.register_sharded_params()
 
     def settle_after_backward(self) -> None:
@@ -261,14 +263,14 @@ class FSDPState(pipelining.FSDP2Names):
             self.register_sharded_params()
 
     def register_sharded_params(self) -> None:
-        for group in self.groups:
-            group.register_sharded_params()
+        for unsharder in self.unsharders:
+            unsharder.register_sharded_params()
         self.registered_unsharded = False
 
     def register_unsharded_params(self) -> None:
-        for group in self.groups:  # again where a freed forward-only tail was gathered back
-            if not self.registered_unsharded or group.registered is not group.unsharded_params:
-                group.register_unsharded_params()
+        for unsharder in self.unsharders:  # again where a freed forward-only tail was gathered back
+            if not self.registered_unsharded or not unsharder.registered_unsharded():
+                unsharder.register_unsharded_params()
         self.registered_unsharded = True
 
     # ------------------------------------------------------------------ forward
@@ -289,9 +291,9 @@ class FSDPState(pipelining.FSDP2Names):
             ctx.ran_forward(self)
             if self.root is not self:
                 self.release_dropped_grads()
-            for group in self.groups:  # another forward before backward: freeing costs a gather each
-                if group.forward_only_freed():
-                    group.keep_forward_only()
+            for unsharder in self.unsharders:  # another forward before backward: freeing costs a gather each
+                if unsharder.forward_only_freed():
+                    unsharder.keep_forward_only()
             self.unshard()
             self.register_unsharded_params()
             for nxt in self._next_units(self.forward_prefetch, +1):
@@ -346,10 +348,10 @@ class FSDPState(pipelining.FSDP2Names):
             # peak, the start of backward).
             root_default = not resharded and self.root is self and self.reshard_after_forward is None
             if not resharded or grad:
-                for group in self.groups:
-                    group.release_model_shard()
+                for unsharder in self.unsharders:
+                    unsharder.release_model_shard()
                     if grad and root_default and self.reshard_after_backward:
-                        group.release_forward_only()  # False (or a later reader) keeps all, as asked
+                        unsharder.release_forward_only()  # False (or a later reader) keeps all, as asked
             # Otherwise the unsharded parameters stay registered and gathered (with or without
             # grad, as in FSDP2) until the end of backward or reshard().
             if grad:
@@ -361,7 +363,7 @@ class FSDPState(pipelining.FSDP2Names):
     def _forward_only_pre_forward(self, module: nn.Module, args: tuple) -> None:
         """A module whose weight the unit freed after forward runs inside backward (activation
         checkpointing recomputes it): gather the unit's groups again for it."""
-        if in_backward() and any(group.forward_only_freed() for group in self.groups):
+        if in_backward() and any(u.forward_only_freed() for u in self.unsharders):
             self.unshard()
             self.register_unsharded_params()
 
@@ -453,7 +455,7 @@ class FSDPState(pipelining.FSDP2Names):
             owner = self._owner()
             owner._queue_final_callback()
             if self.reshard_after_backward:  # first, as FSDP2: the weights go before grad_in comes
-                group.reshard()
+                group.unsharder.reshard()
             group.grads.pack_held(self._finish_reductions_in_flight)
             if self.requires_grad_sync:
                 group.grads.launch_reduce()

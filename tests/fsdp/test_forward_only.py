@@ -162,13 +162,13 @@ def _watched(model, batches, build, losses: int = 1) -> dict:
     m = build(copy.deepcopy(model))
     group = _root_group(m)
     freed = []
-    orig = group.release_forward_only
+    orig = group.unsharder.release_forward_only
 
     def watch():
         orig()
-        freed.append(group.forward_only_freed())
+        freed.append(group.unsharder.forward_only_freed())
 
-    group.release_forward_only = watch
+    group.unsharder.release_forward_only = watch
     reads = []  # per embedding call: (inside backward, the weight it reads is sharded)
     m.embed.register_forward_pre_hook(lambda mod, args: reads.append(
         (torch._C._current_graph_task_id() != -1, isinstance(mod.weight, DTensor))))

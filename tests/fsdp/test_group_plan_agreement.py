@@ -134,16 +134,17 @@ class Spy:
         for source in (g.main, w.cast_main):  # HFSDP's refresh gathers main, or its cast, over the replicas
             if source is not None:
                 self._wrap(source, "redistribute", lambda placements, out=None, async_op=False: ("redistribute", self.name(out)))
-        self._wrap(g, "_free_unsharded", lambda: self.look("reshard", only=(Buf.UNSHARDED,)))
-        self._wrap(g, "all_gather", lambda source, target: ("gather", self.name(source), self.name(target)))
-        self._wrap(g, "join_gather", lambda *a: ("join",))
+        u = group.unsharder
+        self._wrap(u, "_free_unsharded", lambda: self.look("reshard", only=(Buf.UNSHARDED,)))
+        self._wrap(u, "_all_gather", lambda source, target: ("gather", self.name(source), self.name(target)))
+        self._wrap(u, "join_gather", lambda *a: ("join",))
         self._wrap(w, "begin_gather", lambda kind=None: ("begin", kind))
         self._wrap(w, "gather_source", lambda: None, after=lambda out: ("source", self.last_kind, self.name(out)))
         self._wrap(w, "refresh", lambda model_current: None, during="model_refresh")
         if g.offload.on_host:
             self._wrap(g.offload, "upload", lambda src, out=None: ("upload", self.name(src), self.name(out)))
-        if g.post_forward is not None:
-            self._wrap(g.post_forward, "gather", lambda: ("slice_gather",))
+        if u.post_forward is not None:
+            self._wrap(u.post_forward, "gather", lambda: ("slice_gather",))
         if g.grads is not None:
             r = g.grads
             self._wrap(g, "reduce_into", lambda source, placements, out, async_op=True, kept=None: (
@@ -197,8 +198,8 @@ class Spy:
         g, w = self.g, self.g.weights
         bufs = {Buf.MAIN: g.main, Buf.MODEL: w.model, Buf.CAST_MAIN: w.cast_main, Buf.UNSHARDED: w.unsharded,
                 Buf.GATHERED: w.gathered, Buf.UPLOAD: getattr(g.offload, "_staging", None)}
-        if g.post_forward is not None:
-            bufs[Buf.SLICE] = g.post_forward.buffer
+        if g.unsharder.post_forward is not None:
+            bufs[Buf.SLICE] = g.unsharder.post_forward.buffer
         if g.grads is not None:
             bufs.update({Buf.GRAD_IN: g.grads.grad_in, Buf.MAIN_GRAD: g.grads.main_grad, Buf.PARTIAL: g.grads._partial})
         for name, b in bufs.items():
@@ -341,16 +342,16 @@ def _build(case: Case, model: nn.Module, meshes: dict):
 
 def _refresh(g) -> None:
     """As after an optimizer step."""
-    g.mark_stale()
-    g.refresh()
+    g.unsharder.mark_stale()
+    g.unsharder.refresh()
 
 
 def _gather_alone(g) -> None:
     """A ZeRO-3 group's own gather (a unit's may be shared with its other groups)."""
     if g.strategy.shard_params:
-        g.reshard()
-        g.unshard()
-        g.reshard()
+        g.unsharder.reshard()
+        g.unsharder.unshard()
+        g.unsharder.reshard()
 
 
 def _agree(cases: list[Case], model: nn.Module, tokens: torch.Tensor) -> list:
@@ -378,8 +379,8 @@ def _agree(cases: list[Case], model: nn.Module, tokens: torch.Tensor) -> list:
             if n == 1:
                 for spy in spies:
                     spy.look("forward")
-                    spy.tail_freed = spy.g.forward_only_freed()
-                    spy.after_forward_state = spy.g.unsharded.state
+                    spy.tail_freed = spy.g.unsharder.forward_only_freed()
+                    spy.after_forward_state = spy.g.unsharder.unsharded.state
             phase("backward" if n == 1 else "backward2", lambda: loss[0].backward())
             if n == 1:
                 for spy in spies:
@@ -422,7 +423,7 @@ def _agree(cases: list[Case], model: nn.Module, tokens: torch.Tensor) -> list:
             w = g.weights
             held = {Buf.MAIN: g.main, Buf.MODEL: w.model, Buf.CAST_MAIN: w.cast_main, Buf.UNSHARDED: w.unsharded,
                     Buf.GATHERED: w.gathered, Buf.UPLOAD: getattr(g.offload, "_staging", None),
-                    Buf.SLICE: g.post_forward.buffer if g.post_forward is not None else None}
+                    Buf.SLICE: g.unsharder.post_forward.buffer if g.unsharder.post_forward is not None else None}
             if g.grads is not None:
                 held.update({Buf.GRAD_IN: g.grads.grad_in, Buf.MAIN_GRAD: g.grads.main_grad})
             aliases = {Buf.MODEL: g.main, Buf.UNSHARDED: w.model}

@@ -1,6 +1,6 @@
 """fsdp.optimizer_step_hooks: the global torch.optim hooks are installed by ``import fsdp`` and can
 be turned off and on again. With them, a torch.optim step is visible to the next forward; without
-them the compute weights stay stale until ``group.mark_stale()`` (what the hooks call)."""
+them the compute weights stay stale until ``group.unsharder.mark_stale()`` (what the hooks call)."""
 
 from __future__ import annotations
 
@@ -28,14 +28,14 @@ def _stale_without_hooks(model, batch) -> dict:
             loss_fn(m, x, y).backward()
             groups = [g for unit in [m._fsdp_state] + [b._fsdp_state for b in m.blocks] for g in unit.groups]
             opt.step()
-            current = [all(g.is_current() for g in groups)]  # the query: what a refresh would find
+            current = [all(g.unsharder.is_current() for g in groups)]  # the query: what a refresh would find
             after = float(loss_fn(m, x, y).detach())
-            current.append(all(g.is_current() for g in groups))
+            current.append(all(g.unsharder.is_current() for g in groups))
             for group in groups:
-                group.mark_stale()
-            current.append(any(g.is_current() for g in groups))
+                group.unsharder.mark_stale()
+            current.append(any(g.unsharder.is_current() for g in groups))
             marked = float(loss_fn(m, x, y).detach())
-            current.append(all(g.is_current() for g in groups))
+            current.append(all(g.unsharder.is_current() for g in groups))
             out[hooks] = (before, after, marked, current)
         finally:
             fsdp.optimizer_step_hooks(was)
@@ -48,7 +48,7 @@ def test_hooks_refresh_after_a_step_and_can_be_turned_off() -> None:
     assert on[1] != on[0] and on[2] == on[1]  # the step is seen at once
     assert off[1] == off[0]  # stale: the step is not seen ...
     assert off[2] == on[1]  # ... until mark_stale(), which then gives what the hooks give
-    # ParameterGroup.is_current(): False from the hooks' mark until the next forward refreshes;
+    # Unsharder.is_current(): False from the hooks' mark until the next forward refreshes;
     # without hooks True (nothing marked the groups) until mark_stale()
     assert on[3] == [False, True, False, True] and off[3] == [True, True, False, True]
 

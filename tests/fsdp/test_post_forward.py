@@ -39,7 +39,7 @@ def _post_forward(model, batches, layout: str) -> dict:
         m = shard(copy.deepcopy(model), True, reshard_after_forward=N)
         ref_true = shard(copy.deepcopy(model), True, reshard_after_forward=True)
     groups = [g for block in m.blocks for g in block._fsdp_state.groups]
-    assert all(g.post_forward is not None for g in groups)
+    assert all(g.unsharder.post_forward is not None for g in groups)
     assert all(isinstance(g.layout, ChunkedLayout) == (layout == "chunk") for g in groups)
     x, y = batches[0]
     per = x.shape[0] // world
@@ -47,15 +47,15 @@ def _post_forward(model, batches, layout: str) -> dict:
 
     loss = loss_fn(m, x, y)
     out["kept"] = [
-        (g.unsharded.state is Unsharded.SLICE_KEPT and not g.post_forward.buffer.is_storage_released(),
+        (g.unsharder.unsharded.state is Unsharded.SLICE_KEPT and not g.unsharder.post_forward.buffer.is_storage_released(),
          g.weights.unsharded.is_storage_released(),
-         g.post_forward.buffer.local_buffer.numel() * N == g.post_forward.unsharded.layout.total_numel)
+         g.unsharder.post_forward.buffer.local_buffer.numel() * N == g.unsharder.post_forward.unsharded.layout.total_numel)
         for g in groups
     ]
     with spy_collectives("all_gather") as seen:
         loss.backward()
     out["backward_gather_sizes"] = sorted({len(ranks) for _, ranks in seen})
-    out["emptied"] = all(g.unsharded.state is Unsharded.SHARDED and g.post_forward.buffer.is_storage_released()
+    out["emptied"] = all(g.unsharder.unsharded.state is Unsharded.SHARDED and g.unsharder.post_forward.buffer.is_storage_released()
                          for g in groups)
     m.zero_grad(set_to_none=True)
 
@@ -103,17 +103,17 @@ def _owned_bucket(model, batches) -> dict:
     m = built[N]
     groups = [g for block in m.blocks for g in block._fsdp_state.groups]
     owned = [isinstance(g.placements.sharded[-1], Owned) for g in groups]
-    out: dict = {"owned": owned, "slices": [g.post_forward is not None for g in groups]}
+    out: dict = {"owned": owned, "slices": [g.unsharder.post_forward is not None for g in groups]}
     gathers = {id(g): [] for g in groups}  # per group, in backward: "full" or "slice"
     for g in groups:
-        for obj, attr, kind in ((g, "all_gather", "full"), (g.post_forward, "gather", "slice")):
+        for obj, attr, kind in ((g.unsharder, "_all_gather", "full"), (g.unsharder.post_forward, "gather", "slice")):
             if obj is not None:
                 real = getattr(obj, attr)
                 setattr(obj, attr, lambda *a, real=real, kind=kind, seen=gathers[id(g)], **k: seen.append(kind) or real(*a, **k))
     x, y = batches[0]
     per = x.shape[0] // world
     loss = loss_fn(m, x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per])
-    out["after_forward"] = [(g.unsharded.state.name, g.weights.unsharded.is_storage_released()) for g in groups]
+    out["after_forward"] = [(g.unsharder.unsharded.state.name, g.weights.unsharded.is_storage_released()) for g in groups]
     for seen in gathers.values():
         seen.clear()
     loss.backward()

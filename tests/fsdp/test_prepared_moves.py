@@ -1,6 +1,6 @@
 """A steady step runs its gathers and reductions prepared: nothing is validated or planned again.
 
-``ParameterGroup.all_gather`` (buffers its weights part keeps), ``GradReducer``'s direct
+``Unsharder._all_gather`` (buffers its weights part keeps), ``GradReducer``'s direct
 reduction into ``main_grad`` and a unit's shared gather hold a :class:`dbuffer.PreparedSlot`:
 after the first step no ``DBuffer.redistribute`` or ``prepare_redistribute`` runs. Something
 that replaces the buffers (``module.to(dtype)``) makes the next step prepare again (the slot
@@ -58,7 +58,7 @@ def _moves_per_step(model, batches, policy) -> dict:
             step(batch)
         counts.append(c.calls)
         group = model.blocks[0]._fsdp_state.groups[0]
-        storages.append(group._gathers._op.out.local_buffer.untyped_storage().data_ptr())
+        storages.append(group.unsharder._gathers._op.out.local_buffer.untyped_storage().data_ptr())
     model.to(torch.float64)  # new buffers: prepared again once, the old ones never moved
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for batch in batches[3:5]:

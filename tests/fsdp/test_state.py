@@ -238,11 +238,11 @@ def _prefetch_in_flight(model, batches) -> dict:
     seen = {"forward": [], "backward": []}
 
     def during_b0_forward(module, args):  # block 1's gather was launched before block 0 computes
-        seen["forward"].append(b1._fsdp_state.groups[0]._gather_pending is not None)
+        seen["forward"].append(b1._fsdp_state.groups[0].unsharder.gather_in_flight())
 
     def during_b1_backward(param):  # block 0 is being gathered while block 1's grads land
         g = b0._fsdp_state.groups[0]
-        seen["backward"].append(g._gather_pending is not None or not g.weights.unsharded.is_storage_released())
+        seen["backward"].append(g.unsharder.gather_in_flight() or not g.weights.unsharded.is_storage_released())
 
     b0.gate.register_forward_pre_hook(during_b0_forward)
     b1._fsdp_state.groups[0].unsharded_params[0].register_post_accumulate_grad_hook(during_b1_backward)
@@ -428,7 +428,7 @@ def _unconsumed_prefetch(model, batches, probe) -> dict:
     _branch_loss(m(probe), both=True).backward()
     m.a.reshard()
     m.a.unshard(async_op=True)
-    assert m.a._fsdp_state.groups[0].gather_in_flight()
+    assert m.a._fsdp_state.groups[0].unsharder.gather_in_flight()
     opt.step()
     out["after_step"] = m(probe)[0].detach()
     return out

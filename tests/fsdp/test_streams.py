@@ -280,7 +280,7 @@ def _waits_in_order() -> dict:
     try:
         # a gather: the compute stream waits for the launch's event before the handle's copy-out
         block.unshard(async_op=True)
-        group._gather_pending = _Logged(group._gather_pending, log)
+        group.unsharder._pending = _Logged(group.unsharder._pending, log)
         block.wait_unshard()
         out["gather"], log[:] = list(log), []
         block.reshard()

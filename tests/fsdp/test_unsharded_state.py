@@ -57,12 +57,12 @@ def _walk(model, batches, strategy: str) -> dict:
 
     def seen() -> set:
         for g in blocks:  # the state's claim about the gathered storage, checked on the buffers
-            assert g.weights.has_unsharded() == (g.unsharded.state is U.GATHERED), g.unsharded.state
-        return {g.unsharded.state for g in blocks}
+            assert g.weights.has_unsharded() == (g.unsharder.unsharded.state is U.GATHERED), g.unsharder.unsharded.state
+        return {g.unsharder.unsharded.state for g in blocks}
 
     out: dict = {"built": seen(), "inside forward": set()}
     hooks = [block.register_forward_pre_hook(lambda mod, args: out["inside forward"].update(  # after fsdp's
-        g.unsharded.state for g in mod._fsdp_state.groups)) for block in m.blocks]
+        g.unsharder.unsharded.state for g in mod._fsdp_state.groups)) for block in m.blocks]
     for x, y in batches:
         per = x.shape[0] // world
         loss = loss_fn(m, x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per])
