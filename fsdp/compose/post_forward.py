@@ -28,6 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 
 from dbuffer import DBuffer, Pending
+from fsdp.group.plan import can_keep_slice
 
 __all__ = ["PostForwardShard", "enable_post_forward_slices", "post_forward_mesh"]
 
@@ -63,12 +64,12 @@ def post_forward_mesh(mesh: DeviceMesh, n: int) -> DeviceMesh:
 
 def enable_post_forward_slices(groups: list, mesh: DeviceMesh, n: int) -> None:
     """Give every group on ``mesh`` that can keep a slice
-    (:meth:`~fsdp.group.param_group.ParameterGroup.can_keep_post_forward_slice`) its
+    (:func:`~fsdp.group.plan.can_keep_slice`) its
     :class:`PostForwardShard` on the ``(W/n, n)`` view; the others reshard fully after forward,
     like ``True``. Collective the first time for (mesh, n): every rank calls it, from ``fully_shard``."""
     view = post_forward_mesh(mesh, n)
     for group in groups:
-        if group.mesh is mesh and group.can_keep_post_forward_slice():
+        if group.mesh is mesh and can_keep_slice(group.plan.config):
             group.unsharder.post_forward = PostForwardShard(group.weights.gathered_buffer(), view)
             group.replan()
 

@@ -19,25 +19,27 @@ its partial sums (:attr:`Reduction.DEFERRED`).
 
 A reduction's route (deferred; into ``main_grad`` directly, through a temporary or in place;
 folded at launch or landing; to the host or not) is the group's compiled plan, handed in as
-``route`` (:class:`~fsdp.group.plan.ReducePlan`): run here, never re-decided. Buffers' shapes,
-placements, dtypes, layout and parts are read through ``self.group`` (the reducer is rebuilt
-when they change); the gradient state it keeps to itself.
+``route`` (:class:`~fsdp.group.plan.ReducePlan`) with the group's ``comms``: run here, never
+re-decided (:meth:`GradReducer.replanned`). Buffers' shapes, placements, dtypes, layout and
+parts are read through ``self.group`` (the reducer is rebuilt when they change); the gradient
+state it keeps to itself.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Callable, Optional
 
 import torch
 from torch.distributed.tensor import DTensor
 
 from dbuffer import DBuffer, Pending, PreparedSlot
+from fsdp.group.parts import Comms
 from fsdp.group.grad_mode import without_grad
 from fsdp.group.main_grad_state import ALLOWED, InFlight, MainGrad, Reduction, check_move
 from fsdp.group.parts import ReducerGroup
-from fsdp.group.plan import FoldWhen, ReduceCollective, ReducePlan, ReduceRoute, Where
+from fsdp.group.plan import CommsKind, FoldWhen, ReduceCollective, ReducePlan, ReduceRoute, Where
 from fsdp.group.policy import converted
+from fsdp.group.profiling import label
 
 __all__ = ["GradReducer", "InFlight", "Reduction"]  # the last two: fsdp.group.main_grad_state
 
@@ -45,9 +47,9 @@ __all__ = ["GradReducer", "InFlight", "Reduction"]  # the last two: fsdp.group.m
 class GradReducer:
     """The gradient state of one group that requires grad; see the module docstring."""
 
-    def __init__(self, group: ReducerGroup, route: ReducePlan) -> None:
+    def __init__(self, group: ReducerGroup, route: ReducePlan, comms: Comms) -> None:
         self.group = group
-        self.route = route  # the group sets it again whenever its plan is compiled again
+        self.replanned(route, comms)
         g, s, d, pl = group, group.strategy, group.dtypes, group.placements
         self.grad_in = g.sibling(pl.partial, d.reduce, zero_fill=False)
         self.grad_in.release_storage()
@@ -76,10 +78,15 @@ class GradReducer:
             check_move(str(self.group.names()), self.state, target)
         self.state = target
 
+    def replanned(self, route: ReducePlan, comms: Comms) -> None:
+        """Run ``route`` by ``comms`` from now on (the group compiled its plan again): dbuffer's
+        collectives into buffers this reducer keeps are prepared once; FSDP2's comm objects run theirs."""
+        self.route, self.comms, self._prepares = route, comms, route.comms is CommsKind.DBUFFER
+
     def rebuilt(self) -> "GradReducer":
         """A fresh reducer for the group's new buffers (``to_empty``), with the same callbacks,
         hooked on the group's new unsharded parameters."""
-        fresh = GradReducer(self.group, self.route)
+        fresh = GradReducer(self.group, self.route, self.comms)
         fresh.cast_grads = self.cast_grads
         fresh._hook_for = self._hook_for
         fresh.hook_params()
@@ -213,7 +220,7 @@ class GradReducer:
         if route.collective is ReduceCollective.SHARD_AXIS_ONLY:
             partial_pl = g.placements.deferred
             with streams.launch(streams.reduce_scatter):
-                pending = g.reduce_into(self.grad_in, partial_pl, g.sibling(partial_pl, reduce_dtype, zero_fill=False))
+                pending = self._reduce_into(self.grad_in, partial_pl, g.sibling(partial_pl, reduce_dtype, zero_fill=False))
             self._partial_members |= self._local
             self._local = set()
             self._in_flight = InFlight(pending, Reduction.DEFERRED)
@@ -223,7 +230,7 @@ class GradReducer:
             members = set(range(len(g.infos)))
         if self._partial is not None:  # reduce-scatter now, add the deferred sums, all-reduce below
             partial, self._partial = self._partial, None
-            source = g.reduce_into(self.grad_in, partial.placements, g.sibling(partial.placements, reduce_dtype, zero_fill=False), async_op=False)
+            source = self._reduce_into(self.grad_in, partial.placements, g.sibling(partial.placements, reduce_dtype, zero_fill=False), async_op=False)
             source.local_buffer.add_(partial.local_buffer)
             members = members | self._partial_members
             self._partial_members = set()
@@ -236,10 +243,10 @@ class GradReducer:
         folded = False
         with streams.launch(streams.reduce_scatter):
             if step is ReduceRoute.DIRECT:
-                pending = g.reduce_into(source, target_pl, self.main_grad, kept=self._direct if source is self.grad_in else None)
+                pending = self._reduce_into(source, target_pl, self.main_grad, kept=self._direct if source is self.grad_in else None)
             elif step is ReduceRoute.TEMPORARY:
                 kept = self._into_temporary if source is self.grad_in else None
-                pending = g.reduce_into(source, target_pl, self._reduce_out(target_pl, reduce_dtype), kept=kept)
+                pending = self._reduce_into(source, target_pl, self._reduce_out(target_pl, reduce_dtype), kept=kept)
                 # Folded now, on this stream, if that blocks no host (FSDP2's order), so that the
                 # temporary is not alive through the next unit's backward (the plan says where
                 # it may be: not under host offload, a download, nor a custom comm, whose staging
@@ -251,6 +258,15 @@ class GradReducer:
                 pending = self._allreduce_in_place()
         self._local = set()
         self._in_flight = InFlight(pending, kind, folded)
+
+    def _reduce_into(self, source: DBuffer, placements: tuple, out: DBuffer, async_op: bool = True,
+                     kept: Optional[PreparedSlot] = None):
+        """``source.redistribute(placements, out=out)`` by the comms (``kept``: this reducer's
+        slot, for buffers it keeps): a reduce-scatter (and HSDP's all-reduce), or an all-reduce."""
+        with label("fsdp::reduce_scatter", call=self.group.call_label):
+            if kept is not None and self._prepares and async_op:
+                return kept.start(source, placements, out)
+            return self.comms.reduce(source, placements, out, async_op)
 
     def _reduce_out(self, placements: tuple, dtype: torch.dtype) -> DBuffer:
         """The reduction's temporary output, given storage: one buffer kept between reductions
@@ -362,31 +378,15 @@ class GradReducer:
         """Whether gradients wait to be reduced or are being reduced."""
         return self.has_local_grads() or self._in_flight is not None or self._partial is not None
 
-    def set_reduction(self, **changes) -> None:
-        """Change the group's ``reduction`` settings (field=value), between steps: a different
-        reduce op rebuilds the (then empty) gradient buffer with the new ``Partial``
-        placements. Raises, changing nothing, while gradients wait to be reduced."""
+    def reduce_op_changed(self) -> None:
+        """The group's reduce op changed (between steps, nothing :meth:`busy`): rebuild the
+        empty gradient buffer with its new ``Partial`` placements."""
         g = self.group
-        new = replace(g.reduction, **changes)
-        if not new.all_reduce and g.mesh.ndim == 2 and not g.strategy.shard_grads:
-            raise ValueError(
-                f"set_requires_all_reduce(False) defers the all-reduce across replicas of reduce-scattered "
-                f"gradients; parameters {g.names()} use sharding_strategy {g.strategy.name!r}, whose "
-                f"gradients are not reduce-scattered. Use set_requires_gradient_sync(False) instead"
-            )
-        if new.op != g.reduction.op:
-            if self.busy():
-                raise RuntimeError(
-                    f"cannot change how gradients of {g.names()} are reduced while some wait to be "
-                    f"reduced; change it before the backward (or after finish_grad_sync())"
-                )
-            g.placements = g.placements.with_reduce_op(new.op)
-            self.grad_in = g.sibling(g.placements.partial, g.dtypes.reduce, zero_fill=False)
-            self.grad_in.release_storage()
-            self._gaps = None
-            self._direct.clear()
-            self._into_temporary.clear()
-        g.reduction = new
+        self.grad_in = g.sibling(g.placements.partial, g.dtypes.reduce, zero_fill=False)
+        self.grad_in.release_storage()
+        self._gaps = None
+        self._direct.clear()
+        self._into_temporary.clear()
 
     # ------------------------------------------------------------------ main_grad and .grad
 

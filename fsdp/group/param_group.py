@@ -20,13 +20,13 @@ A group *has* its parts, each chosen by ``fully_shard`` and handed in, and its `
 * ``grads`` (:class:`~fsdp.group.grads.GradReducer`): autograd's gradients to ``param.grad``;
 * ``offload`` (a :class:`~fsdp.group.residence.Residence`: where the main weights, grads and
   optimizer state live) and ``comms`` (:mod:`fsdp.group.comms`): optional parts, called without
-  asking which they are.
-
-``module.to`` and ``to_empty`` of a group are :mod:`fsdp.group.convert` and :mod:`fsdp.group.meta_init`.
+  asking which they are. ``module.to`` and ``to_empty`` of a group: :mod:`fsdp.group.convert`,
+  :mod:`fsdp.group.meta_init`.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Callable, Optional, Union, cast
 
 import torch
@@ -35,7 +35,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from dbuffer import CallLabel, DBuffer, PreparedSlot
+from dbuffer import CallLabel, DBuffer
 from fsdp.group.comms import DBUFFER_COMMS
 from fsdp.group.configure import config_of
 from fsdp.group.forward_only import ForwardOnlyTail
@@ -43,9 +43,8 @@ from fsdp.group.grads import GradReducer
 from fsdp.group.layouts import PLAIN, ChunkedLayout, FlatLayout, ParamKind, flat_layout
 from fsdp.group.members import GroupPlacements, ParamInfo
 from fsdp.group.parts import Comms, Weights
-from fsdp.group.plan import CommsKind, GroupPlan, can_keep_slice, plan_group
+from fsdp.group.plan import GroupPlan, plan_group
 from fsdp.group.policy import Dtypes, MixedPrecisionPolicy, Strategy
-from fsdp.group.profiling import label
 from fsdp.group.reduction import ReduceSettings
 from fsdp.group.registration import Registrations
 from fsdp.group.residence import NO_OFFLOAD, HostResidence, Residence
@@ -57,11 +56,11 @@ __all__ = ["ParameterGroup"]
 
 
 class ParameterGroup:
-    """The parts of one (dtype, requires_grad) bucket; see the module docstring. Built by
-    ``fully_shard`` (every argument was checked there, before any collective): ``infos`` are the
-    bucket's parameters with their registrations on the modules, in registration order (every
-    rank packs the same bytes); ``strategy`` the ZeRO stage (:class:`~fsdp.group.policy.Strategy`:
-    which of main weights, gradients and compute weights are sharded)."""
+    """The parts of one (dtype, requires_grad) bucket (module docstring). Built by ``fully_shard``,
+    which checked every argument before any collective: ``infos``, the bucket's parameters with
+    their registrations, in registration order (every rank packs the same bytes); ``strategy``,
+    the ZeRO stage (:class:`~fsdp.group.policy.Strategy`: what of main weights, gradients and
+    compute weights is sharded)."""
 
     def __init__(
         self,
@@ -83,19 +82,16 @@ class ParameterGroup:
     ) -> None:
         """``shard``: ``Shard(0)`` (row-atomic packing) or ``dbuffer.Owned()`` (whole tensors on
         balanced owners) for the flat layouts. ``gradient_divide_factor``: divide the summed
-        gradients by this instead of averaging over the mesh (e.g. expert weights, whose
-        gradients already hold the contributions of a whole expert-parallel group). ``policy``:
-        the policy ``dtypes`` came from; ``module.to(dtype)`` keeps the dtypes it set explicitly
-        (None: every dtype follows). ``offload``: the group's offload part (a
-        :class:`~fsdp.group.residence.Residence`; default none): :mod:`fsdp.compose.offload`'s
-        keeps the main weights, main grads and optimizer state on the host (compute buffers on
-        the mesh's device), :mod:`fsdp.compose.optim_state`'s the optimizer state only.
-        ``layout``: default :func:`~fsdp.group.layouts.flat_layout`. ``kind``: how parameters
-        are wrapped (:class:`~fsdp.group.layouts.ParamKind`). ``placements``: default
-        :meth:`GroupPlacements.for_mesh` (HFSDP passes its own). ``weights``: builds the group's
-        weights part (:mod:`fsdp.group.weights`). ``own_gather``: never share an all-gather with
-        the unit's other groups (an explicit bucket). ``forward_only``: the unsharder's part
-        freeing the parameters only forward reads, last in ``infos`` (:mod:`fsdp.group.forward_only`)."""
+        gradients by this instead of averaging over the mesh (expert weights, whose gradients hold
+        a whole expert-parallel group's). ``policy``: the policy ``dtypes`` came from
+        (``module.to(dtype)`` keeps the dtypes it set explicitly). ``offload``: a
+        :class:`~fsdp.group.residence.Residence` (default none): :mod:`fsdp.compose.offload`'s
+        keeps main weights, main grads and optimizer state on the host, :mod:`fsdp.compose.optim_state`'s
+        the optimizer state only. ``layout``: default :func:`~fsdp.group.layouts.flat_layout`;
+        ``kind``: :class:`~fsdp.group.layouts.ParamKind`; ``placements``: default
+        :meth:`GroupPlacements.for_mesh` (HFSDP passes its own); ``weights``: builds the weights
+        part. ``own_gather``: never share an all-gather with the unit's other groups (an explicit
+        bucket). ``forward_only``: the tail of ``infos`` only forward reads (:mod:`fsdp.group.forward_only`)."""
         self.infos = infos
         self.call_label = CallLabel(f"fsdp parameter group {self.names()}")  # its collectives' (lazy init names the unit)
         self.mesh = mesh
@@ -119,17 +115,15 @@ class ParameterGroup:
         self.place_main(main_pl, buffer_shapes, dtypes.main, buffer_layout, device)
         self.weights: Weights = weights(self)
         self.plan: GroupPlan = plan_group(config_of(self))
-        self._dbuffer_comms = self.plan.config.comms is CommsKind.DBUFFER
         if not self.is_meta:
             self.weights.fill(tensors)
         self.weights.build(self.plan)
         self.sharded_params: list[nn.Parameter] = self.weights.new_sharded_params()
         self.initialising = False  # inside init_weights (fsdp.group.meta_init)
-        self.unsharder = Unsharder(
-            self.weights, Registrations(infos), self.sharded_params, self.comms, self.placements.replicated,
-            self.streams, self.plan, self.call_label, lambda: self.is_meta, self.names, forward_only,
-        )
-        self.grads: Optional[GradReducer] = GradReducer(self, self.plan.reduce) if requires_grad else None
+        self.unsharder = Unsharder(self.weights, Registrations(infos), self.sharded_params, self.comms,
+                                   self.placements.replicated, self.streams, self.plan, self.call_label,
+                                   self.names, forward_only)
+        self.grads: Optional[GradReducer] = GradReducer(self, self.plan.reduce, self.comms) if requires_grad else None
         self.unsharder.refresh()
 
     def replan(self) -> None:
@@ -138,18 +132,26 @@ class ParameterGroup:
         setting, ``set_keep_unsharded_storage``, a post-forward slice), between steps."""
         post = self.unsharder.post_forward
         self.plan = plan_group(config_of(self, post.ranks if post is not None else None))
-        self._dbuffer_comms = self.plan.config.comms is CommsKind.DBUFFER
         self.weights.replanned(self.plan)
         self.unsharder.replanned(self.plan, self.comms)
         if self.grads is not None:
-            self.grads.route = self.plan.reduce
+            self.grads.replanned(self.plan.reduce, self.comms)
 
     def set_reduction(self, **changes: object) -> None:
-        """Change how the gradients are reduced (:meth:`GradReducer.set_reduction
-        <fsdp.group.grads.GradReducer.set_reduction>`: raises, changing nothing, while some wait
-        to be reduced), and the plan with it. Only for a group that requires grad (the unit's
-        setters pick those)."""
-        cast(GradReducer, self.grads).set_reduction(**changes)
+        """Change the ``reduction`` settings (field=value) between steps, and the plan with them.
+        Only for a group that requires grad (the unit's setters pick and check those). Raises,
+        changing nothing, for a new reduce op while gradients wait to be reduced (the gradient
+        buffer's placements change)."""
+        new, grads = replace(self.reduction, **changes), cast(GradReducer, self.grads)
+        if new.op != self.reduction.op:
+            if grads.busy():
+                raise RuntimeError(
+                    f"cannot change how gradients of {self.names()} are reduced while some wait to be "
+                    f"reduced; change it before the backward (or after finish_grad_sync())"
+                )
+            self.placements = self.placements.with_reduce_op(new.op)
+            grads.reduce_op_changed()
+        self.reduction = new
         self.replan()
 
     # ------------------------------------------------------------------ buffers
@@ -191,20 +193,6 @@ class ParameterGroup:
     def unsharded_params(self) -> Optional[list[nn.Parameter]]:
         """What the modules compute with while gathered (:class:`~fsdp.group.unsharder.Unsharder`)."""
         return self.weights.unsharded_params
-
-    def reduce_into(self, source: DBuffer, placements: tuple, out: DBuffer, async_op: bool = True,
-                    kept: Optional[PreparedSlot] = None):
-        """``source.redistribute(placements, out=out)`` by the group's comms (``kept``: the
-        caller's slot, for buffers it keeps): a reduce-scatter (and HSDP's all-reduce), or an all-reduce."""
-        with label("fsdp::reduce_scatter", call=self.call_label):
-            if kept is not None and self._dbuffer_comms and async_op:
-                return kept.start(source, placements, out)
-            return self.comms.reduce(source, placements, out, async_op)
-
-    def can_keep_post_forward_slice(self) -> bool:
-        """Whether ``reshard_after_forward=n`` may keep a slice of this group (the planner's
-        :func:`~fsdp.group.plan.can_keep_slice`); one that cannot reshards fully after forward."""
-        return can_keep_slice(self.plan.config)
 
     def names(self) -> str:
         """The group's first parameter names, for error messages."""

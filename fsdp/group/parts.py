@@ -25,7 +25,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from dbuffer import DBuffer, Pending, PreparedSlot
+from dbuffer import CallLabel, DBuffer, Pending
 
 if TYPE_CHECKING:  # annotations only: these modules import this one's users
     from fsdp.group.comms import AllGatherComm, ReduceScatterComm
@@ -205,12 +205,8 @@ class ReducerGroup(_GroupBase, Protocol):
 
     streams: "CommStreams"
     reduction: "ReduceSettings"
+    call_label: CallLabel  # its collectives' label
 
     @property
     def unsharded_params(self) -> Optional[list[nn.Parameter]]:
         """The parameters autograd accumulates into (hooked with the unit's hook by the reducer)."""
-
-    def reduce_into(self, source: DBuffer, placements: tuple, out: DBuffer, async_op: bool = True,
-                    kept: Optional[PreparedSlot] = None) -> Union[Pending, DBuffer]:
-        """``source`` reduced to ``placements`` into ``out`` by the group's comms (``kept``: the
-        caller's slot for buffers it keeps, prepared once)."""

@@ -178,13 +178,15 @@ class ReducePlan:
     (micro-batches): straight into ``MAIN_GRAD``, into ``REDUCE_OUT`` then folded in, all-reduced
     in ``GRAD_IN`` then folded in, or into ``PARTIAL`` for a later all-reduce; when ``REDUCE_OUT``
     is folded (at its launch where waiting costs the host nothing: real streams, or the collective
-    already completed; else when finished); and where the fold writes (``HOST``: a download)."""
+    already completed; else when finished); where the fold writes (``HOST``: a download); and
+    whose collectives run it (dbuffer's are prepared once per pair of kept buffers)."""
 
     collective: ReduceCollective
     overwrite: ReduceRoute
     accumulate: ReduceRoute
     fold: FoldWhen
     into: Where
+    comms: CommsKind = CommsKind.DBUFFER
 
 
 # What each route reads or writes: every buffer a route touches must be planned.
@@ -392,7 +394,7 @@ def _plan_reduce(c: GroupConfig, pl: dict, main_pl: tuple, home: Where, bufs: li
     """``GradReducer``'s buffers (appended to ``bufs``) and its route (``launch_reduce``)."""
     s, d = c.strategy, c.dtypes
     if not c.requires_grad:
-        return ReducePlan(ReduceCollective.NONE, ReduceRoute.NONE, ReduceRoute.NONE, FoldWhen.NONE, Where.DEVICE)
+        return ReducePlan(ReduceCollective.NONE, ReduceRoute.NONE, ReduceRoute.NONE, FoldWhen.NONE, Where.DEVICE, c.comms)
     grad_pl = pl["sharded"] if s.shard_grads else pl["replicated"]
     bufs.append(BufferPlan(Buf.GRAD_IN, pl["partial"], d.reduce, Where.DEVICE, Lifetime.REDUCTION))
     bufs.append(BufferPlan(Buf.MAIN_GRAD, grad_pl, d.main_grad, home, Lifetime.GRADIENTS))
@@ -401,7 +403,7 @@ def _plan_reduce(c: GroupConfig, pl: dict, main_pl: tuple, home: Where, bufs: li
     if c.mesh is not MeshKind.FSDP and s.shard_grads and c.replica_reduce is ReplicaReduce.DEFERRED:
         bufs.append(BufferPlan(Buf.PARTIAL, pl["deferred"], d.reduce, Where.DEVICE, Lifetime.DEFERRED))
         deferred = ReduceRoute.DEFERRED
-        return ReducePlan(ReduceCollective.SHARD_AXIS_ONLY, deferred, deferred, FoldWhen.NONE, home)
+        return ReducePlan(ReduceCollective.SHARD_AXIS_ONLY, deferred, deferred, FoldWhen.NONE, home, c.comms)
     if not s.shard_grads:
         collective = ReduceCollective.ALL_REDUCE
     elif c.mesh is MeshKind.FSDP:
@@ -415,4 +417,4 @@ def _plan_reduce(c: GroupConfig, pl: dict, main_pl: tuple, home: Where, bufs: li
         bufs.append(BufferPlan(Buf.REDUCE_OUT, grad_pl, d.reduce, Where.DEVICE, Lifetime.REDUCTION))
         free = home is Where.DEVICE and c.comms is CommsKind.DBUFFER
         fold = FoldWhen.AT_LAUNCH_IF_FREE if free else FoldWhen.AT_FINISH
-    return ReducePlan(collective, overwrite, folded, fold, home)
+    return ReducePlan(collective, overwrite, folded, fold, home, c.comms)

@@ -62,8 +62,9 @@ class Unsharder:
     its parameters live on the modules, ``sharded_params`` what fsdp registers between uses (the
     list is the group's: an adopted parameter replaces its entry); ``comms``, ``replicated``: the
     gather's collective and target placements; ``plan``: the routes it runs
-    (:meth:`replanned` hands it a new one); ``is_meta``: whether the group has no storage yet
-    (``unshard`` raises FSDP2's error, a refresh waits); ``forward_only``: the tail freed after
+    (:meth:`replanned` hands it a new one); ``streams``: those of the device the group computes
+    on (the meta device until ``to_empty``: ``unshard`` raises FSDP2's error, a refresh waits);
+    ``forward_only``: the tail freed after
     a forward that keeps the rest (:mod:`fsdp.group.forward_only`)."""
 
     # reshard_after_forward=n: the 1/n slice kept between forward and backward (fsdp.compose.post_forward).
@@ -71,17 +72,15 @@ class Unsharder:
 
     def __init__(self, weights: Weights, registrations: Registrations, sharded_params: list[nn.Parameter],
                  comms: Comms, replicated: tuple, streams: CommStreams, plan: GroupPlan, call_label: CallLabel,
-                 is_meta: Callable[[], bool], names: Callable[[], str],
-                 forward_only: Optional[ForwardOnlyTail] = None) -> None:
+                 names: Callable[[], str], forward_only: Optional[ForwardOnlyTail] = None) -> None:
         self.weights = weights
         self.registrations = registrations
         self.sharded_params = sharded_params
         self.registered: Optional[list[nn.Parameter]] = None  # what fsdp last put on the modules (None: the originals)
         self.replicated = replicated
-        self.streams = streams
+        self.streams, self._on_meta = streams, streams.device.type == "meta"
         self.call_label = call_label
         self.forward_only = forward_only
-        self._is_meta = is_meta
         self._names = names
         self.version = MainVersion()
         self.unsharded = UnshardedLife(names)  # the unsharded weights' state and version
@@ -100,7 +99,7 @@ class Unsharder:
     def rebuilt(self, streams: CommStreams) -> None:
         """The weights' buffers were rebuilt (``module.to``, ``to_empty``: ``streams`` are the
         device's now): nothing is gathered, and the next use refreshes."""
-        self.streams = streams
+        self.streams, self._on_meta = streams, streams.device.type == "meta"
         self.unsharded.freed()
         if self.post_forward is not None:  # follow the new gathered buffer
             self.post_forward = self.post_forward.rebuilt(self.weights.gathered_buffer())
@@ -131,7 +130,7 @@ class Unsharder:
         ZeRO-3 gathers at the next :meth:`unshard`; ``optim``/``optim_grads`` keep their
         unsharded weights, so they gather now."""
         key = self.weights.version_key()
-        if self.version.is_current(key) or self._is_meta():  # meta: nothing until to_empty
+        if self.version.is_current(key) or self._on_meta:  # meta: nothing until to_empty
             return
         with label("fsdp::optimizer_refresh"):
             self.weights.refresh(model_current=key == self.version.written_key)
@@ -160,7 +159,7 @@ class Unsharder:
     def prepare_gather(self) -> None:
         """Before a gather is decided: raise FSDP2's ``RuntimeError`` for a group still on the
         meta device, and bring the model weights up to date (:meth:`refresh`)."""
-        if self._is_meta():
+        if self._on_meta:
             raise RuntimeError(meta_error([i.fqn for i in self.registrations.infos]))
         self.refresh()
 

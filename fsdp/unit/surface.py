@@ -80,10 +80,16 @@ def set_requires_all_reduce(self: nn.Module, requires_all_reduce: bool, *, recur
     replicas."""
     if not isinstance(requires_all_reduce, bool):
         raise ArgumentTypeError(f"requires_all_reduce must be a bool, got {requires_all_reduce!r}")
-    groups = [g for state in _units(self, recurse) for g in state.groups if g.requires_grad]
+    groups = [g for state in _units(self, recurse) for g in state.groups if g.requires_grad and g.mesh.ndim == 2]
+    for group in groups:  # every group is checked before any changes
+        if not requires_all_reduce and not group.strategy.shard_grads:
+            raise ValueError(
+                f"set_requires_all_reduce(False) defers the all-reduce across replicas of reduce-scattered "
+                f"gradients; parameters {group.names()} use sharding_strategy {group.strategy.name!r}, whose "
+                f"gradients are not reduce-scattered. Use set_requires_gradient_sync(False) instead"
+            )
     for group in groups:
-        if group.mesh.ndim == 2:
-            group.set_reduction(all_reduce=requires_all_reduce)
+        group.set_reduction(all_reduce=requires_all_reduce)
 
 
 def set_all_reduce_hook(

@@ -228,13 +228,18 @@ def _deferred_all_reduce(model, x, y, ref) -> dict:
             out["replicas differ"] = not torch.equal(peers[0], peers[1])
             out["no grad yet"] = all(p.grad is None for p in m.parameters())
     out["grads"] = _close(_grads(m), ref)
-    # a strategy that does not reduce-scatter gradients cannot defer the all-reduce alone
-    m2 = fsdp.fully_shard(copy.deepcopy(model), mesh=mesh, sharding_strategy="optim")
+    # a strategy that does not reduce-scatter gradients cannot defer the all-reduce alone; the
+    # root's unit (ZeRO-3, which could) is left unchanged too: every unit is checked first
+    m2 = copy.deepcopy(model)
+    for block in m2.blocks:
+        fsdp.fully_shard(block, mesh=mesh, sharding_strategy="optim")
+    fsdp.fully_shard(m2, mesh=mesh)
     try:
         m2.set_requires_all_reduce(False)
         out["optim refused"] = False
     except ValueError as e:
         out["optim refused"] = "set_requires_gradient_sync" in str(e)
+    out["optim refused"] &= all(g.reduction.all_reduce for unit in m2._states(True) for g in unit.groups)
     return out
 
 

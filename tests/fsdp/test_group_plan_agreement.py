@@ -147,7 +147,7 @@ class Spy:
             self._wrap(u.post_forward, "gather", lambda: ("slice_gather",))
         if g.grads is not None:
             r = g.grads
-            self._wrap(g, "reduce_into", lambda source, placements, out, async_op=True, kept=None: (
+            self._wrap(r, "_reduce_into", lambda source, placements, out, async_op=True, kept=None: (
                 "reduce", self.name(out), _places(out.placements), out.dtype), after=lambda pending: (
                 "completed at launch", getattr(pending, "is_completed", lambda: None)()))
             self._wrap(r, "_allreduce_in_place", lambda: ("allreduce_in_place",))

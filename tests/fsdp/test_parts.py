@@ -74,7 +74,7 @@ def _group_members() -> dict:
 def test_a_group_has_what_its_parts_may_read() -> None:
     (missing,) = run_ranks(_group_members, 1, backend="threaded")
     assert missing == {"WeightsGroup": [], "ReducerGroup": [], "Unit": []}
-    assert {"streams", "reduction", "reduce_into", "names", "main"} <= members(parts.ReducerGroup)
+    assert {"streams", "reduction", "call_label", "names", "main"} <= members(parts.ReducerGroup)
     assert {"groups", "root", "root_ctx", "_enter", "_final_callback"} <= members(Unit) | methods(Unit)
 
 
