@@ -60,7 +60,8 @@ class ParameterGroup:
     which checked every argument before any collective: ``infos``, the bucket's parameters with
     their registrations, in registration order (every rank packs the same bytes); ``strategy``,
     the ZeRO stage (:class:`~fsdp.group.policy.Strategy`: what of main weights, gradients and
-    compute weights is sharded)."""
+    compute weights is sharded). Errors raise from its unsharder (a meta group's gather, a replaced
+    parameter: ``RuntimeError``) and :meth:`set_reduction`."""
 
     def __init__(
         self,
@@ -121,8 +122,7 @@ class ParameterGroup:
         self.sharded_params: list[nn.Parameter] = self.weights.new_sharded_params()
         self.initialising = False  # inside init_weights (fsdp.group.meta_init)
         self.unsharder = Unsharder(self.weights, Registrations(infos), self.sharded_params, self.comms,
-                                   self.placements.replicated, self.streams, self.plan, self.call_label,
-                                   self.names, forward_only)
+                                   self.placements.replicated, self.streams, self.plan, self.call_label, self.names, forward_only)
         self.grads: Optional[GradReducer] = GradReducer(self, self.plan.reduce, self.comms) if requires_grad else None
         self.unsharder.refresh()
 

@@ -133,7 +133,7 @@ class BufferWeights:
     def version_key(self) -> int:
         """Changes when an in-place op autograd sees updates a parameter (``load_state_dict``, a
         for-loop optimizer). Foreach ops on DTensors do not bump it, hence also the group's
-        ``mark_stale``, called after every ``torch.optim`` optimizer step. Checked first, as at
+        unsharder's ``mark_stale``, called after every ``torch.optim`` optimizer step. Checked first, as at
         every refresh: no local tensor got FSDP2's extension methods after ``fully_shard``
         (:func:`_check_no_late_extension`)."""
         g = self.group

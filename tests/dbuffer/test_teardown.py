@@ -26,19 +26,22 @@ from dbuffer.teardown import shutdown
 
 ROOT = Path(__file__).resolve().parents[2]
 TRIALS = 2
+UNGUARDED_TRIALS = 6  # the forcing misses in some trials under load (about half, at worst, in the suite)
 PARALLEL = 4  # trials at once: as many as the two scripts of two trials each that ran before
 
 
 def test_forced_exit_race_aborts_without_the_exit_guard_and_never_with_it_or_after_shutdown() -> None:
-    """The race forced in every trial (exit_race.py --forced): a recipe that ends without
+    """The race forced (exit_race.py --forced): a recipe that ends without
     ``shutdown`` (``destroy_process_group`` alone, or a framework's exit that keeps the mesh and
-    a DTensor in a global, destroying the group or not) aborts when the exit guard ``import dbuffer`` registers is taken away,
-    and never with it; ``shutdown()`` and ``shutdown(0)`` never abort either. One script, whose
+    a DTensor in a global, destroying the group or not) aborts when the exit guard ``import dbuffer``
+    registers is taken away (in at least one of its trials: the forcing makes the race likely, not
+    certain) and never with it; ``shutdown()`` and ``shutdown(0)`` never abort either. One script, whose
     trials of all the modes share ``PARALLEL`` slots (most of a guarded trial is a sleep that the
     forcing needs), the long guarded ones first."""
     modes = ["destroy", "exit", "kept-destroy", "shutdown", "unguarded-destroy", "unguarded-exit", "shutdown-exit"]
     run = subprocess.run([sys.executable, str(ROOT / "tests" / "dbuffer" / "exit_race.py"), "--forced",
-                          "--trials", str(TRIALS), "--parallel", str(PARALLEL), *modes],
+                          "--trials", str(TRIALS), "--unguarded-trials", str(UNGUARDED_TRIALS),
+                          "--parallel", str(PARALLEL), *modes],
                          capture_output=True, text=True, cwd=ROOT, timeout=300)
     output = run.stdout + run.stderr
     assert run.returncode == 0, output
@@ -46,7 +49,7 @@ def test_forced_exit_race_aborts_without_the_exit_guard_and_never_with_it_or_aft
     assert sorted(results) == sorted(modes), output
     # Without the guard the recipes abort: the test can see the bug ...
     for mode in ("unguarded-destroy", "unguarded-exit"):
-        assert (results[mode]["aborted"], results[mode]["failed"]) == (TRIALS, []), output
+        assert results[mode]["aborted"] >= 1 and results[mode]["failed"] == [], output
     # ... and with it nothing does; shutdown() left no group and no extra OS thread (else exit 3
     # or 4, listed in "failed"), shutdown(0) left through os._exit with the mesh still held.
     for mode in ("destroy", "exit", "kept-destroy", "shutdown", "shutdown-exit"):
