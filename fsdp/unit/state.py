@@ -53,6 +53,7 @@ from fsdp.group.param_group import ParameterGroup
 from fsdp.group.policy import MixedPrecisionPolicy
 from fsdp.group.profiling import label
 from fsdp.group.shared_gather import gather_together
+from fsdp.group.unsharder import Unsharder
 from fsdp.unit import pipelining
 from fsdp.unit.casting import cast_floats, cast_inputs
 from fsdp.unit.lazy_init import find_tree
@@ -213,20 +214,20 @@ class FSDPState(pipelining.FSDP2Names):
     # ------------------------------------------------------------------ unshard / reshard
 
     def unshard(self, async_op: bool = False) -> None:
-        self._unshard_groups(range(len(self.groups)), async_op)
+        self._unshard_groups(self.groups, self.unsharders, async_op)
 
     def unshard_for_backward(self, async_op: bool = False) -> None:
         """:meth:`unshard`, but what only forward reads stays freed (:mod:`fsdp.group.forward_only`)."""
-        self._unshard_groups([k for k, u in enumerate(self.unsharders) if not u.forward_only_freed()], async_op)
+        kept = [(g, u) for g, u in zip(self.groups, self.unsharders) if not u.forward_only_freed()]
+        self._unshard_groups([g for g, _ in kept], [u for _, u in kept], async_op)
 
-    def _unshard_groups(self, indices: Sequence[int], async_op: bool) -> None:
-        unsharders = [self.unsharders[k] for k in indices]
+    def _unshard_groups(self, groups: Sequence[ParameterGroup], unsharders: Sequence[Unsharder], async_op: bool) -> None:
         for unsharder in unsharders:  # a parameter reassigned since fully_shard raises before any gather
             if not unsharder.gather_in_flight():  # a prefetch checked and refreshed it at its launch
                 unsharder.check_registered()
                 unsharder.prepare_gather()
         if len(unsharders) > 1:  # one collective where groups can share it
-            gather_together([self.groups[k] for k in indices], self.shared_gathers)
+            gather_together(groups, self.shared_gathers)
         for unsharder in unsharders:
             unsharder.launch_gather(async_op=True)
         if not async_op:
