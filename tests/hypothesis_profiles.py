@@ -28,7 +28,7 @@ settings.register_profile("randomized", derandomize=False, database=None, print_
 PROFILE: str = os.environ.get("HYPOTHESIS_PROFILE", "default")
 settings.load_profile(PROFILE)  # an unknown name raises hypothesis' InvalidArgument, naming it
 
-SCALE: int = 10 if PROFILE == "randomized" else 1
+SCALE: int = 3 if PROFILE == "randomized" else 1
 
 
 def _seed() -> Optional[int]:
