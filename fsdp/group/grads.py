@@ -20,9 +20,9 @@ its partial sums (:attr:`Reduction.DEFERRED`).
 A reduction's route (deferred; into ``main_grad`` directly, through a temporary or in place;
 folded at launch or landing; to the host or not) is the group's compiled plan, handed in as
 ``route`` (:class:`~fsdp.group.plan.ReducePlan`) with the group's ``comms``: run here, never
-re-decided (:meth:`GradReducer.replanned`). Buffers' shapes, placements, dtypes, layout and
-parts are read through ``self.group`` (the reducer is rebuilt when they change); the gradient
-state it keeps to itself.
+re-decided (:meth:`GradReducer.replanned`). What it is built from is handed down
+(:class:`~fsdp.group.grad_parts.GradParts`): it never sees its group. The gradient state it
+keeps to itself.
 """
 
 from __future__ import annotations
@@ -33,12 +33,14 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from dbuffer import DBuffer, Pending, PreparedSlot
-from fsdp.group.parts import Comms
 from fsdp.group.grad_mode import without_grad
+from fsdp.group.grad_parts import GradParts
 from fsdp.group.main_grad_state import ALLOWED, InFlight, MainGrad, Reduction, check_move
-from fsdp.group.parts import ReducerGroup
+from fsdp.group.members import GroupPlacements
+from fsdp.group.parts import Comms
 from fsdp.group.plan import CommsKind, FoldWhen, ReduceCollective, ReducePlan, ReduceRoute, Where
-from fsdp.group.policy import converted
+from fsdp.group.policy import Dtypes, converted
+from fsdp.group.reduction import ReduceSettings
 from fsdp.group.profiling import label
 
 __all__ = ["GradReducer", "InFlight", "Reduction"]  # the last two: fsdp.group.main_grad_state
@@ -47,13 +49,13 @@ __all__ = ["GradReducer", "InFlight", "Reduction"]  # the last two: fsdp.group.m
 class GradReducer:
     """The gradient state of one group that requires grad; see the module docstring."""
 
-    def __init__(self, group: ReducerGroup, route: ReducePlan, comms: Comms) -> None:
-        self.group = group
-        self.replanned(route, comms)
-        g, s, d, pl = group, group.strategy, group.dtypes, group.placements
-        self.grad_in = g.sibling(pl.partial, d.reduce, zero_fill=False)
+    def __init__(self, parts: GradParts, placements: GroupPlacements, dtypes: Dtypes,
+                 reduction: ReduceSettings, route: ReducePlan, comms: Comms) -> None:
+        self.parts, self.placements, self.dtypes = parts, placements, dtypes
+        self.replanned(route, comms, reduction)
+        self.grad_in = parts.buffers.on_device(placements.partial, dtypes.reduce)
         self.grad_in.release_storage()
-        self.main_grad = g.host_sibling(pl.sharded if s.shard_grads else pl.replicated, d.main_grad, zero_fill=False)
+        self.main_grad = parts.buffers.where_main_lives(parts.main_grad_placements, dtypes.main_grad)
         self.main_grad_views = self.make_views()
         self.main_grad.release_storage()  # allocated again by the first reduction
         self._seen: set[int] = set()  # params whose gradient arrived in this backward
@@ -75,18 +77,20 @@ class GradReducer:
 
     def _move(self, target: MainGrad) -> None:
         if target not in ALLOWED[self.state]:  # the names only for the message: off the hot path
-            check_move(str(self.group.names()), self.state, target)
+            check_move(self.parts.names, self.state, target)
         self.state = target
 
-    def replanned(self, route: ReducePlan, comms: Comms) -> None:
-        """Run ``route`` by ``comms`` from now on (the group compiled its plan again): dbuffer's
-        collectives into buffers this reducer keeps are prepared once; FSDP2's comm objects run theirs."""
+    def replanned(self, route: ReducePlan, comms: Comms, reduction: ReduceSettings) -> None:
+        """Run ``route`` by ``comms`` with ``reduction``'s settings from now on (the group
+        compiled its plan again): dbuffer's collectives into buffers this reducer keeps are
+        prepared once; FSDP2's comm objects run theirs."""
         self.route, self.comms, self._prepares = route, comms, route.comms is CommsKind.DBUFFER
+        self.reduction = reduction
 
-    def rebuilt(self) -> "GradReducer":
-        """A fresh reducer for the group's new buffers (``to_empty``), with the same callbacks,
-        hooked on the group's new unsharded parameters."""
-        fresh = GradReducer(self.group, self.route, self.comms)
+    def rebuilt(self, parts: GradParts) -> "GradReducer":
+        """A fresh reducer of the group's new ``parts`` (``to_empty``), with the same settings
+        and hook, hooked on the new unsharded parameters."""
+        fresh = GradReducer(parts, self.placements, self.dtypes, self.reduction, self.route, self.comms)
         fresh.cast_grads = self.cast_grads
         fresh._hook_for = self._hook_for
         fresh.hook_params()
@@ -95,11 +99,10 @@ class GradReducer:
     def make_views(self) -> list[DTensor]:
         """``param.grad`` / ``param.main_grad`` of each parameter: DTensor views of ``main_grad``
         (made while it has storage)."""
-        g = self.group
-        s, pl = g.strategy, g.placements
-        # ``optim``: the grads are whole on every rank but the parameters are shards of them.
-        view = self.main_grad.redistribute(pl.sharded) if s.shard_optim and not s.shard_grads else self.main_grad
-        return g.sharded_views(view)
+        parts, view = self.parts, self.main_grad
+        if view.placements != parts.param_placements:  # ``optim``: whole grads, sharded parameters
+            view = view.redistribute(parts.param_placements)
+        return parts.layout.views(view, parts.kind, parts.outer_placements)
 
     # ------------------------------------------------------------------ from autograd
 
@@ -112,7 +115,7 @@ class GradReducer:
 
     def hook_params(self) -> None:
         """Hook the group's current unsharded parameters (again after they were rebuilt)."""
-        params = self.group.unsharded_params
+        params = self.parts.weights.unsharded_params
         if self._hook_for is None or params is None:
             return
         for k, p in enumerate(params):
@@ -137,7 +140,7 @@ class GradReducer:
             self._held[k] = grad if held is None else held.detach() + grad.detach()
         else:
             self._pack(k, grad)
-        if len(self._seen) < len(self.group.infos):
+        if len(self._seen) < self.parts.count:
             return False
         self._seen.clear()
         return True
@@ -146,29 +149,29 @@ class GradReducer:
     def _pack(self, k: int, grad: torch.Tensor, before_alloc: Optional[Callable] = None) -> None:
         """Write one gradient into ``grad_in``: the first of a parameter is copied, later ones
         (micro-batches) added; what no gradient wrote is zeroed before the reduction.
-        ``before_alloc(group)`` runs before ``grad_in`` is allocated."""
+        ``before_alloc()`` runs before ``grad_in`` is allocated."""
         if not self._local:
             if before_alloc is not None:
-                before_alloc(self.group)
+                before_alloc()
             self.grad_in.reallocate_storage()
         self._write(k, grad, add=k in self._local)
         self._local.add(k)
 
     def _write(self, k: int, grad: Optional[torch.Tensor], add: bool = False) -> None:
         """Copy (``add``: add) parameter ``k``'s unsharded gradient into ``grad_in``; None: zero it."""
-        g = self.group
-        g.layout.write_grad(self.grad_in, k, g.kind.grad_local(k, grad), add)
+        parts = self.parts
+        parts.layout.write_grad(self.grad_in, k, parts.kind.grad_local(k, grad), add)
 
     @without_grad
     def pack_held(self, before_alloc: Optional[Callable] = None) -> None:
         """Copy the gradients held since the group's first one into ``grad_in`` (allocated now,
-        after ``before_alloc(group)`` if given) and drop autograd's tensors."""
-        held, self._held, g = self._held, {}, self.group
-        if len(held) == len(g.infos) and not self._local:  # the usual case: every gradient at once
+        after ``before_alloc()`` if given) and drop autograd's tensors."""
+        held, self._held, parts = self._held, {}, self.parts
+        if len(held) == parts.count and not self._local:  # the usual case: every gradient at once
             if before_alloc is not None:
-                before_alloc(g)
+                before_alloc()
             self.grad_in.reallocate_storage()
-            g.layout.write_grads(self.grad_in, [g.kind.grad_local(k, held[k]) for k in range(len(held))])
+            parts.layout.write_grads(self.grad_in, [parts.kind.grad_local(k, held[k]) for k in range(len(held))])
             self._local.update(held)
             return
         for k, grad in held.items():
@@ -179,7 +182,7 @@ class GradReducer:
         """Take the gradients assigned to the unsharded parameters' ``.grad`` outside autograd's
         accumulation (a pipeline's weight-gradient step, ``torch.autograd.grad`` + assignment),
         which no post-accumulate-grad hook saw, as if they had arrived through it."""
-        params = self.group.unsharded_params
+        params = self.parts.weights.unsharded_params
         if params is None:
             return
         for k, p in enumerate(params):
@@ -212,25 +215,24 @@ class GradReducer:
             return
         if self._in_flight is not None:  # it may still be reading grad_in
             self.finish_reduce()
-        g = self.group
-        streams, reduce_dtype = g.streams, g.dtypes.reduce
+        buffers, streams, reduce_dtype = self.parts.buffers, self.parts.streams, self.dtypes.reduce
         self.pack_held()
         self._zero_unwritten()
         target_pl, route = self.main_grad.placements, self.route
         if route.collective is ReduceCollective.SHARD_AXIS_ONLY:
-            partial_pl = g.placements.deferred
+            partial_pl = self.placements.deferred
             with streams.launch(streams.reduce_scatter):
-                pending = self._reduce_into(self.grad_in, partial_pl, g.sibling(partial_pl, reduce_dtype, zero_fill=False))
+                pending = self._reduce_into(self.grad_in, partial_pl, buffers.on_device(partial_pl, reduce_dtype))
             self._partial_members |= self._local
             self._local = set()
             self._in_flight = InFlight(pending, Reduction.DEFERRED)
             return
         source, members = self.grad_in, self._local
-        if g.reduction.unused_params:  # every parameter's reduced gradient, zeros included
-            members = set(range(len(g.infos)))
+        if self.reduction.unused_params:  # every parameter's reduced gradient, zeros included
+            members = set(range(self.parts.count))
         if self._partial is not None:  # reduce-scatter now, add the deferred sums, all-reduce below
             partial, self._partial = self._partial, None
-            source = self._reduce_into(self.grad_in, partial.placements, g.sibling(partial.placements, reduce_dtype, zero_fill=False), async_op=False)
+            source = self._reduce_into(self.grad_in, partial.placements, buffers.on_device(partial.placements, reduce_dtype), async_op=False)
             source.local_buffer.add_(partial.local_buffer)
             members = members | self._partial_members
             self._partial_members = set()
@@ -263,7 +265,7 @@ class GradReducer:
                      kept: Optional[PreparedSlot] = None):
         """``source.redistribute(placements, out=out)`` by the comms (``kept``: this reducer's
         slot, for buffers it keeps): a reduce-scatter (and HSDP's all-reduce), or an all-reduce."""
-        with label("fsdp::reduce_scatter", call=self.group.call_label):
+        with label("fsdp::reduce_scatter", call=self.parts.call_label):
             if kept is not None and self._prepares and async_op:
                 return kept.start(source, placements, out)
             return self.comms.reduce(source, placements, out, async_op)
@@ -273,7 +275,7 @@ class GradReducer:
         (a prepared move's target), rebuilt when its placements or dtype change."""
         out = self._temporary
         if out is None or out.placements != placements or out.dtype != dtype:
-            out = self._temporary = self.group.sibling(placements, dtype, zero_fill=False)
+            out = self._temporary = self.parts.buffers.on_device(placements, dtype)
         else:
             out.reallocate_storage()
         return out
@@ -289,7 +291,7 @@ class GradReducer:
 
     def _allreduce_in_place(self) -> Pending:
         """All-reduce ``grad_in`` over every mesh axis in its own storage (the last one async)."""
-        current, ndim = self.grad_in, self.group.mesh.ndim
+        current, ndim = self.grad_in, self.parts.mesh.ndim
         for axis in range(ndim - 1):
             current = current.allreduce(axis, out=current)
         return current.allreduce(ndim - 1, out=current, async_op=True)
@@ -300,10 +302,10 @@ class GradReducer:
         the parameters that got no gradient (they reduce as 0, as unused parameters should)."""
         buf = self.grad_in.local_buffer
         if self._gaps is None:
-            self._gaps = self.group.layout.padding(self.grad_in)
+            self._gaps = self.parts.layout.padding(self.grad_in)
         for start, end in self._gaps:
             buf[start:end].zero_()
-        count = len(self.group.infos)
+        count = self.parts.count
         if len(self._local) < count:
             for k in range(count):
                 if k not in self._local:
@@ -323,8 +325,8 @@ class GradReducer:
         flight, self._in_flight = self._in_flight, None
         if flight is None:
             return False
-        g = self.group
-        g.streams.wait(g.streams.reduce_scatter)  # first, as in wait_unshard: a custom comm copies in its wait
+        streams = self.parts.streams
+        streams.wait(streams.reduce_scatter)  # first, as in wait_unshard: a custom comm copies in its wait
         result = flight.pending.wait()
         if flight.kind is Reduction.DEFERRED:  # keep the reduce-scattered sums for a later all-reduce
             if self._partial is None:
@@ -341,11 +343,11 @@ class GradReducer:
     def _fold(self, result: DBuffer, kind: Reduction) -> None:
         """Bring a landed reduction's ``result`` to FSDP2's gradient (divide, hook) and write it
         into ``main_grad`` (replace or add, as ``kind`` says); a sharded temporary is freed."""
-        g, overwrite = self.group, kind is Reduction.OVERWRITE
-        g.reduction.finish(result.local_buffer, g.mesh, g.streams)  # divide, hook (FSDP2's knobs)
+        parts, overwrite = self.parts, kind is Reduction.OVERWRITE
+        self.reduction.finish(result.local_buffer, parts.mesh, parts.streams)  # divide, hook (FSDP2's knobs)
         if self.route.into is Where.HOST:  # to the host, off the compute stream (which need not wait)
-            with g.streams.launch(g.streams.reduce_scatter):
-                g.offload.download(result.local_buffer, self.main_grad.local_buffer, add=not overwrite)
+            with parts.streams.launch(parts.streams.reduce_scatter):
+                parts.offload.download(result.local_buffer, self.main_grad.local_buffer, add=not overwrite)
         elif result is not self.main_grad:
             if overwrite:
                 self.main_grad.local_buffer.copy_(result.local_buffer)
@@ -362,7 +364,7 @@ class GradReducer:
         flight, self._in_flight = self._in_flight, None
         if flight is not None:
             flight.pending.wait()
-            self.group.streams.wait(self.group.streams.reduce_scatter)
+            self.parts.streams.wait(self.parts.streams.reduce_scatter)
             if flight.kind is Reduction.OVERWRITE:  # it wrote main_grad, which held nothing live
                 self._move(self.state.without_values())
                 self._in_main = set()
@@ -378,11 +380,11 @@ class GradReducer:
         """Whether gradients wait to be reduced or are being reduced."""
         return self.has_local_grads() or self._in_flight is not None or self._partial is not None
 
-    def reduce_op_changed(self) -> None:
+    def reduce_op_changed(self, placements: GroupPlacements) -> None:
         """The group's reduce op changed (between steps, nothing :meth:`busy`): rebuild the
-        empty gradient buffer with its new ``Partial`` placements."""
-        g = self.group
-        self.grad_in = g.sibling(g.placements.partial, g.dtypes.reduce, zero_fill=False)
+        empty gradient buffer at ``placements``' new ``Partial`` ones."""
+        self.placements = placements
+        self.grad_in = self.parts.buffers.on_device(placements.partial, self.dtypes.reduce)
         self.grad_in.release_storage()
         self._gaps = None
         self._direct.clear()
@@ -393,17 +395,17 @@ class GradReducer:
     def _detect_zeroed(self) -> None:
         """The optimizer dropped every ``.grad`` we attached: main_grad's values are dead, so its
         storage goes until the next reduction rewrites it."""
-        if self.state.attached and all(p.grad is None for p in self.group.sharded_params):
+        if self.state.attached and all(p.grad is None for p in self.parts.sharded_params):
             self.drop_main_grads()
 
     def drop_main_grads(self) -> None:
         """Forget the reduced gradients (``zero_grad()`` with set_to_none, or :mod:`fsdp.optim`'s):
         the next reduction overwrites ``main_grad``, whose storage goes until then."""
-        for p in self.group.sharded_params:
+        for p in self.parts.sharded_params:
             p.grad = None
         self._move(MainGrad.EMPTY)
         if self._in_flight is None and not self.main_grad.is_storage_released():
-            self.group.offload.settle()
+            self.parts.offload.settle()
             self.main_grad.release_storage()
 
     def params_with_grads(self) -> list[int]:
@@ -423,7 +425,7 @@ class GradReducer:
         When the main-grad dtype differs from the main-weight dtype, ``param.grad`` is a cast copy
         (torch requires ``grad.dtype == param.dtype``); zero it with ``zero_grad()`` (set_to_none)
         or :meth:`zero_grad_buffer`."""
-        self.group.offload.settle()  # the optimizer reads the gradients and writes the weights on the host
+        self.parts.offload.settle()  # the optimizer reads the gradients and writes the weights on the host
         self._detect_zeroed()
         if self.state.holds_gradients:
             self.point_grads()
@@ -431,7 +433,7 @@ class GradReducer:
     def point_grads(self) -> None:
         """Attach ``.grad`` / ``.main_grad`` of the parameters ``main_grad`` holds gradients of."""
         for k in sorted(self._in_main):
-            p, view = self.group.sharded_params[k], self.main_grad_views[k]
+            p, view = self.parts.sharded_params[k], self.main_grad_views[k]
             p.main_grad = view
             if view.dtype == p.dtype:
                 if p.grad is not view:
@@ -447,19 +449,19 @@ class GradReducer:
     def zero_grad_buffer(self) -> None:
         """Zero the main grads (``.grad`` views stay attached) and drop unreduced local grads."""
         if self._in_flight is not None:
-            self.group.streams.wait(self.group.streams.reduce_scatter)  # a folded reduction still adds on it
+            self.parts.streams.wait(self.parts.streams.reduce_scatter)  # a folded reduction still adds on it
             self._in_flight.pending.wait()
             self._in_flight = None
             self._release_temporary()
-        self.group.offload.settle()
+        self.parts.offload.settle()
         self._local = set()
         self._held = {}
         if not self.grad_in.is_storage_released():
             self.grad_in.release_storage()
         self.main_grad.reallocate_storage()
         self.main_grad.local_buffer.zero_()
-        for p in self.group.sharded_params:
-            if p.grad is not None and p.grad.dtype != self.group.dtypes.main_grad:
+        for p in self.parts.sharded_params:
+            if p.grad is not None and p.grad.dtype != self.dtypes.main_grad:
                 p.grad.zero_()
         self._seen.clear()
         self._move(self.state.without_values())
@@ -473,9 +475,10 @@ class GradReducer:
         the group's (rebuilt) unsharded parameters. ``in_residence``: the host part's pinning of a
         rebuilt host buffer (identity without offload)."""
         self.finish_reduce()
-        self.group.offload.settle()
+        self.parts.offload.settle()
         self._detect_zeroed()
         old_in, old_main = self.grad_in, self.main_grad
+        self.dtypes = dtypes
         self.grad_in = converted(old_in, dtypes.reduce)
         self.main_grad = in_residence(converted(old_main, dtypes.main_grad))
         self._direct.clear()

@@ -25,6 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from dbuffer import mesh_device
+from fsdp.group.grad_parts import grad_parts
 from fsdp.group.registration import note_registration
 
 if TYPE_CHECKING:  # annotations only
@@ -53,7 +54,7 @@ def materialize(group: ParameterGroup, device: torch.device) -> None:
     group.place_main(main.placements, main.shapes, main.dtype, main.layout, device)
     group.weights.build(group.plan)
     if group.grads is not None:
-        group.grads = group.grads.rebuilt()
+        group.grads = group.grads.rebuilt(grad_parts(group))
     swap_in(group.sharded_params, group.weights.new_sharded_params())
     group.unsharder.rebuilt(group.streams)
 

@@ -39,6 +39,7 @@ from dbuffer import CallLabel, DBuffer
 from fsdp.group.comms import DBUFFER_COMMS
 from fsdp.group.configure import config_of
 from fsdp.group.forward_only import ForwardOnlyTail
+from fsdp.group.grad_parts import grad_parts
 from fsdp.group.grads import GradReducer
 from fsdp.group.layouts import PLAIN, ChunkedLayout, FlatLayout, ParamKind, flat_layout
 from fsdp.group.members import GroupPlacements, ParamInfo
@@ -104,12 +105,11 @@ class ParameterGroup:
         self.own_gather = own_gather
         self.comms: Comms = DBUFFER_COMMS  # FSDP2's custom comm objects replace it (fsdp.compose.custom_comm)
         self.reduction = ReduceSettings(divide_factor=gradient_divide_factor)  # FSDP2's reduction knobs
-        op = self.reduction.op
+        op = self.reduction.op  # the gradient buffer's Partial placements
         self.placements = placements.with_reduce_op(op) if placements else GroupPlacements.for_mesh(mesh.ndim, shard, op)
         self.offload: Residence = offload if offload is not None else NO_OFFLOAD
         tensors = [kind.local(i.param) for i in infos]
-        shapes = [tuple(t.shape) for t in tensors]
-        self.layout = layout if layout is not None else flat_layout(shapes, mesh, strategy.shard_optim, shard)
+        self.layout = layout if layout is not None else flat_layout([tuple(t.shape) for t in tensors], mesh, strategy.shard_optim, shard)
         main_pl = self.placements.sharded if strategy.shard_optim else self.placements.replicated
         buffer_shapes, buffer_layout = self.layout.buffer_shapes()
         device = tensors[0].device  # meta: built under torch.device("meta"), so are the shards (FSDP2)
@@ -122,8 +122,9 @@ class ParameterGroup:
         self.sharded_params: list[nn.Parameter] = self.weights.new_sharded_params()
         self.initialising = False  # inside init_weights (fsdp.group.meta_init)
         self.unsharder = Unsharder(self.weights, Registrations(infos), self.sharded_params, self.comms,
-                                   self.placements.replicated, self.streams, self.plan, self.call_label, self.names, forward_only)
-        self.grads: Optional[GradReducer] = GradReducer(self, self.plan.reduce, self.comms) if requires_grad else None
+                                   self.placements.replicated, self.streams, self.plan, self.call_label, self.names(), forward_only)
+        self.grads: Optional[GradReducer] = GradReducer(
+            grad_parts(self), self.placements, dtypes, self.reduction, self.plan.reduce, self.comms) if requires_grad else None
         self.unsharder.refresh()
 
     def replan(self) -> None:
@@ -135,7 +136,7 @@ class ParameterGroup:
         self.weights.replanned(self.plan)
         self.unsharder.replanned(self.plan, self.comms)
         if self.grads is not None:
-            self.grads.replanned(self.plan.reduce, self.comms)
+            self.grads.replanned(self.plan.reduce, self.comms, self.reduction)
 
     def set_reduction(self, **changes: object) -> None:
         """Change the ``reduction`` settings (field=value) between steps, and the plan with them.
@@ -150,7 +151,7 @@ class ParameterGroup:
                     f"reduced; change it before the backward (or after finish_grad_sync())"
                 )
             self.placements = self.placements.with_reduce_op(new.op)
-            grads.reduce_op_changed()
+            grads.reduce_op_changed(self.placements)
         self.reduction = new
         self.replan()
 

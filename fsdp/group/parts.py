@@ -7,10 +7,11 @@ Two directions, one Protocol each way:
   (:class:`~fsdp.group.comms.DBufferComms`, :mod:`fsdp.compose.custom_comm`'s) and
   :class:`PostForwardSlice` (:class:`~fsdp.compose.post_forward.PostForwardShard`); the
   residence has its own in :mod:`fsdp.group.residence`;
-* what a part may read of its group: :class:`WeightsGroup` for a weights part,
-  :class:`ReducerGroup` for the :class:`~fsdp.group.grads.GradReducer`. A part is built with
-  its group typed as one of these, so its constructor says what it may touch; a name outside
-  the Protocol is a type error, not a new coupling.
+* what a weights part may read of its group: :class:`WeightsGroup`. A weights part is built
+  with its group typed as this, so its constructor says what it may touch; a name outside the
+  Protocol is a type error, not a new coupling. The
+  :class:`~fsdp.group.grads.GradReducer` and the :class:`~fsdp.group.unsharder.Unsharder` see
+  no group: they are built from what it hands down (:mod:`fsdp.group.grad_parts`).
 
 No behaviour here: Protocols only, checked by a type checker and by
 ``tests/fsdp/test_parts.py`` (every implementation has every member).
@@ -25,7 +26,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from dbuffer import CallLabel, DBuffer, Pending
+from dbuffer import DBuffer, Pending
 
 if TYPE_CHECKING:  # annotations only: these modules import this one's users
     from fsdp.group.comms import AllGatherComm, ReduceScatterComm
@@ -34,11 +35,9 @@ if TYPE_CHECKING:  # annotations only: these modules import this one's users
     from fsdp.group.members import GroupPlacements, ParamInfo
     from fsdp.group.plan import GroupPlan
     from fsdp.group.policy import Dtypes, MixedPrecisionPolicy, Strategy
-    from fsdp.group.reduction import ReduceSettings
     from fsdp.group.residence import Residence
-    from fsdp.group.streams import CommStreams
 
-__all__ = ["Comms", "GatherKind", "PostForwardSlice", "ReducerGroup", "SharedGatherPart", "Weights", "WeightsGroup"]
+__all__ = ["Comms", "GatherKind", "PostForwardSlice", "SharedGatherPart", "Weights", "WeightsGroup"]
 
 
 class GatherKind(enum.Enum):
@@ -198,15 +197,3 @@ class WeightsGroup(_GroupBase, Protocol):
     requires_grad: bool
     policy: Optional["MixedPrecisionPolicy"]
     compute_device: torch.device
-
-
-class ReducerGroup(_GroupBase, Protocol):
-    """What the gradient reducer may read and call of its group, beyond :class:`_GroupBase`."""
-
-    streams: "CommStreams"
-    reduction: "ReduceSettings"
-    call_label: CallLabel  # its collectives' label
-
-    @property
-    def unsharded_params(self) -> Optional[list[nn.Parameter]]:
-        """The parameters autograd accumulates into (hooked with the unit's hook by the reducer)."""

@@ -23,7 +23,7 @@ first).
 from __future__ import annotations
 
 from enum import auto
-from typing import Callable, Optional
+from typing import Optional
 
 from fsdp.group.state_enum import StateEnum
 
@@ -58,9 +58,9 @@ class UnshardedStateError(RuntimeError):
 
 class UnshardedLife:
     """One group's :class:`Unsharded` state and the refresh its weights (or kept slice) hold.
-    ``names``: the group's parameter names, built only for an error message."""
+    ``names``: the group's parameter names, for an error message."""
 
-    def __init__(self, names: Callable[[], str]) -> None:
+    def __init__(self, names: str) -> None:
         self._names = names
         self.state = Unsharded.SHARDED
         self.version: Optional[int] = None
@@ -92,7 +92,7 @@ class UnshardedLife:
     def _move(self, target: Unsharded) -> None:
         if target not in ALLOWED[self.state]:
             raise UnshardedStateError(
-                f"the unsharded weights of {self._names()} cannot go from {self.state.name} to "
+                f"the unsharded weights of {self._names} cannot go from {self.state.name} to "
                 f"{target.name}; from {self.state.name} they may enter {sorted(s.name for s in ALLOWED[self.state])}"
             )
         self.state = target

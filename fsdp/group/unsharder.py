@@ -17,7 +17,7 @@ gather, the streams. It never sees its group.
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Optional
 
 import torch.nn as nn
 
@@ -72,7 +72,7 @@ class Unsharder:
 
     def __init__(self, weights: Weights, registrations: Registrations, sharded_params: list[nn.Parameter],
                  comms: Comms, replicated: tuple, streams: CommStreams, plan: GroupPlan, call_label: CallLabel,
-                 names: Callable[[], str], forward_only: Optional[ForwardOnlyTail] = None) -> None:
+                 names: str, forward_only: Optional[ForwardOnlyTail] = None) -> None:
         self.weights = weights
         self.registrations = registrations
         self.sharded_params = sharded_params
@@ -315,7 +315,7 @@ class Unsharder:
         :meth:`check_registered` for when that raises instead (registering nothing)."""
         params = self.weights.unsharded_params
         if params is None:
-            raise RuntimeError(f"parameters {self._names()} were never gathered; unshard the module first")
+            raise RuntimeError(f"parameters {self._names} were never gathered; unshard the module first")
         if self.forward_only_freed():  # backward's registration: the freed tail stays sharded
             self.register(self._forward_registration())
             return

@@ -432,11 +432,11 @@ class FSDPState(pipelining.FSDP2Names):
             return
         grads = group.grads
         if grads.starts_round():
-            self._finish_reductions_in_flight(group)
+            self._finish_reductions_in_flight()
         if grads.take(k, grad):
             self._on_group_grads_done(group)
 
-    def _finish_reductions_in_flight(self, group: ParameterGroup) -> None:
+    def _finish_reductions_in_flight(self) -> None:
         """A group got its first gradient of this backward, or is about to allocate its gradient
         buffer (:class:`~fsdp.group.grads.GradReducer`): finish the reductions still in flight
         (they have had a whole unit's backward to run), whose buffers would otherwise live

@@ -70,7 +70,7 @@ def test_an_accumulating_reduction_folds_at_launch_when_waiting_is_free(monkeypa
             # this thread's open launches (CPU stand-in streams are one process-wide state, which
             # threaded ranks share; the launch frames are per thread)
             with lock:
-                on_side_stream.append(bool(self.group.streams._frames()))
+                on_side_stream.append(bool(self.parts.streams._frames()))
         fold(self, result, kind)
 
     monkeypatch.setattr(GradReducer, "launch_reduce", watched)

@@ -1,6 +1,7 @@
 """The part Protocols (fsdp/group/parts.py) hold for every implementation: each class a group
 is given as a part has every member its Protocol names, and a real group has every member its
-parts may read (``WeightsGroup``, ``ReducerGroup``), so the Protocols stay true as code moves.
+parts may read (``WeightsGroup``), so the Protocols stay true as code moves; the gradient
+reducer sees no group, only the parts it is built from.
 The same for the Protocols that name an object without importing its class: a unit as the
 tree's code reads it (``fsdp.unit.root.Unit``), the device's streams and events, FSDP2's comm
 objects and a gradient hook's target."""
@@ -18,6 +19,7 @@ import fsdp
 from fsdp.compose.custom_comm import CustomComms, MemoryAllGather, MemoryReduceScatter
 from fsdp.compose.extensions import SubclassWeights
 from fsdp.compose.post_forward import PostForwardShard
+from fsdp.group.grad_parts import GroupWithGrads
 from fsdp.group import parts
 from fsdp.group.comms import AllGatherComm, DBufferComms, ReduceScatterComm
 from fsdp.group.shared_gather import SharedGather
@@ -66,15 +68,15 @@ def _group_members() -> dict:
     m = fsdp.fully_shard(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)))
     group, unit = m._fsdp_state.groups[0], m._fsdp_state
     missing = {p.__name__: sorted(n for n in members(p) if not hasattr(group, n))
-               for p in (parts.WeightsGroup, parts.ReducerGroup)}
+               for p in (parts.WeightsGroup, GroupWithGrads)}
     missing["Unit"] = sorted(n for n in members(Unit) | methods(Unit) if not hasattr(unit, n))
     return missing
 
 
 def test_a_group_has_what_its_parts_may_read() -> None:
     (missing,) = run_ranks(_group_members, 1, backend="threaded")
-    assert missing == {"WeightsGroup": [], "ReducerGroup": [], "Unit": []}
-    assert {"streams", "reduction", "call_label", "names", "main"} <= members(parts.ReducerGroup)
+    assert missing == {"WeightsGroup": [], "GroupWithGrads": [], "Unit": []}
+    assert {"sibling", "sharded_views", "names", "main"} <= members(parts.WeightsGroup)
     assert {"groups", "root", "root_ctx", "_enter", "_final_callback"} <= members(Unit) | methods(Unit)
 
 
@@ -97,3 +99,30 @@ def test_what_a_protocol_names_without_importing_has_its_methods(protocol, impl)
     assert wanted, protocol
     missing = {n for n in wanted if not callable(getattr(impl, n, None))}
     assert not missing, f"{impl.__qualname__} lacks {sorted(missing)} of {protocol.__name__}"
+
+
+def _references_to_the_group() -> dict[str, list[str]]:
+    from dataclasses import fields, is_dataclass
+
+    m = fsdp.fully_shard(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)))
+    group = m._fsdp_state.groups[0]
+
+    def is_group(v: object) -> bool:
+        return v is group or getattr(v, "__self__", None) is group  # the group or its bound method
+
+    def refs(obj: object, name: str) -> list[str]:
+        found = [f"{name}.{k}" for k, v in vars(obj).items() if is_group(v)]
+        for k, v in vars(obj).items():
+            if is_dataclass(v) and not isinstance(v, type):
+                found += [f"{name}.{k}.{f.name}" for f in fields(v) if is_group(getattr(v, f.name))]
+        return found
+
+    return {"grads": refs(group.grads, "grads") + refs(group.grads.parts.buffers, "buffers"),
+            "unsharder": refs(group.unsharder, "unsharder") + refs(group.unsharder.unsharded, "unsharded")}
+
+
+def test_the_reducer_and_the_unsharder_hold_no_reference_to_their_group() -> None:
+    """Composition downward: the gradient reducer and the unsharder are built from what their
+    group hands them (fsdp.group.grad_parts), never the group itself or one of its methods."""
+    (seen,) = run_ranks(_references_to_the_group, 1, backend="threaded")
+    assert seen == {"grads": [], "unsharder": []}

@@ -30,7 +30,7 @@ def test_the_table_refuses_what_would_lose_a_gather_or_a_slice() -> None:
         (U.SLICE_KEPT, U.FORWARD_ONLY_FREED), (U.FORWARD_ONLY_FREED, U.FORWARD_ONLY_FREED),
         (U.FORWARD_ONLY_FREED, U.GATHERED), (U.FORWARD_ONLY_FREED, U.SLICE_KEPT),  # the tail is gathered first
     }
-    life = UnshardedLife(lambda: "'w'")
+    life = UnshardedLife("'w'")
     life.begin_gather()
     with pytest.raises(UnshardedStateError, match="of 'w' cannot go from GATHERING to SHARDED"):
         life.freed()
