@@ -2,7 +2,6 @@
 
     python3 tools/dev.py demo [--torch VERSION] [demo args...]
     python3 tools/dev.py test [--torch VERSION] [pytest args...]
-    python3 tools/dev.py setup [--torch VERSION]    # only the environment, as the two above make it
 
 Works on a fresh clone with only Python 3.10+:
 
@@ -111,20 +110,16 @@ def _enter(venv: Path, system_site_packages: bool) -> None:
 
 
 def main() -> int:
-    if len(sys.argv) < 2 or sys.argv[1] not in ("demo", "test", "setup"):
+    if len(sys.argv) < 2 or sys.argv[1] not in ("demo", "test"):
         print(__doc__)
         return 2
     command = sys.argv[1]
     torch_pin, rest = _split_torch(sys.argv[2:])
-    if command == "setup" and rest:  # before anything is made or installed
-        raise SystemExit(f"error: setup takes only --torch VERSION, got {' '.join(rest)!r}")
     if torch_pin is not None:
         _enter(ROOT / f".venv-torch-{torch_pin}", system_site_packages=False)
     elif not _in_virtualenv():
         _enter(VENV, system_site_packages=True)
     _ensure_installed(torch_pin)
-    if command == "setup":
-        return 0
     os.chdir(ROOT)
     if command == "demo":
         return subprocess.call([sys.executable, str(ROOT / "tools" / "demo.py"), *rest])

@@ -80,23 +80,12 @@ def test_the_clients_are_installed_without_dependencies_and_their_needs_are_test
 def test_ci_runs_the_readme_command_the_randomized_hypothesis_tests_then_the_oldest_and_newest_torch() -> None:
     ci = (ROOT / ".ci" / "run").read_text()
     commands = [line.strip() for line in ci.splitlines() if "tools/dev.py" in line and not line.startswith("#")]
-    assert commands[0] == "python3 tools/dev.py setup || status=1"  # the default's, before the others start
-    assert "PIP_CONFIG_FILE=/dev/null nice -n 19 python3 tools/dev.py setup --torch \"$version\"" in commands[1]
-    assert commands[2] == "python3 tools/dev.py test || status=1"
-    assert "HYPOTHESIS_PROFILE=randomized python3 tools/dev.py test -m hypothesis || status=1" in commands[3]
-    assert 'PIP_CONFIG_FILE=/dev/null python3 tools/dev.py test --torch "$version" --ignore=tests/tools' in commands[4]
-    assert re.search(r'versions="(\S+) (\S+)"', ci).groups() == (TESTED[0], TESTED[-1])
-    assert ci.count("for version in $versions; do") == 2
-    assert ci.index('wait "$setup_pid"') < ci.index(commands[4])  # the installs are done before their runs
+    assert commands[0] == "python3 tools/dev.py test || status=1"
+    assert re.search(r"for version in (\S+) (\S+); do", ci).groups() == (TESTED[0], TESTED[-1])
+    assert "HYPOTHESIS_PROFILE=randomized python3 tools/dev.py test -m hypothesis || status=1" in commands[1]
+    assert 'PIP_CONFIG_FILE=/dev/null python3 tools/dev.py test --torch "$version" --ignore=tests/tools' in commands[2]
     assert dev.TORCH_WHEN_MISSING == f"torch=={TESTED[1]}"  # the default is the middle one
     assert TESTED[0].startswith(f"{MINIMUM[0]}.{MINIMUM[1]}.")
-
-
-def test_setup_refuses_arguments_before_making_anything(monkeypatch) -> None:
-    monkeypatch.setattr(sys, "argv", ["dev.py", "setup", "--torch", "2.15.0", "-x"])
-    monkeypatch.setattr(dev, "_enter", lambda *a, **k: pytest.fail("an environment was entered"))
-    with pytest.raises(SystemExit, match="setup takes only --torch VERSION, got '-x'"):
-        dev.main()
 
 
 def test_the_docs_name_the_tested_versions_and_the_minimum() -> None:
