@@ -16,8 +16,8 @@ from fsdp.group.forward_only import reads_only_in_forward
 from fsdp.group.layouts import ChunkedLayout
 from fsdp.group.parts import Comms, Weights, WeightsGroup
 from fsdp.group.plan import (
-    CommsKind, ForwardOnly, GatherScope, GroupConfig, LayoutKind, MeshKind, ModelShard, ParamsKind, ReplicaReduce,
-    ResidenceKind, UnshardedStorage,
+    CommsKind, ForwardOnly, GatherScope, GradsTo, GroupConfig, LayoutKind, MeshKind, ModelShard, ParamsKind,
+    ReplicaReduce, ResidenceKind, UnshardedStorage,
 )
 from fsdp.group.reduction import ReduceSettings
 from fsdp.group.weights import BufferWeights
@@ -61,6 +61,7 @@ def config_of(group: ConfiguredGroup, slice_ranks: Optional[int] = None) -> Grou
     lean = policy is not None and not policy.persistent_param_shard
     tail = bool(group.infos) and reads_only_in_forward(group.infos[-1])
     defer = group.requires_grad and not group.reduction.all_reduce
+    every = group.requires_grad and group.reduction.unused_params
     return GroupConfig(
         strategy=s, dtypes=group.dtypes, requires_grad=group.requires_grad, mesh=mesh, residence=residence,
         layout=kind, params=params, comms=CommsKind.DBUFFER if group.comms is DBUFFER_COMMS else CommsKind.CUSTOM,
@@ -69,4 +70,5 @@ def config_of(group: ConfiguredGroup, slice_ranks: Optional[int] = None) -> Grou
         forward_only=ForwardOnly.TAIL if tail else ForwardOnly.NONE,
         replica_reduce=ReplicaReduce.DEFERRED if defer else ReplicaReduce.NOW,
         unsharded_storage=UnshardedStorage.KEEP if weights.keep_unsharded_storage else UnshardedStorage.FREE,
+        grads_to=GradsTo.EVERY if every else GradsTo.REACHED,
     )

@@ -38,7 +38,7 @@ from fsdp.group.grad_parts import GradParts
 from fsdp.group.main_grad_state import ALLOWED, InFlight, MainGrad, Reduction, check_move
 from fsdp.group.members import GroupPlacements
 from fsdp.group.parts import Comms
-from fsdp.group.plan import CommsKind, FoldWhen, ReduceCollective, ReducePlan, ReduceRoute, Where
+from fsdp.group.plan import CommsKind, FoldWhen, GradsTo, ReduceCollective, ReducePlan, ReduceRoute, Where
 from fsdp.group.policy import Dtypes, converted
 from fsdp.group.reduction import ReduceSettings
 from fsdp.group.profiling import label
@@ -228,7 +228,7 @@ class GradReducer:
             self._in_flight = InFlight(pending, Reduction.DEFERRED)
             return
         source, members = self.grad_in, self._local
-        if self.reduction.unused_params:  # every parameter's reduced gradient, zeros included
+        if route.grads_to is GradsTo.EVERY:  # every parameter's reduced gradient, zeros included
             members = set(range(self.parts.count))
         if self._partial is not None:  # reduce-scatter now, add the deferred sums, all-reduce below
             partial, self._partial = self._partial, None

@@ -50,6 +50,7 @@ GatherScope = enum.Enum("GatherScope", "UNIT OWN", module=__name__)
 ForwardOnly = enum.Enum("ForwardOnly", "NONE TAIL", module=__name__)
 ReplicaReduce = enum.Enum("ReplicaReduce", "NOW DEFERRED", module=__name__)
 UnshardedStorage = enum.Enum("UnshardedStorage", "FREE KEEP", module=__name__)
+GradsTo = enum.Enum("GradsTo", "REACHED EVERY", module=__name__)
 
 
 @dataclass(frozen=True)
@@ -64,7 +65,9 @@ class GroupConfig:
     it may share its unit's all-gather, or (explicit bucket) not; ``slice_ranks``: the ``n`` of
     ``reshard_after_forward=n`` asked for its mesh (None: none); ``forward_only``: it ends with
     parameters only forward reads; ``replica_reduce``: ``set_requires_all_reduce``;
-    ``unsharded_storage``: ``set_keep_unsharded_storage``. Building one raises ``ValueError``
+    ``unsharded_storage``: ``set_keep_unsharded_storage``; ``grads_to``: the parameters a
+    reduction gives gradients, those this rank's backward reached or every one
+    (``set_reduce_scatter_unused_params``). Building one raises ``ValueError``
     for a combination ``fully_shard`` refuses."""
 
     strategy: Strategy
@@ -81,6 +84,7 @@ class GroupConfig:
     forward_only: ForwardOnly = ForwardOnly.NONE
     replica_reduce: ReplicaReduce = ReplicaReduce.NOW
     unsharded_storage: UnshardedStorage = UnshardedStorage.FREE
+    grads_to: GradsTo = GradsTo.REACHED
 
     def __post_init__(self) -> None:
         problem = self._problem()
@@ -106,6 +110,8 @@ class GroupConfig:
             return "reshard_after_forward=n keeps a slice for n > 1 on a 1-D mesh only"
         if not self.requires_grad and self.replica_reduce is ReplicaReduce.DEFERRED:
             return "a frozen group has no reduction to defer"
+        if not self.requires_grad and self.grads_to is GradsTo.EVERY:
+            return "a frozen group has no gradients to give"
         return None
 
 
@@ -178,8 +184,9 @@ class ReducePlan:
     (micro-batches): straight into ``MAIN_GRAD``, into ``REDUCE_OUT`` then folded in, all-reduced
     in ``GRAD_IN`` then folded in, or into ``PARTIAL`` for a later all-reduce; when ``REDUCE_OUT``
     is folded (at its launch where waiting costs the host nothing: real streams, or the collective
-    already completed; else when finished); where the fold writes (``HOST``: a download); and
-    whose collectives run it (dbuffer's are prepared once per pair of kept buffers)."""
+    already completed; else when finished); where the fold writes (``HOST``: a download);
+    whose collectives run it (dbuffer's are prepared once per pair of kept buffers); and which
+    parameters an all-reducing reduction gives gradients (``grads_to``)."""
 
     collective: ReduceCollective
     overwrite: ReduceRoute
@@ -187,6 +194,7 @@ class ReducePlan:
     fold: FoldWhen
     into: Where
     comms: CommsKind = CommsKind.DBUFFER
+    grads_to: GradsTo = GradsTo.REACHED
 
 
 # What each route reads or writes: every buffer a route touches must be planned.
@@ -403,7 +411,7 @@ def _plan_reduce(c: GroupConfig, pl: dict, main_pl: tuple, home: Where, bufs: li
     if c.mesh is not MeshKind.FSDP and s.shard_grads and c.replica_reduce is ReplicaReduce.DEFERRED:
         bufs.append(BufferPlan(Buf.PARTIAL, pl["deferred"], d.reduce, Where.DEVICE, Lifetime.DEFERRED))
         deferred = ReduceRoute.DEFERRED
-        return ReducePlan(ReduceCollective.SHARD_AXIS_ONLY, deferred, deferred, FoldWhen.NONE, home, c.comms)
+        return ReducePlan(ReduceCollective.SHARD_AXIS_ONLY, deferred, deferred, FoldWhen.NONE, home, c.comms, c.grads_to)
     if not s.shard_grads:
         collective = ReduceCollective.ALL_REDUCE
     elif c.mesh is MeshKind.FSDP:
@@ -417,4 +425,4 @@ def _plan_reduce(c: GroupConfig, pl: dict, main_pl: tuple, home: Where, bufs: li
         bufs.append(BufferPlan(Buf.REDUCE_OUT, grad_pl, d.reduce, Where.DEVICE, Lifetime.REDUCTION))
         free = home is Where.DEVICE and c.comms is CommsKind.DBUFFER
         fold = FoldWhen.AT_LAUNCH_IF_FREE if free else FoldWhen.AT_FINISH
-    return ReducePlan(collective, overwrite, folded, fold, home, c.comms)
+    return ReducePlan(collective, overwrite, folded, fold, home, c.comms, c.grads_to)

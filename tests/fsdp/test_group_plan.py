@@ -64,6 +64,7 @@ def configs(draw) -> GroupConfig:
         forward_only=draw(st.sampled_from(list(P.ForwardOnly))),
         replica_reduce=draw(st.sampled_from(list(P.ReplicaReduce))) if requires_grad else P.ReplicaReduce.NOW,
         unsharded_storage=draw(st.sampled_from(list(P.UnshardedStorage))),
+        grads_to=draw(st.sampled_from(list(P.GradsTo))) if requires_grad else P.GradsTo.REACHED,
     )
     try:
         return GroupConfig(**config)
@@ -181,6 +182,7 @@ def _check_plan(c: GroupConfig) -> None:
         if r.fold is P.FoldWhen.AT_LAUNCH_IF_FREE:  # a fold at launch blocks no host and no custom staging
             assert not host and c.comms is P.CommsKind.DBUFFER
     assert (r.into is Where.HOST) == host
+    assert r.grads_to is c.grads_to
 
 
 @settings(max_examples=examples(400))
@@ -203,6 +205,7 @@ def test_group_config_refuses_what_fully_shard_refuses() -> None:
         dict(slice_ranks=2, mesh=P.MeshKind.HSDP),
         dict(slice_ranks=1),
         dict(requires_grad=False, replica_reduce=P.ReplicaReduce.DEFERRED),
+        dict(requires_grad=False, grads_to=P.GradsTo.EVERY),
     ]
     for change in bad:
         with pytest.raises(ValueError, match="GroupConfig: "):
