@@ -44,14 +44,12 @@ before sharding.
 from __future__ import annotations
 
 import inspect
-import weakref
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 
 from dbuffer import DBuffer, dtensor_view
 from dbuffer.agreement import check_agreement
@@ -59,8 +57,11 @@ from dbuffer.layout import compute_layout
 from dbuffer.view import contiguous_stride
 from fsdp.compose.extension_protocol import POST, PRE, numel as _numel, plain as _plain, plain_leaves as _plain_leaves
 from fsdp.group.layouts import ParamKind
-from fsdp.group.parts import GatherKind, WeightsGroup
+from fsdp.group.parts import GatherKind, WeightsParts
 from fsdp.group.plan import GroupPlan
+from fsdp.group.policy import Dtypes
+from fsdp.group.siblings import Siblings
+from fsdp.group.weights import GradHooks
 
 __all__ = ["SUBCLASS", "SubclassKind", "SubclassWeights"]
 
@@ -105,10 +106,13 @@ class SubclassWeights:
         "convert the module before sharding it"
     )
 
-    def __init__(self, group: WeightsGroup) -> None:
-        self.group = group
-        self._orig = [(torch.Size(i.param.shape), contiguous_stride(torch.Size(i.param.shape))) for i in group.infos]
-        self._modules = [i.registrations[0][0] for i in group.infos]
+    def __init__(self, parts: WeightsParts) -> None:
+        self.parts = parts
+        self.main: Optional[DBuffer] = None  # lends its layout and device; and the dtypes: from build()
+        self.dtypes: Optional[Dtypes] = None
+        self.hooks = GradHooks()
+        self._orig = [(torch.Size(i.param.shape), contiguous_stride(torch.Size(i.param.shape))) for i in parts.infos]
+        self._modules = [i.registrations[0][0] for i in parts.infos]
         self._pieces: Optional[list[torch.Tensor]] = None  # each rank's padded piece, of the parameter's type
         self._shard_mesh_cache: Optional[DeviceMesh] = None
         self._spec: Optional[tuple] = None  # (shape, dtype) of every pre-all-gather output
@@ -133,27 +137,30 @@ class SubclassWeights:
         """Nothing to take: a subclass's routes (``fsdp_pre_all_gather``, a copy out of each
         gather) are the same in every plan."""
 
-    def build(self, plan: GroupPlan) -> None:
+    def build(self, plan: GroupPlan, main: DBuffer, dtypes: Dtypes, siblings: Siblings) -> None:
         """Pieces on ``main``'s device (zeros when built on meta or just materialised); ``main``
         keeps no storage: it only lends its layout to the gradient buffers."""
-        g = self.group
+        self.main, self.dtypes = main, dtypes
         if self._pieces is None:
-            self._make_pieces([i.param for i in g.infos], fill=False)
-        elif self._pieces and self._pieces[0].device != g.main.device:  # to_empty
-            self._pieces = [p.new_zeros(p.shape, device=g.main.device) for p in self._pieces]
-        if not g.main.is_storage_released():
-            g.main.release_storage()
+            self._make_pieces([i.param for i in self.parts.infos], fill=False)
+        elif self._pieces and self._pieces[0].device != main.device:  # to_empty
+            self._pieces = [p.new_zeros(p.shape, device=main.device) for p in self._pieces]
+        if not main.is_storage_released():
+            main.release_storage()
+
+    def install_grad_hooks(self, hook_for: Callable[[int], Callable[[torch.Tensor], None]]) -> None:
+        self.hooks.install(hook_for, self.unsharded_params)
 
     @torch.no_grad()
     def _make_pieces(self, params: list[torch.Tensor], fill: bool) -> None:
         """Each rank's padded ``torch.chunk`` piece, of the parameter's own type (``new_zeros``
         goes through its dispatch), filled with this rank's rows unless built on meta."""
-        chunks, device = self.group.layout.chunks, self.group.main.device
+        chunks, device = self.parts.layout.chunks, self.main.device
         pieces = []
         for k, p in enumerate(params):
             data = p.detach()
             padded = data.new_zeros(tuple(chunks.piece_shape(k, 0)), device=device)
-            _, length = chunks.piece(k, self.group.layout.rank)
+            _, length = chunks.piece(k, self.parts.layout.rank)
             if fill and length:  # cut by torch.chunk (aten.split), as FSDP2 does: NF4 has no partial slice
                 padded.narrow(0, 0, length).copy_(self._chunk_of(data))
             pieces.append(padded)
@@ -161,19 +168,17 @@ class SubclassWeights:
 
     def _chunk_of(self, data: torch.Tensor) -> torch.Tensor:
         """``torch.chunk(data, world)[rank]`` (this rank has a non-empty piece)."""
-        layout = self.group.layout
+        layout = self.parts.layout
         return torch.chunk(data, layout.chunks.num_shards, 0)[layout.rank]
 
     def new_sharded_params(self) -> list[nn.Parameter]:
-        g, params = self.group, []
+        g, params = self.parts, []
         for k, padded in enumerate(self._pieces):
             _, length = g.layout.chunks.piece(k, g.layout.rank)
             shape, stride = self._orig[k]
             local = padded.narrow(0, 0, length)
             dt = dtensor_view(local, g.mesh, g.placements.sharded, shape, stride)
-            p = nn.Parameter(dt, requires_grad=g.requires_grad)
-            p._fsdp_group = weakref.ref(g)  # found by the optimizer-step hook
-            params.append(p)
+            params.append(nn.Parameter(dt, requires_grad=g.requires_grad))
         return params
 
     def release_model_shard(self) -> None:
@@ -184,14 +189,14 @@ class SubclassWeights:
     def _shard_mesh(self) -> DeviceMesh:
         """The 1-D mesh of the shard axis (FSDP2 passes it, not the HSDP mesh)."""
         if self._shard_mesh_cache is None:
-            mesh = self.group.mesh
+            mesh = self.parts.mesh
             if mesh.ndim == 1:
                 self._shard_mesh_cache = mesh
             elif mesh.mesh_dim_names:
                 self._shard_mesh_cache = mesh[mesh.mesh_dim_names[-1]]
             else:
                 raise ValueError(
-                    f"parameters {self.group.names()} use an all-gather extension on an HSDP mesh without "
+                    f"parameters {self.parts.names} use an all-gather extension on an HSDP mesh without "
                     f"names; build it with mesh_dim_names=('replicate', 'shard') so the shard mesh can be passed"
                 )
         return self._shard_mesh_cache
@@ -204,7 +209,7 @@ class SubclassWeights:
         attributes and its flatten metadata. The tensors are also kept referenced (in
         ``_inputs``), so an identity in the key cannot be reused by a new tensor."""
         key, refs = [], []
-        for p in self.group.sharded_params:
+        for p in self.parts.sharded_params:
             local = p._local_tensor
             fn = getattr(local, PRE, None)
             attrs = sorted(vars(local).items())
@@ -218,13 +223,14 @@ class SubclassWeights:
 
     def _pre_all_gather(self, k: int) -> tuple[tuple[torch.Tensor, ...], object, bool]:
         """(tensors to gather, metadata, whether the extension made them) for parameter ``k``."""
-        g = self.group
+        g = self.parts
         local = g.sharded_params[k]._local_tensor
         pre = getattr(local, PRE, None)
         name = g.infos[k].fqn
         if pre is None:
             padded = self._pieces[k]
-            return (padded if padded.dtype == g.dtypes.model else padded.to(g.dtypes.model),), None, False
+            model = self.dtypes.model
+            return (padded if padded.dtype == model else padded.to(model),), None, False
         if not hasattr(local, POST):
             raise ValueError(f"parameter {name!r}: its local tensor has {PRE} but no {POST}; define both")
         count = len(inspect.signature(pre).parameters)
@@ -250,7 +256,7 @@ class SubclassWeights:
         """Run the pre-all-gather of every parameter (the group calls this only when
         :meth:`version_key` changed or the optimizer stepped) and copy its outputs into the
         persistent sharded gather buffer ``send``."""
-        made = [self._pre_all_gather(k) for k in range(len(self.group.infos))]
+        made = [self._pre_all_gather(k) for k in range(len(self.parts.infos))]
         spec = tuple(tuple((tuple(t.shape), t.dtype) for t in inputs) for inputs, _, _ in made)
         if spec != self._spec:
             self._build_gather_buffers(spec)
@@ -267,7 +273,7 @@ class SubclassWeights:
         """Lay out the pre-all-gather outputs in each rank's shard (after checking that every
         rank's outputs have the same shapes and dtypes: one small collective, as the all-gather
         needs it), one dtype for all, else bytes."""
-        g = self.group
+        g = self.parts
         entries = [
             (f"{g.infos[k].fqn} all-gather input {i}", f"shape {shape} {dtype}")
             for k, inputs in enumerate(spec)
@@ -294,7 +300,7 @@ class SubclassWeights:
         world = g.mesh.shape[-1]
         flat = [(world * max(pos, 1),)]
         layout = compute_layout(flat, world)
-        device = g.main.device
+        device = self.main.device
         self.send = DBuffer(g.mesh, g.placements.sharded, flat, unit, device, layout=layout, check_ranks=False)
         self.gathered = DBuffer(
             g.mesh, g.placements.replicated, flat, unit, device, layout=layout, zero_fill=False, check_ranks=False
@@ -352,7 +358,7 @@ class SubclassWeights:
         rebuild = self.unsharded_params is None
         saved = [] if rebuild or not refill else self._saved_tensors()
         versions = [t._version for t in saved]
-        world = self.group.mesh.shape[-1]
+        world = self.parts.mesh.shape[-1]
         own = rows is None
         if own:
             rows = self.gathered.local_buffer.view(world, self._shard_len)
@@ -373,14 +379,14 @@ class SubclassWeights:
         self._alive = True
 
     def _post_all_gather(self, k: int, out: Optional[torch.Tensor] = None):
-        local = self.group.sharded_params[k]._local_tensor
+        local = self.parts.sharded_params[k]._local_tensor
         outputs = tuple(t.view(-1, *shape[1:]) for t, (shape, _) in zip(self._outputs[k], self._spec[k]))
         if out is None:
-            return getattr(local, POST)(outputs, self._metadata[k], self.group.dtypes.model)
-        return getattr(local, POST)(outputs, self._metadata[k], self.group.dtypes.model, out=out)
+            return getattr(local, POST)(outputs, self._metadata[k], self.dtypes.model)
+        return getattr(local, POST)(outputs, self._metadata[k], self.dtypes.model, out=out)
 
     def _build_unsharded_params(self) -> None:
-        g = self.group
+        g = self.parts
         params, self._inner = [], []
         for k in range(len(g.infos)):
             shape, stride = self._orig[k]
@@ -399,8 +405,7 @@ class SubclassWeights:
             full = torch.as_strided(tensor, shape, stride, 0)
             params.append(nn.Parameter(full, requires_grad=g.requires_grad))
         self.unsharded_params = params
-        if g.grads is not None:
-            g.grads.hook_params()
+        self.hooks.hook(params)
 
     def _saved_tensors(self) -> list[torch.Tensor]:
         """Everything whose version counter a refill may bump: outputs, parameters, inner tensors."""
@@ -439,7 +444,7 @@ class SubclassWeights:
 
     def init_params(self) -> list[nn.Parameter]:
         """Full tensors of each parameter's own type for an init function to fill."""
-        g = self.group
+        g = self.parts
         self._init_full = [
             nn.Parameter(piece.new_zeros(self._orig[k][0]), requires_grad=g.requires_grad)
             for k, piece in enumerate(self._pieces)
@@ -450,7 +455,7 @@ class SubclassWeights:
     def commit_init(self, commit: bool) -> None:
         full, self._init_full = self._init_full, None
         if commit and full is not None:
-            g = self.group
+            g = self.parts
             for k, t in enumerate(full):
                 if g.layout.chunks.piece(k, g.layout.rank)[1]:
                     g.sharded_params[k]._local_tensor.copy_(self._chunk_of(t.detach()))

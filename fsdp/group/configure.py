@@ -8,26 +8,41 @@ forward-only tail, the reduction and storage settings.
 
 from __future__ import annotations
 
-from typing import Optional, Protocol
+from typing import Optional, Protocol, Union
+
+from torch.distributed.device_mesh import DeviceMesh
 
 from dbuffer.layout import OwnedLayout, RaggedLayout
 from fsdp.group.comms import DBUFFER_COMMS
 from fsdp.group.forward_only import reads_only_in_forward
-from fsdp.group.layouts import ChunkedLayout
-from fsdp.group.parts import Comms, Weights, WeightsGroup
+from fsdp.group.layouts import ChunkedLayout, FlatLayout, ParamKind
+from fsdp.group.members import GroupPlacements, ParamInfo
+from fsdp.group.parts import Comms, Weights
 from fsdp.group.plan import (
     CommsKind, ForwardOnly, GatherScope, GradsTo, GroupConfig, LayoutKind, MeshKind, ModelShard, ParamsKind,
     ReplicaReduce, ResidenceKind, UnshardedStorage,
 )
+from fsdp.group.policy import Dtypes, MixedPrecisionPolicy, Strategy
 from fsdp.group.reduction import ReduceSettings
+from fsdp.group.residence import Residence
 from fsdp.group.weights import BufferWeights
 
 __all__ = ["ConfiguredGroup", "config_of"]
 
 
-class ConfiguredGroup(WeightsGroup, Protocol):
-    """What :func:`config_of` reads of a group, beyond what its weights part reads."""
+class ConfiguredGroup(Protocol):
+    """What :func:`config_of` reads of a group."""
 
+    infos: list[ParamInfo]
+    mesh: DeviceMesh
+    strategy: Strategy
+    dtypes: Dtypes
+    placements: GroupPlacements
+    layout: Union[FlatLayout, ChunkedLayout]
+    kind: ParamKind
+    offload: Residence
+    policy: Optional[MixedPrecisionPolicy]
+    requires_grad: bool
     weights: Weights
     reduction: ReduceSettings
     comms: Comms

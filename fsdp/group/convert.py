@@ -93,11 +93,11 @@ def convert(group: ParameterGroup, dtype: Optional[torch.dtype] = None, device=N
     group.dtypes = dtypes
     group.main = group.offload.in_residence(converted(group.main, dtypes.main))
     group.replan()  # the weights are built, and the gradients rebuilt, for the new dtypes' plan
-    group.weights.build(group.plan)
+    group.build_weights()
     group.unsharder.rebuilt(group.streams)
     if group.grads is not None:
         group.grads.convert(dtypes, in_residence=group.offload.in_residence)
-    swap_in(group.sharded_params, group.weights.new_sharded_params())
+    swap_in(group.sharded_params, group.new_sharded_params())
     if group.grads is not None:
         group.grads.reattach_after_swap()
     return True

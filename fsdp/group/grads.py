@@ -71,7 +71,6 @@ class GradReducer:
         self._partial_members: set[int] = set()
         self._gaps: Optional[list[tuple[int, int]]] = None  # padding of grad_in, found once
         self.state = MainGrad.EMPTY  # main_grad's storage: allocated by the first reduction
-        self._hook_for: Optional[Callable[[int], Callable]] = None  # the unit's hook of each parameter
         # param.grad a cast copy where main grads' dtype differs (fsdp.optim's flat optimizers: off).
         self.cast_grads = True
 
@@ -88,12 +87,9 @@ class GradReducer:
         self.reduction = reduction
 
     def rebuilt(self, parts: GradParts) -> "GradReducer":
-        """A fresh reducer of the group's new ``parts`` (``to_empty``), with the same settings
-        and hook, hooked on the new unsharded parameters."""
+        """A fresh reducer of the group's new ``parts`` (``to_empty``), with the same settings."""
         fresh = GradReducer(parts, self.placements, self.dtypes, self.reduction, self.route, self.comms)
         fresh.cast_grads = self.cast_grads
-        fresh._hook_for = self._hook_for
-        fresh.hook_params()
         return fresh
 
     def make_views(self) -> list[DTensor]:
@@ -105,21 +101,6 @@ class GradReducer:
         return parts.layout.views(view, parts.kind, parts.outer_placements)
 
     # ------------------------------------------------------------------ from autograd
-
-    def install_grad_hooks(self, hook_for: Callable[[int], Callable[[torch.Tensor], None]]) -> None:
-        """Hook each unsharded parameter ``k`` with ``hook_for(k)``, now and whenever they are
-        rebuilt: the unit's hook, which hands the gradient to :meth:`take` (the reducer never
-        calls back)."""
-        self._hook_for = hook_for
-        self.hook_params()
-
-    def hook_params(self) -> None:
-        """Hook the group's current unsharded parameters (again after they were rebuilt)."""
-        params = self.parts.weights.unsharded_params
-        if self._hook_for is None or params is None:
-            return
-        for k, p in enumerate(params):
-            p.register_post_accumulate_grad_hook(self._hook_for(k))
 
     def starts_round(self) -> bool:
         """Whether the next gradient is the group's first of a backward round (a query)."""
@@ -489,7 +470,6 @@ class GradReducer:
             if new is not old and old.is_storage_released():
                 new.release_storage()
         self._held = {k: t.to(dtypes.model) for k, t in self._held.items()}
-        self.hook_params()
 
     def reattach_after_swap(self) -> None:
         """The sharded parameters were swapped (convert): point their ``.grad`` again if attached."""

@@ -52,10 +52,10 @@ def materialize(group: ParameterGroup, device: torch.device) -> None:
     check_swappable(group)
     main = group.main
     group.place_main(main.placements, main.shapes, main.dtype, main.layout, device)
-    group.weights.build(group.plan)
+    group.build_weights()
     if group.grads is not None:
         group.grads = group.grads.rebuilt(grad_parts(group))
-    swap_in(group.sharded_params, group.weights.new_sharded_params())
+    swap_in(group.sharded_params, group.new_sharded_params())
     group.unsharder.rebuilt(group.streams)
 
 

@@ -26,6 +26,7 @@ A group *has* its parts, each chosen by ``fully_shard`` and handed in, and its `
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import replace
 from typing import Callable, Optional, Union, cast
 
@@ -43,12 +44,13 @@ from fsdp.group.grad_parts import grad_parts
 from fsdp.group.grads import GradReducer
 from fsdp.group.layouts import PLAIN, ChunkedLayout, FlatLayout, ParamKind, flat_layout
 from fsdp.group.members import GroupPlacements, ParamInfo
-from fsdp.group.parts import Comms, Weights
+from fsdp.group.parts import Comms, Weights, WeightsParts
 from fsdp.group.plan import GroupPlan, plan_group
 from fsdp.group.policy import Dtypes, MixedPrecisionPolicy, Strategy
 from fsdp.group.reduction import ReduceSettings
 from fsdp.group.registration import Registrations
-from fsdp.group.residence import NO_OFFLOAD, HostResidence, Residence
+from fsdp.group.residence import NO_OFFLOAD, Residence
+from fsdp.group.siblings import Siblings, place_main
 from fsdp.group.streams import CommStreams
 from fsdp.group.unsharder import Unsharder
 from fsdp.group.weights import BufferWeights
@@ -78,7 +80,7 @@ class ParameterGroup:
         layout: Optional[Union[FlatLayout, ChunkedLayout]] = None,
         kind: ParamKind = PLAIN,
         placements: Optional[GroupPlacements] = None,
-        weights: Callable[["ParameterGroup"], Weights] = BufferWeights,
+        weights: Callable[[WeightsParts], Weights] = BufferWeights,
         own_gather: bool = False,
         forward_only: Optional[ForwardOnlyTail] = None,
     ) -> None:
@@ -114,12 +116,14 @@ class ParameterGroup:
         buffer_shapes, buffer_layout = self.layout.buffer_shapes()
         device = tensors[0].device  # meta: built under torch.device("meta"), so are the shards (FSDP2)
         self.place_main(main_pl, buffer_shapes, dtypes.main, buffer_layout, device)
-        self.weights: Weights = weights(self)
+        self.sharded_params: list[nn.Parameter] = []  # the weights part makes them, below
+        self.weights: Weights = weights(WeightsParts(infos, mesh, strategy, self.placements, self.layout, kind, self.offload,
+                                                     policy, requires_grad, self.sharded_params, self.names()))
         self.plan: GroupPlan = plan_group(config_of(self))
+        self.build_weights()
         if not self.is_meta:
             self.weights.fill(tensors)
-        self.weights.build(self.plan)
-        self.sharded_params: list[nn.Parameter] = self.weights.new_sharded_params()
+        self.sharded_params += self.new_sharded_params()
         self.initialising = False  # inside init_weights (fsdp.group.meta_init)
         self.unsharder = Unsharder(self.weights, Registrations(infos), self.sharded_params, self.comms,
                                    self.placements.replicated, self.streams, self.plan, self.call_label, self.names(), forward_only)
@@ -155,19 +159,20 @@ class ParameterGroup:
         self.reduction = new
         self.replan()
 
-    # ------------------------------------------------------------------ buffers
+    def build_weights(self) -> None:
+        """(Re)build the weights part for the current main weights, dtypes and plan."""
+        self.weights.build(self.plan, self.main, self.dtypes, Siblings.of(self.main, self.compute_device, self.offload))
+
+    def new_sharded_params(self) -> list[nn.Parameter]:
+        """The weights part's sharded parameters, naming this group to :mod:`fsdp.optim.step_hooks`."""
+        params = self.weights.new_sharded_params()
+        for p in params:
+            p._fsdp_group = weakref.ref(self)
+        return params
 
     def place_main(self, placements, shapes, dtype: torch.dtype, layout, device: torch.device) -> None:
-        """Allocate ``main`` on ``device`` (meta for a meta-built group, else this rank's device),
-        or on the host under offload; the compute device and the streams follow. fully_shard
-        checked that every rank builds the same unit, so no rank check here."""
-        if not self.offload.on_host or device.type == "meta":
-            self.main = DBuffer(self.mesh, placements, shapes, dtype, device, layout=layout, check_ranks=False)
-            self.compute_device = self.main.device
-        else:
-            host = cast(HostResidence, self.offload)  # on_host
-            self.main = host.buffer(self.mesh, placements, shapes, dtype, layout)
-            self.compute_device = host.compute_device
+        """Allocate ``main`` (:func:`~fsdp.group.siblings.place_main`); the streams follow its compute device."""
+        self.main, self.compute_device = place_main(self.mesh, placements, shapes, dtype, layout, device, self.offload)
         self.streams = CommStreams.for_device(self.compute_device)
 
     @property
@@ -175,16 +180,9 @@ class ParameterGroup:
         """Built under ``torch.device("meta")`` and not yet given storage (``to_empty``)."""
         return self.main.device.type == "meta"
 
-    def sibling(self, placements, dtype: torch.dtype, zero_fill: bool = True, device=None) -> DBuffer:
-        """A sibling of ``main`` (same shapes and layout) on the compute device (or ``device``)."""
-        return self.main.sibling(placements, dtype, self.compute_device if device is None else device, zero_fill=zero_fill)
-
-    def host_sibling(self, placements, dtype: torch.dtype, zero_fill: bool = True) -> DBuffer:
-        """A sibling of ``main`` where ``main`` lives: on the host (pinned) under offload."""
-        if not self.offload.on_host or self.is_meta:
-            return self.sibling(placements, dtype, zero_fill)
-        host = cast(HostResidence, self.offload)  # on_host
-        return host.buffer(self.mesh, placements, self.main.shapes, dtype, self.main.layout, zero_fill)
+    def sibling(self, placements, dtype: torch.dtype, zero_fill: bool = True) -> DBuffer:
+        """A sibling of ``main`` (same shapes and layout) on the compute device."""
+        return self.main.sibling(placements, dtype, self.compute_device, zero_fill=zero_fill)
 
     def sharded_views(self, buf: DBuffer) -> list[torch.Tensor]:
         """The DTensor view of every parameter in a buffer at the sharded placements."""

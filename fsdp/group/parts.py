@@ -7,20 +7,20 @@ Two directions, one Protocol each way:
   (:class:`~fsdp.group.comms.DBufferComms`, :mod:`fsdp.compose.custom_comm`'s) and
   :class:`PostForwardSlice` (:class:`~fsdp.compose.post_forward.PostForwardShard`); the
   residence has its own in :mod:`fsdp.group.residence`;
-* what a weights part may read of its group: :class:`WeightsGroup`. A weights part is built
-  with its group typed as this, so its constructor says what it may touch; a name outside the
-  Protocol is a type error, not a new coupling. The
-  :class:`~fsdp.group.grads.GradReducer` and the :class:`~fsdp.group.unsharder.Unsharder` see
-  no group: they are built from what it hands down (:mod:`fsdp.group.grad_parts`).
+* what a weights part is built from: :class:`WeightsParts`, plain data its group hands down.
+  No part sees its group: the :class:`~fsdp.group.grads.GradReducer` and the
+  :class:`~fsdp.group.unsharder.Unsharder` are built from what it hands down too
+  (:mod:`fsdp.group.grad_parts`).
 
-No behaviour here: Protocols only, checked by a type checker and by
+No behaviour here: Protocols and data only, checked by a type checker and by
 ``tests/fsdp/test_parts.py`` (every implementation has every member).
 """
 
 from __future__ import annotations
 
 import enum
-from typing import TYPE_CHECKING, Callable, Optional, Protocol, Sequence, Union
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Optional, Protocol, Union
 
 import torch
 import torch.nn as nn
@@ -36,8 +36,9 @@ if TYPE_CHECKING:  # annotations only: these modules import this one's users
     from fsdp.group.plan import GroupPlan
     from fsdp.group.policy import Dtypes, MixedPrecisionPolicy, Strategy
     from fsdp.group.residence import Residence
+    from fsdp.group.siblings import Siblings
 
-__all__ = ["Comms", "GatherKind", "PostForwardSlice", "SharedGatherPart", "Weights", "WeightsGroup"]
+__all__ = ["Comms", "GatherKind", "PostForwardSlice", "SharedGatherPart", "Weights", "WeightsParts"]
 
 
 class GatherKind(enum.Enum):
@@ -110,11 +111,16 @@ class Weights(Protocol):
         """The parameters the modules compute with while gathered (None before the first gather)."""
 
     def fill(self, tensors: list[torch.Tensor]) -> None:
-        """Copy the original parameters' values into ``main``."""
+        """Copy the original parameters' values into ``main`` (after :meth:`build`)."""
 
-    def build(self, plan: "GroupPlan") -> None:
-        """(Re)build the model-weight and gathered buffers for the group's current dtypes, to
-        run ``plan``'s routes."""
+    def build(self, plan: "GroupPlan", main: DBuffer, dtypes: "Dtypes", siblings: "Siblings") -> None:
+        """(Re)build the model-weight and gathered buffers for the group's ``main`` weights (new
+        after ``module.to(dtype)`` and ``to_empty``), in ``dtypes``, as ``siblings`` of it, to
+        run ``plan``'s routes; the unsharded parameters it makes are hooked again."""
+
+    def install_grad_hooks(self, hook_for: Callable[[int], Callable[[torch.Tensor], None]]) -> None:
+        """Hook each unsharded parameter ``k`` with ``hook_for(k)``, now and whenever this part
+        makes them again (the unit's hook, which hands the gradient to the reducer)."""
 
     def replanned(self, plan: "GroupPlan") -> None:
         """The group compiled its plan again (a setter, between steps): run ``plan``'s routes."""
@@ -163,37 +169,24 @@ class Weights(Protocol):
         """Write what :meth:`init_params` gave back into ``main`` (or drop it)."""
 
 
-class _GroupBase(Protocol):
-    """What every part may read of its group: its identity and configuration."""
+@dataclass(frozen=True)
+class WeightsParts:
+    """What a weights part is built from, fixed for its life: its group's parameters
+    (``infos``), ``mesh``, ``strategy``, ``placements`` (a reduce-op change moves only the
+    gradients'), ``layout``, ``kind``, ``offload`` part, the ``policy`` its dtypes came from,
+    whether the parameters require grad, the registered ``sharded_params`` (filled with what
+    :meth:`Weights.new_sharded_params` makes first, then swapped in place, never replaced)
+    and the group's ``names`` for messages. What changes (the main weights, the dtypes, the
+    device after ``to_empty``) comes with :meth:`Weights.build`."""
 
     infos: list["ParamInfo"]
     mesh: DeviceMesh
     strategy: "Strategy"
-    dtypes: "Dtypes"
     placements: "GroupPlacements"
     layout: Union[FlatLayout, ChunkedLayout]
     kind: "ParamKind"
     offload: "Residence"
-    main: DBuffer
-    sharded_params: list[nn.Parameter]
-
-    def names(self) -> str:
-        """The group's first parameter names, for messages."""
-
-    def sibling(self, placements: Sequence, dtype: torch.dtype, zero_fill: bool = True,
-                device: Optional[torch.device] = None) -> DBuffer:
-        """A buffer shaped like ``main`` on the compute device."""
-
-    def host_sibling(self, placements: Sequence, dtype: torch.dtype, zero_fill: bool = True) -> DBuffer:
-        """A buffer shaped like ``main`` where ``main`` lives."""
-
-    def sharded_views(self, buf: DBuffer) -> list[torch.Tensor]:
-        """Every parameter's DTensor view of ``buf`` at the sharded placements."""
-
-
-class WeightsGroup(_GroupBase, Protocol):
-    """What a weights part may read of its group, beyond :class:`_GroupBase`."""
-
-    requires_grad: bool
     policy: Optional["MixedPrecisionPolicy"]
-    compute_device: torch.device
+    requires_grad: bool
+    sharded_params: list[nn.Parameter]
+    names: str

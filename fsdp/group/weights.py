@@ -14,15 +14,16 @@ modules, free them) and leaves what is moved, and how, to its weights part:
   the shards are pieces of the subclass itself and FSDP2's ``fsdp_pre_all_gather`` /
   ``fsdp_post_all_gather`` make what is gathered and what the modules compute with.
 
-The part reads its group's settings (mesh, placements, dtypes, strategy, layout, kind, offload)
-through ``group`` and owns only the buffers it creates. The methods below are the whole contract.
+The part never sees its group: it is built from :class:`~fsdp.group.parts.WeightsParts` (what
+is fixed for its life) and given the main weights, dtypes and siblings at every :meth:`build`; it
+owns the buffers it creates and the unsharded parameters, so it hooks them for the unit
+(:meth:`install_grad_hooks`). The methods below are the whole contract.
 """
 
 from __future__ import annotations
 
 import operator
-import weakref
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
@@ -30,11 +31,13 @@ import torch.nn as nn
 from dbuffer import DBuffer
 from fsdp.group.forward_only import ForwardOnlyTail
 from fsdp.group.grad_mode import without_grad
-from fsdp.group.parts import GatherKind, PostForwardSlice, WeightsGroup
+from fsdp.group.parts import GatherKind, PostForwardSlice, WeightsParts
 from fsdp.group.plan import Buf, GatherSource, GroupPlan, Lifetime, ModelRefresh, ResidenceKind, Unsharding
+from fsdp.group.policy import Dtypes
 from fsdp.group.profiling import label
+from fsdp.group.siblings import Siblings
 
-__all__ = ["BufferWeights", "GatherKind"]
+__all__ = ["BufferWeights", "GatherKind", "GradHooks"]
 
 _VERSION = operator.attrgetter("_version")  # summed at every refresh: no Python frame per parameter
 
@@ -70,8 +73,12 @@ class BufferWeights:
     # their data pointers stay the same across steps (CUDA graph capture), for their memory.
     keep_unsharded_storage = False
 
-    def __init__(self, group: WeightsGroup) -> None:
-        self.group = group
+    def __init__(self, parts: WeightsParts) -> None:
+        self.parts = parts
+        self.main: Optional[DBuffer] = None  # the group's main weights, dtypes and siblings: from build()
+        self.dtypes: Optional[Dtypes] = None
+        self.siblings: Optional[Siblings] = None
+        self.hooks = GradHooks()
         self.model: Optional[DBuffer] = None
         self.unsharded: Optional[DBuffer] = None
         # The all-gather's target when the layout copies out of it (else gathers land in ``unsharded``).
@@ -87,46 +94,47 @@ class BufferWeights:
 
     def fill(self, tensors: list[torch.Tensor]) -> None:
         """Copy this rank's part of every (identically initialised) full tensor into ``main``."""
-        self.group.layout.fill(self.group.main, tensors)
+        self.parts.layout.fill(self.main, tensors)
 
-    def build(self, plan: GroupPlan) -> None:
-        """``model``, ``unsharded`` and the unsharded parameters (views of it) for the group's
-        current ``main`` and dtypes, to run ``plan``'s routes; with a layout that copies, also
-        ``gathered`` (storage only while a gather lands). Their values come from the next
-        refresh / gather."""
-        g = self.group
-        d, strategy, pl = g.dtypes, g.strategy, g.placements
+    def build(self, plan: GroupPlan, main: DBuffer, dtypes: Dtypes, siblings: Siblings) -> None:
+        """``model``, ``unsharded`` and the unsharded parameters (views of it, hooked) for the
+        group's ``main`` weights in ``dtypes``, to run ``plan``'s routes; with a layout that
+        copies, also ``gathered`` (storage only while a gather lands). Their values come from
+        the next refresh / gather."""
+        p, d, pl = self.parts, dtypes, self.parts.placements
+        self.main, self.dtypes, self.siblings = main, dtypes, siblings
         self.cast_main = None
         if pl.model is None:
-            self.model = g.main if d.model == d.main else g.host_sibling(g.main.placements, d.model)
+            self.model = main if d.model == d.main else siblings.where_main_lives(main.placements, d.model, zero_fill=True)
         else:  # HFSDP: larger than main's piece, rebuilt by a collective: always persistent
-            self.model = g.sibling(pl.model, d.model)
+            self.model = siblings.on_device(pl.model, d.model, zero_fill=True)
             if d.model != d.main:
-                self.cast_main = g.sibling(g.main.placements, d.model, zero_fill=False)
+                self.cast_main = siblings.on_device(main.placements, d.model)
         self.gathered = None
         self._row_of = None  # a row of the buffers replaced here
-        if g.layout.copies:
-            self.gathered = g.sibling(pl.replicated, d.model, zero_fill=False)
+        if p.layout.copies:
+            self.gathered = siblings.on_device(pl.replicated, d.model)
             self.gathered.release_storage()
-        if not strategy.shard_optim and not g.offload.on_host and not g.layout.copies:
+        if not p.strategy.shard_optim and not p.offload.on_host and not p.layout.copies:
             self.unsharded = self.model  # no_shard: the replicated model weights are the full ones
         else:
-            self.unsharded = g.layout.unsharded_buffer(
-                g.main, pl.replicated, d.model, g.compute_device, zero_fill=not strategy.shard_params
+            self.unsharded = p.layout.unsharded_buffer(
+                main, pl.replicated, d.model, siblings.device, zero_fill=not p.strategy.shard_params
             )
         self.replanned(plan)
         self._release_lean_model()
-        self.unsharded_params = [g.kind.unsharded(k, self.unsharded.get_local_tensor(k), g.requires_grad) for k in range(len(g.infos))]
-        if strategy.shard_params:  # gathered before each use (its views exist now)
+        self.unsharded_params = [p.kind.unsharded(k, self.unsharded.get_local_tensor(k), p.requires_grad) for k in range(len(p.infos))]
+        self.hooks.hook(self.unsharded_params)
+        if p.strategy.shard_params:  # gathered before each use (its views exist now)
             self.unsharded.release_storage()
+
+    def install_grad_hooks(self, hook_for: Callable[[int], Callable[[torch.Tensor], None]]) -> None:
+        self.hooks.install(hook_for, self.unsharded_params)
 
     def new_sharded_params(self) -> list[nn.Parameter]:
         """The parameters handed to users and optimizers: DTensor views of ``main``."""
-        g = self.group
-        params = [nn.Parameter(t, requires_grad=g.requires_grad) for t in g.sharded_views(g.main)]
-        for p in params:
-            p._fsdp_group = weakref.ref(g)  # found by the optimizer-step hook (fsdp.optim.step_hooks)
-        return params
+        p = self.parts
+        return [nn.Parameter(t, requires_grad=p.requires_grad) for t in p.layout.views(self.main, p.kind, tuple(p.placements.sharded[:-1]))]
 
     # ------------------------------------------------------------------ the model shard
 
@@ -136,16 +144,16 @@ class BufferWeights:
         unsharder's ``mark_stale``, called after every ``torch.optim`` optimizer step. Checked first, as at
         every refresh: no local tensor got FSDP2's extension methods after ``fully_shard``
         (:func:`_check_no_late_extension`)."""
-        g = self.group
-        _check_no_late_extension(g)
-        return sum(map(_VERSION, g.sharded_params)) + g.main.local_buffer._version
+        params = self.parts.sharded_params
+        _check_no_late_extension(self.parts.infos, params)
+        return sum(map(_VERSION, params)) + self.main.local_buffer._version
 
     def replanned(self, plan: GroupPlan) -> None:
         """Take the routes of ``plan`` (see the class attributes): at build, and when the
         group compiles its plan again."""
         self._refresh = plan.model_refresh
         self.casts_into_gather = plan.gather_source is GatherSource.OWN_ROW
-        self.lean_model = plan.model_refresh is ModelRefresh.NONE and self.model is not self.group.main
+        self.lean_model = plan.model_refresh is ModelRefresh.NONE and self.model is not self.main
         self.step_writes_model = plan.model_refresh is ModelRefresh.CAST
         self._uploads_at_refresh = plan.unsharding is Unsharding.UPLOAD_AT_REFRESH
         model = plan.buffer(Buf.MODEL)
@@ -159,14 +167,14 @@ class BufferWeights:
         (the offload part's ordering rule; this device's allocator is not relied on for it)."""
         if self.lean_model:
             if self._settles_before_freeing_lean:
-                self.group.offload.settle()
+                self.parts.offload.settle()
             self.model.release_storage()
 
     def _cast_model(self) -> None:
         """Cast the main shard into the model shard (allocated first if released)."""
         if self.model.is_storage_released():
             self.model.reallocate_storage()
-        self.group.main.cast(self.group.dtypes.model, out=self.model)
+        self.main.cast(self.dtypes.model, out=self.model)
 
     def release_model_shard(self) -> None:
         """The unsharded weights stay gathered from now until the main weights change (a unit
@@ -186,16 +194,16 @@ class BufferWeights:
         ``model_current``: the optimizer wrote it already, or it is ``main`` itself), or HFSDP's
         cast and all-gather over the replicate axis; ``no_shard`` under offload uploads it
         straight into the unsharded weights."""
-        g, route = self.group, self._refresh
-        g.offload.settle()  # an upload may still read model
+        offload, route = self.parts.offload, self._refresh
+        offload.settle()  # an upload may still read model
         if route is ModelRefresh.CAST:
             if not model_current:
                 self._cast_model()
         elif route is not ModelRefresh.NONE:  # HFSDP: (cast and) gather over the replicas
-            source = g.main if self.cast_main is None else g.main.cast(g.dtypes.model, out=self.cast_main)
-            source.redistribute(g.placements.model, out=self.model)
+            source = self.main if self.cast_main is None else self.main.cast(self.dtypes.model, out=self.cast_main)
+            source.redistribute(self.parts.placements.model, out=self.model)
         if self._uploads_at_refresh:
-            g.offload.upload(self.model, out=self.unsharded)  # no_shard: nothing to gather
+            offload.upload(self.model, out=self.unsharded)  # no_shard: nothing to gather
 
     # ------------------------------------------------------------------ gather
 
@@ -217,10 +225,9 @@ class BufferWeights:
         the main weights are cast into the target's own row (:attr:`casts_into_gather`), or a
         released model shard is cast again."""
         self._version_before_gather = self.unsharded.local_buffer._version
-        g = self.group
         from_shard, own_target = kind is not GatherKind.POST_FORWARD_SLICE, kind is not GatherKind.SHARED
         into_row = from_shard and own_target and self.casts_into_gather
-        if from_shard and not into_row and self.model is not g.main and self.model.is_storage_released():
+        if from_shard and not into_row and self.model is not self.main and self.model.is_storage_released():
             self._cast_model()
         self._row = None
         if not own_target:
@@ -228,7 +235,7 @@ class BufferWeights:
         target = self.gathered_buffer()
         target.reallocate_storage()
         if into_row:
-            self._row = g.main.cast(g.dtypes.model, out=self._own_row(target))
+            self._row = self.main.cast(self.dtypes.model, out=self._own_row(target))
         return target
 
     def _own_row(self, target: DBuffer) -> DBuffer:
@@ -246,7 +253,7 @@ class BufferWeights:
         row, self._row = self._row, None
         if row is not None:
             return row
-        return self.group.offload.upload(self.model)
+        return self.parts.offload.upload(self.model)
 
     def gathered_buffer(self) -> DBuffer:
         """The buffer an all-gather of the weights fills."""
@@ -262,14 +269,14 @@ class BufferWeights:
         reshard (ZeRO-3), values autograd may have saved in forward: not a modification, so the
         version counter is put back (DBuffer's refill guard covers the collective, this the
         copy-out)."""
-        g = self.group
-        g.offload.release_upload()
+        layout = self.parts.layout
+        self.parts.offload.release_upload()
         self._release_lean_model()  # after the upload from it settled, under host offload
         if self.gathered is not None:
             with label("fsdp::copy_out"):
                 self.unsharded.reallocate_storage()
                 own = rows is None
-                g.layout.copy_out(g.layout.rows(self.gathered.local_buffer) if own else rows, self.unsharded)
+                layout.copy_out(layout.rows(self.gathered.local_buffer) if own else rows, self.unsharded)
                 if own and not self.keep_unsharded_storage:
                     self.gathered.release_storage()
         if refill:
@@ -296,7 +303,7 @@ class BufferWeights:
         if self.gathered is None:
             post.keep()
         else:
-            fill = self.group.layout.fill_slice
+            fill = self.parts.layout.fill_slice
             post.keep(fill=lambda out, start, end: fill(self.unsharded, out, start, end))
 
     # ------------------------------------------------------------------ init_weights
@@ -305,11 +312,11 @@ class BufferWeights:
         """Full plain parameters in the main dtype for an init function to fill: the main
         weights themselves when they are replicated (``no_shard``), otherwise a temporary
         replicated buffer of this group only, never of the whole model."""
-        g = self.group
-        if g.strategy.shard_optim:
-            self._init_buffer = g.layout.unsharded_buffer(g.main, g.placements.replicated, g.dtypes.main, g.main.device, True)
-        target = self._init_buffer if self._init_buffer is not None else g.main
-        return [g.kind.unsharded(k, target.get_local_tensor(k), g.requires_grad) for k in range(len(g.infos))]
+        p, main = self.parts, self.main
+        if p.strategy.shard_optim:
+            self._init_buffer = p.layout.unsharded_buffer(main, p.placements.replicated, self.dtypes.main, main.device, True)
+        target = self._init_buffer if self._init_buffer is not None else main
+        return [p.kind.unsharded(k, target.get_local_tensor(k), p.requires_grad) for k in range(len(p.infos))]
 
     @without_grad
     def commit_init(self, commit: bool) -> None:
@@ -317,16 +324,36 @@ class BufferWeights:
         communication) and drop the temporary buffer; ``commit=False`` only drops it."""
         buf, self._init_buffer = self._init_buffer, None
         if commit and buf is not None:
-            self.fill([buf.get_local_tensor(k) for k in range(len(self.group.infos))])
+            self.fill([buf.get_local_tensor(k) for k in range(len(self.parts.infos))])
 
 
-def _check_no_late_extension(group: WeightsGroup) -> None:
+class GradHooks:
+    """The unit's gradient hook of each unsharded parameter (``hook_for(k)``), registered on
+    the parameters a weights part makes, now and whenever it makes them again."""
+
+    def __init__(self) -> None:
+        self.hook_for: Optional[Callable[[int], Callable[[torch.Tensor], None]]] = None
+
+    def install(self, hook_for: Callable[[int], Callable[[torch.Tensor], None]],
+                params: Optional[list[nn.Parameter]]) -> None:
+        """Hook ``params`` (None: not made yet) with ``hook_for``, and every later ones."""
+        self.hook_for = hook_for
+        self.hook(params)
+
+    def hook(self, params: Optional[list[nn.Parameter]]) -> None:
+        """Hook newly made unsharded parameters (nothing before :meth:`install`)."""
+        if self.hook_for is not None and params is not None:
+            for k, p in enumerate(params):
+                p.register_post_accumulate_grad_hook(self.hook_for(k))
+
+
+def _check_no_late_extension(infos: list, sharded_params: list[nn.Parameter]) -> None:
     """A plain parameter whose local tensor was given FSDP2's ``fsdp_pre_all_gather`` (or
     ``fsdp_post_all_gather``) after ``fully_shard``: its shard is the row-atomic layout's rows,
     not the padded ``torch.chunk`` piece the protocol assumes, so raise (before any gather)
     rather than silently gather plain values. Tensor subclasses get the protocol: see
     :mod:`fsdp.compose.extensions`. Checked at every refresh (a few attribute lookups per parameter)."""
-    for info, p in zip(group.infos, group.sharded_params):
+    for info, p in zip(infos, sharded_params):
         local = getattr(p, "_local_tensor", p)
         if hasattr(local, "fsdp_pre_all_gather") or hasattr(local, "fsdp_post_all_gather"):
             raise TypeError(

@@ -129,7 +129,7 @@ class FSDPState(pipelining.FSDP2Names):
         """Called once the unit is fully built, so a failed setup leaves no hook behind."""
         for group in self.groups:
             if group.grads is not None:
-                group.grads.install_grad_hooks(functools.partial(self._grad_hook, weakref.ref(group)))
+                group.weights.install_grad_hooks(functools.partial(self._grad_hook, weakref.ref(group)))
         self._pre_backward_hook = _run_eagerly(self._pre_backward)
         for unsharder in self.unsharders:  # such a module recomputed in backward reads its freed weight
             for module in unsharder.forward_only_modules():

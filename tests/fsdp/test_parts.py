@@ -1,7 +1,8 @@
 """The part Protocols (fsdp/group/parts.py) hold for every implementation: each class a group
-is given as a part has every member its Protocol names, and a real group has every member its
-parts may read (``WeightsGroup``), so the Protocols stay true as code moves; the gradient
-reducer sees no group, only the parts it is built from.
+is given as a part has every member its Protocol names, and a real group has every member the
+builders of its parts and plan read (``GroupWithGrads``, ``ConfiguredGroup``), so the Protocols
+stay true as code moves; no part (weights, gradient reducer, unsharder) sees its group, only
+what it is built from.
 The same for the Protocols that name an object without importing its class: a unit as the
 tree's code reads it (``fsdp.unit.root.Unit``), the device's streams and events, FSDP2's comm
 objects and a gradient hook's target."""
@@ -19,6 +20,7 @@ import fsdp
 from fsdp.compose.custom_comm import CustomComms, MemoryAllGather, MemoryReduceScatter
 from fsdp.compose.extensions import SubclassWeights
 from fsdp.compose.post_forward import PostForwardShard
+from fsdp.group.configure import ConfiguredGroup
 from fsdp.group.grad_parts import GroupWithGrads
 from fsdp.group import parts
 from fsdp.group.comms import AllGatherComm, DBufferComms, ReduceScatterComm
@@ -68,15 +70,15 @@ def _group_members() -> dict:
     m = fsdp.fully_shard(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)))
     group, unit = m._fsdp_state.groups[0], m._fsdp_state
     missing = {p.__name__: sorted(n for n in members(p) if not hasattr(group, n))
-               for p in (parts.WeightsGroup, GroupWithGrads)}
+               for p in (ConfiguredGroup, GroupWithGrads)}
     missing["Unit"] = sorted(n for n in members(Unit) | methods(Unit) if not hasattr(unit, n))
     return missing
 
 
 def test_a_group_has_what_its_parts_may_read() -> None:
     (missing,) = run_ranks(_group_members, 1, backend="threaded")
-    assert missing == {"WeightsGroup": [], "GroupWithGrads": [], "Unit": []}
-    assert {"sibling", "sharded_views", "names", "main"} <= members(parts.WeightsGroup)
+    assert missing == {"ConfiguredGroup": [], "GroupWithGrads": [], "Unit": []}
+    assert {"main", "weights", "names"} <= members(GroupWithGrads) and {"reduction", "comms"} <= members(ConfiguredGroup)
     assert {"groups", "root", "root_ctx", "_enter", "_final_callback"} <= members(Unit) | methods(Unit)
 
 
@@ -117,12 +119,18 @@ def _references_to_the_group() -> dict[str, list[str]]:
                 found += [f"{name}.{k}.{f.name}" for f in fields(v) if is_group(getattr(v, f.name))]
         return found
 
+    weights = group.weights
+    hooked = [h for p in weights.unsharded_params for h in p._post_accumulate_grad_hooks.values()]
     return {"grads": refs(group.grads, "grads") + refs(group.grads.parts.buffers, "buffers"),
-            "unsharder": refs(group.unsharder, "unsharder") + refs(group.unsharder.unsharded, "unsharded")}
+            "unsharder": refs(group.unsharder, "unsharder") + refs(group.unsharder.unsharded, "unsharded"),
+            "weights": refs(weights, "weights") + refs(weights.parts, "parts") + refs(weights.siblings, "siblings")
+            + refs(weights.hooks, "hooks"),
+            "hooked": len(hooked) == len(weights.unsharded_params)}
 
 
-def test_the_reducer_and_the_unsharder_hold_no_reference_to_their_group() -> None:
-    """Composition downward: the gradient reducer and the unsharder are built from what their
-    group hands them (fsdp.group.grad_parts), never the group itself or one of its methods."""
+def test_no_part_holds_a_reference_to_its_group() -> None:
+    """Composition downward: the weights part, the gradient reducer and the unsharder are built
+    from what their group hands them (WeightsParts, Siblings, fsdp.group.grad_parts), never the
+    group itself or one of its methods; the weights part hooks the parameters it makes."""
     (seen,) = run_ranks(_references_to_the_group, 1, backend="threaded")
-    assert seen == {"grads": [], "unsharder": []}
+    assert seen == {"grads": [], "unsharder": [], "weights": [], "hooked": True}

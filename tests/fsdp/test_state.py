@@ -363,7 +363,7 @@ def _gradient_buffers_during_backward(model, batches, ref) -> dict:
             for p in g.unsharded_params:  # this hook first, fsdp's after it
                 p._post_accumulate_grad_hooks.clear()
                 p.register_post_accumulate_grad_hook(lambda p, g=g: early.append(g.grads.grad_in.is_storage_released()))
-            g.grads.hook_params()
+            g.weights.hooks.hook(g.unsharded_params)
     train(m, batches, rank=rank, world=world)
     return {"seen": seen, "early": early, "diff": max_diff(full_state(m), ref)}
 
