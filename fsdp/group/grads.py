@@ -85,6 +85,7 @@ class GradReducer:
         prepared once; FSDP2's comm objects run theirs."""
         self.route, self.comms, self._prepares = route, comms, route.comms is CommsKind.DBUFFER
         self.reduction = reduction
+        self._finishing = reduction.finishing(self.parts.mesh, self.parts.streams)
 
     def rebuilt(self, parts: GradParts) -> "GradReducer":
         """A fresh reducer of the group's new ``parts`` (``to_empty``), with the same settings."""
@@ -325,7 +326,8 @@ class GradReducer:
         """Bring a landed reduction's ``result`` to FSDP2's gradient (divide, hook) and write it
         into ``main_grad`` (replace or add, as ``kind`` says); a sharded temporary is freed."""
         parts, overwrite = self.parts, kind is Reduction.OVERWRITE
-        self.reduction.finish(result.local_buffer, parts.mesh, parts.streams)  # divide, hook (FSDP2's knobs)
+        for step in self._finishing:  # divide, hook (FSDP2's knobs)
+            step(result.local_buffer)
         if self.route.into is Where.HOST:  # to the host, off the compute stream (which need not wait)
             with parts.streams.launch(parts.streams.reduce_scatter):
                 parts.offload.download(result.local_buffer, self.main_grad.local_buffer, add=not overwrite)

@@ -4,7 +4,7 @@
 ``set_requires_all_reduce`` / ``set_all_reduce_hook`` land here, one :class:`ReduceSettings` per
 :class:`~fsdp.group.param_group.ParameterGroup`. The group reads them when it builds its gradient
 buffer (the reduce op of its ``Partial`` placement) and when a reduction finishes
-(:meth:`ReduceSettings.finish`: divide, call the hook, divide). All communication stays in
+(:meth:`ReduceSettings.finishing`, compiled when the settings change: divide, call the hook, divide). All communication stays in
 :mod:`dbuffer`; a hook is the user's own code and may communicate (e.g. a custom all-reduce
 across replicas), which is why it runs on every rank at the same point of the backward.
 
@@ -17,6 +17,7 @@ makes in place are what the gradient becomes.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Optional
 
@@ -29,7 +30,7 @@ if TYPE_CHECKING:
 __all__ = ["ReduceSettings", "check_divide_factor"]
 
 
-@dataclass
+@dataclass(frozen=True)
 class ReduceSettings:
     """``divide_factor``: divide the summed gradients by this instead of averaging over the
     mesh (None: average). ``force_sum``: communicate with sum reductions only and divide after
@@ -52,22 +53,27 @@ class ReduceSettings:
         """The reduce op of the gradient buffer's ``Partial`` placements."""
         return "sum" if self.force_sum or self.divide_factor is not None else "avg"
 
-    def finish(self, reduced: torch.Tensor, mesh: DeviceMesh, streams: CommStreams) -> None:
-        """Bring a finished reduction's output (in place) to the gradient FSDP2 would produce;
-        ``streams``: the device's :class:`~fsdp.group.streams.CommStreams` (a hook stream runs
-        the hook ordered both ways against the current stream)."""
+    def finishing(self, mesh: DeviceMesh, streams: CommStreams) -> tuple[Callable[[torch.Tensor], None], ...]:
+        """The steps that bring a finished reduction's output (in place) to the gradient FSDP2
+        would produce, decided once for these settings (the reducer runs them, testing nothing;
+        none by default): divide, the hook (on ``hook_stream``, ordered both ways against the
+        current stream, through ``streams``, the device's :class:`~fsdp.group.streams.CommStreams`),
+        divide after it when sums are forced."""
+        steps: list[Callable[[torch.Tensor], None]] = []
         if self.divide_factor is not None and not self.force_sum:
-            reduced.div_(self.divide_factor)
+            steps.append(functools.partial(_divide, factor=self.divide_factor))
         if self.hook is not None:
-            hook = self.hook
-            if self.hook_stream is None:
-                hook(reduced)
-            else:
-                streams.run_on(self.hook_stream, lambda: hook(reduced))
+            hook, stream = self.hook, self.hook_stream
+            steps.append(hook if stream is None else lambda reduced: streams.run_on(stream, lambda: hook(reduced)))
         if self.force_sum:
             factor = self.divide_factor if self.divide_factor is not None else float(mesh.size())
             if factor != 1:
-                reduced.div_(factor)
+                steps.append(functools.partial(_divide, factor=factor))
+        return tuple(steps)
+
+
+def _divide(reduced: torch.Tensor, factor: float) -> None:
+    reduced.div_(factor)
 
 
 def check_divide_factor(factor: object) -> float:

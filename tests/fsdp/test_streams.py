@@ -242,10 +242,37 @@ def test_an_all_reduce_hook_on_its_own_stream_is_ordered_both_ways(fake) -> None
     ran_on = []
     settings = ReduceSettings(hook=lambda t: ran_on.append(dev.current.name) or t.mul_(2), hook_stream=hook_stream)
     reduced = torch.ones(3)
-    settings.finish(reduced, mesh=None, streams=s)
+    for step in settings.finishing(mesh=None, streams=s):
+        step(reduced)
     assert ran_on == ["hook"] and torch.equal(reduced, torch.full((3,), 2.0))
     assert dev.log.calls == [("wait_stream", "hook", "compute"), ("wait_stream", "compute", "hook")], dev.log.calls
     assert dev.current is dev.compute
+
+
+def test_reduction_finishing_steps_are_decided_once_from_the_settings() -> None:
+    """A reduction's finish runs the steps its settings compiled: none by default (an averaging
+    collective needs nothing after it), a division by the factor (before the hook, or after it
+    when sums are forced, by the mesh size without a factor), and no division by 1."""
+    import types
+
+    from fsdp.group.reduction import ReduceSettings
+
+    mesh = types.SimpleNamespace(size=lambda: 8)
+    seen = []
+
+    def finished(settings: ReduceSettings) -> torch.Tensor:
+        reduced = torch.full((3,), 24.0)
+        for step in settings.finishing(mesh, streams=None):
+            step(reduced)
+        return reduced
+
+    assert ReduceSettings().finishing(mesh, streams=None) == ()
+    assert torch.equal(finished(ReduceSettings(divide_factor=4.0)), torch.full((3,), 6.0))
+    assert torch.equal(finished(ReduceSettings(force_sum=True)), torch.full((3,), 3.0))
+    assert ReduceSettings(force_sum=True, divide_factor=1.0).finishing(mesh, streams=None) == ()
+    hooked = ReduceSettings(force_sum=True, divide_factor=2.0, hook=lambda t: seen.append(t.clone()))
+    assert torch.equal(finished(hooked), torch.full((3,), 12.0))
+    assert torch.equal(seen[0], torch.full((3,), 24.0))  # forced sums: the hook sees them undivided
 
 
 # ----------------------------------------------------------------------------- the protocol in fsdp's waits
