@@ -36,12 +36,15 @@ def _after_optimizer_step(optimizer: torch.optim.Optimizer, args, kwargs) -> Non
     plan = PLANS.get(optimizer)
     if plan is not None:
         plan.after_step(optimizer)
+    groups = {}
     for param_group in optimizer.param_groups:
         for p in param_group["params"]:
             ref = getattr(p, "_fsdp_group", None)
             group = ref() if ref is not None else None
             if group is not None:
-                group.unsharder.mark_stale()
+                groups[id(group)] = group
+    for group in groups.values():  # each group once, however many of its parameters the optimizer holds
+        group.unsharder.mark_stale()
 
 
 # Per optimizer, the (registrations, param-group sizes) it was checked at.
