@@ -61,12 +61,12 @@ def record_step(mode: str, world: int) -> collections.Counter:
                     calls[(package + "/" + path[len(root):], frame.f_code.co_name)] += 1
                     return
 
-        threading_profile = sys.getprofile()
+        previous = sys.getprofile()
         sys.setprofile(profiler)
         try:
             method.step(batches[cfg.warmup])
         finally:
-            sys.setprofile(threading_profile)
+            sys.setprofile(previous)
         return calls
     finally:
         dist.destroy_process_group()

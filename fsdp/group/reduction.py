@@ -3,10 +3,11 @@
 ``FSDPModule.set_gradient_divide_factor`` / ``set_force_sum_reduction_for_comms`` /
 ``set_requires_all_reduce`` / ``set_all_reduce_hook`` land here, one :class:`ReduceSettings` per
 :class:`~fsdp.group.param_group.ParameterGroup`. The group reads them when it builds its gradient
-buffer (the reduce op of its ``Partial`` placement) and when a reduction finishes
-(:meth:`ReduceSettings.finishing`, compiled when the settings change: divide, call the hook, divide). All communication stays in
-:mod:`dbuffer`; a hook is the user's own code and may communicate (e.g. a custom all-reduce
-across replicas), which is why it runs on every rank at the same point of the backward.
+buffer (the reduce op of its ``Partial`` placement) and compiles them into the steps a finished
+reduction runs (:meth:`ReduceSettings.finishing`: divide, call the hook, divide) whenever they
+change. All communication stays in :mod:`dbuffer`; a hook is the user's own code and may
+communicate (e.g. a custom all-reduce across replicas), which is why it runs on every rank at the
+same point of the backward.
 
 What the hook sees, as in FSDP2: this rank's flat reduced gradient shard (1-D, padding included,
 in the reduce dtype) after the reduce-scatter on a 1-D mesh and after the all-reduce across
