@@ -1,18 +1,12 @@
 """fsdp: fully sharded data parallel training on DBuffers, with torch FSDP2's API and
 Megatron-FSDP's sharding strategies and precision policy.
 
-``fully_shard`` turns modules into units whose parameters are sharded DTensors (FSDP2's
-``torch.chunk`` pieces by default, Megatron's flat buffers under ``layout_policy("auto")``), so
-code written for FSDP2 runs by changing the import, and :func:`torch_names` lets frameworks that
-call FSDP2 themselves use it. All communication goes through :mod:`dbuffer`; fsdp never calls
-c10d. Importing the package installs the ``torch.optim`` step hooks that refresh the compute
-weights after any optimizer step (:func:`optimizer_step_hooks`).
-
-User guide: fsdp/README.md. Reference: each public name's docstring. Layout of the code and one
-training step file by file: CONTRIBUTING.md.
-
-It needs torch 2.11 or newer (checked first: an older torch raises ``ImportError`` naming the
-version, :mod:`dbuffer.torch_version`); ``dp_mesh_dims`` needs 2.12.
+``fully_shard`` makes modules units with sharded DTensor parameters (FSDP2's ``torch.chunk``
+pieces, or Megatron's flat buffers under ``layout_policy("auto")``), so FSDP2 code runs by
+changing the import, or unchanged under :func:`torch_names`; all communication goes through
+:mod:`dbuffer`. Importing installs :func:`optimizer_step_hooks`, refreshing compute weights after
+any ``torch.optim`` step. Needs torch 2.11+ (else ``ImportError``), 2.12 for ``dp_mesh_dims``.
+Guide: fsdp/README.md; code layout: CONTRIBUTING.md.
 """
 
 from dbuffer.torch_version import check as _check_torch_version
@@ -35,7 +29,6 @@ from fsdp.compose.tensor_parallel import clip_grad_norm_
 from fsdp.optim.step_hooks import optimizer_step_hooks
 from fsdp.unit.torch_names import torch_names
 
-# Any torch.optim optimizer works on sharded modules unchanged: see fsdp.optim.step_hooks.
 optimizer_step_hooks(True)
 
 __all__ = [

@@ -43,15 +43,10 @@ __all__ = ["load", "save"]
 _CRC_KEY = "__fsdp_crc32__/"  # write results that carry a file's checksum to the coordinator
 
 
-# ----------------------------------------------------------------------------- save
-
-
 def save(state: dict[str, Any], path: Union[str, os.PathLike], *, planner: Optional[SavePlanner] = None) -> None:
-    """``dcp.save(state)`` into the directory ``path``, published atomically (package docstring).
-
-    ``state`` is anything ``dcp.save`` takes, e.g. ``{"model": msd, "optim": osd, "step": 100}``
-    from :func:`get_state_dict`. Every rank calls it. An existing ``path`` must be a checkpoint.
-    """
+    """``dcp.save(state, planner=planner)`` into directory ``path``, on every rank, published
+    atomically (:mod:`fsdp.checkpoint`). Raises :class:`CheckpointError` if ``path`` exists and is
+    not a checkpoint."""
     if debug.ENABLED:
         debug.check(None, "fsdp.checkpoint.save", repr(os.fspath(path)))
     path = os.path.abspath(os.fspath(path))
@@ -61,16 +56,14 @@ def save(state: dict[str, Any], path: Union[str, os.PathLike], *, planner: Optio
     _unwrap(lambda: dcp.save(state, storage_writer=_AtomicWriter(path), planner=planner))
 
 
-# What a DCP save writes into its directory (FileSystemWriter's data and metadata files, the
-# temporary metadata it renames, this module's checksums); anything else is someone else's.
+# What a save writes (DCP's data, metadata and its temporary, the checksums); nothing else is ours.
 _SAVE_FILES = re.compile(r"__\d+_\d+\.distcp|(__\d+)?\.metadata(\.tmp)?|\.checksums")
 
 
 def _not_ours(path: str) -> Optional[str]:
-    """Why saving to ``path`` could move, overwrite or delete something that is not a checkpoint
-    (a save replaces ``path``, clears ``<path>.partial`` and deletes ``<path>.old``), or None.
-    ``path`` may be absent or an empty directory; an existing one must be a complete checkpoint;
-    ``.partial`` and ``.old`` may hold only the files a save writes."""
+    """Why a save (replacing ``path``, clearing ``.partial``, deleting ``.old``) could destroy what
+    is not a checkpoint, or None: ``path`` must be absent, empty or a complete checkpoint, the
+    others may hold only files a save writes."""
     fix = "choose another path, or move it away yourself"
     for target, complete in ((path, True), (path + PARTIAL, False), (path + OLD, False)):
         try:
@@ -102,9 +95,8 @@ def _not_ours(path: str) -> Optional[str]:
 
 
 def _on_rank0(decide):
-    """``decide()`` run on rank 0 of the default group and sent to every rank (one decision, taken
-    before DCP's first collective, even where ranks see a shared file system differently).
-    ``decide`` must not raise: the other ranks would wait for its answer."""
+    """``decide()`` on rank 0, sent to every rank: one decision before DCP's first collective, even
+    where ranks see a shared file system differently. It must not raise: the others would wait."""
     if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
         return decide()
     backend = str(dist.get_backend()).lower()
@@ -114,27 +106,22 @@ def _on_rank0(decide):
 
 
 def object_device(backend: str) -> torch.device:
-    """Where the default group (of ``backend``, as ``dist.get_backend()`` names it) moves an
-    object's bytes: the current CUDA device when only NCCL serves it, else the host (gloo,
-    ``cpu:gloo,cuda:nccl``)."""
+    """Where ``backend``'s default group moves objects: CUDA if only NCCL serves it, else CPU."""
     if "nccl" in backend and "gloo" not in backend:
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 
 class _AtomicWriter(FileSystemWriter):
-    """A FileSystemWriter into ``<path>.partial`` that records each data file's CRC32 and whose
-    ``finish`` (run by the coordinator after every rank has written, before any rank returns)
-    writes ``.metadata``, then ``.checksums`` (covering it too), then publishes the directory as
-    ``path``."""
+    """Writes ``<path>.partial``, recording each data file's CRC32; ``finish`` (the coordinator's,
+    after every rank wrote) writes ``.metadata``, then ``.checksums``, then publishes ``path``."""
 
     def __init__(self, path: str) -> None:
         super().__init__(path + PARTIAL)
         self.final = path
 
     def prepare_global_plan(self, plans):
-        # Coordinator, after every rank's local plan (which creates the directory), before any
-        # write: clear what an interrupted save left there.
+        # After every local plan (which makes the dir), before any write: clear an interrupted save.
         shutil.rmtree(self.path, ignore_errors=True)
         os.makedirs(self.path)
         return super().prepare_global_plan(plans)
@@ -198,9 +185,7 @@ def _publish(staging: str, final: str) -> None:
 
 
 def fsync_dir(path: str) -> None:
-    """fsync a directory, making its entries (names created, renamed or removed) durable; a file
-    system that cannot fsync a directory is left to its own guarantees. The seam a test replaces
-    to see the order of a save's durability points."""
+    """fsync a directory's entries where the file system can (tests replace it to see the order)."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
@@ -213,28 +198,16 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-# ----------------------------------------------------------------------------- load
-
-
 def load(state: dict[str, Any], path: Union[str, os.PathLike], *, allow_unverified: bool = False,
          trust_pickled_objects: bool = False) -> None:
     """``dcp.load(state)`` from ``path``, in place, at any world size or sharding strategy.
 
-    Every key of ``state`` must be in the checkpoint with the same global shape (extra keys in
-    the checkpoint are fine). Every file read is verified first (size and CRC32, ``.metadata``
-    included); any problem raises :class:`CheckpointError` naming the file on every rank before
-    anything is copied into ``state``. ``allow_unverified=True`` loads a checkpoint that has no
-    ``.checksums`` (one written by plain ``dcp.save`` or FSDP2) without verifying it, warning so;
-    a checkpoint that has one is verified all the same. Then pass the loaded dicts to
-    ``set_state_dict`` (torch's or this module's).
-
-    Nothing in the checkpoint runs: ``.metadata`` may name only DCP's own classes and only files
-    of its own directory, and non-tensor entries load with ``torch.load(weights_only=True)``
-    (admit a class of your own with ``torch.serialization.add_safe_globals``); anything else
-    raises :class:`CheckpointError` naming the file, the key and the class, on every rank, before
-    anything is copied. ``trust_pickled_objects=True`` unpickles ``.metadata`` and non-tensor
-    entries without restriction: a checkpoint written by someone else can then run any code in
-    this process. The file names are checked all the same.
+    Every key of ``state`` must be in the checkpoint with the same global shape. Every file read is
+    verified first (size, CRC32) and nothing in it runs (:mod:`fsdp.checkpoint.unpickler`; admit a
+    class with ``torch.serialization.add_safe_globals``); a problem raises :class:`CheckpointError`
+    naming the file on every rank before anything is copied. ``allow_unverified=True`` loads, with
+    a warning, a checkpoint without ``.checksums`` (plain ``dcp.save``, FSDP2);
+    ``trust_pickled_objects=True`` unpickles without restriction: its writer can then run any code.
     """
     if debug.ENABLED:
         debug.check(None, "fsdp.checkpoint.load", repr(os.fspath(path)))
@@ -250,8 +223,7 @@ def load(state: dict[str, Any], path: Union[str, os.PathLike], *, allow_unverifi
 
 
 def _unwrap(fn) -> None:
-    """Run a DCP call; re-raise the first failing rank's own error (same on every rank) instead
-    of DCP's wrapper, keeping the wrapper (every rank's traceback) as the cause."""
+    """Run a DCP call, re-raising the first failing rank's error on every rank (DCP's as cause)."""
     try:
         fn()
     except CheckpointException as exc:
@@ -277,8 +249,7 @@ def _entry(stream, key: str, file: str, trusted: bool) -> Any:
 
 
 class _CheckedPlanner(DefaultLoadPlanner):
-    """Every key of the (flattened) state dict must be in the checkpoint with the same shape;
-    non-tensor entries are read by :func:`.unpickler.read_object`, not ``torch.load(weights_only=False)``."""
+    """Checks every key and shape; non-tensor entries are read by :func:`.unpickler.read_object`."""
 
     def __init__(self, path: str, trusted: bool) -> None:
         super().__init__()
@@ -312,9 +283,8 @@ class _CheckedPlanner(DefaultLoadPlanner):
 
 
 class _CheckedReader(FileSystemReader):
-    """Reads from a :class:`Verified` checkpoint: the metadata rank 0 verified and sent (never
-    the file again), the size and CRC32 of every data file this rank will read checked while
-    planning, then file by file, so that any failure names its file."""
+    """Reads a :class:`Verified` checkpoint: rank 0's verified metadata (never the file again), each
+    data file this rank reads checked while planning, then read file by file (failures name it)."""
 
     def __init__(self, verified: Verified, trusted: bool) -> None:
         super().__init__(verified.path)
@@ -327,8 +297,7 @@ class _CheckedReader(FileSystemReader):
         return metadata
 
     def prepare_local_plan(self, plan):
-        # Still planning (DCP gathers a failure from any rank): check every file this rank will
-        # read before any rank copies anything into its state.
+        # Still planning (DCP gathers any rank's failure): check this rank's files before any copy.
         for name in sorted({self.storage_data[item.storage_index].relative_path for item in plan.items}):
             check_file(os.fspath(self.path), name, self.verified.sums)
         entries = [item for item in plan.items if item.type == LoadItemType.BYTE_IO]
@@ -352,9 +321,8 @@ class _CheckedReader(FileSystemReader):
 
 
 class _EntryCheck:
-    """The planner :meth:`_CheckedReader.prepare_local_plan` reads non-tensor entries with: it
-    checks each (:func:`_entry`) and keeps nothing, so a refused one fails every rank while DCP
-    is still planning, before anything is copied into the state."""
+    """:meth:`_CheckedReader.prepare_local_plan`'s planner: checks each non-tensor entry
+    (:func:`_entry`), keeping nothing, so a refused one fails every rank while DCP still plans."""
 
     def __init__(self, path, storage_data) -> None:
         self.path, self.storage_data = os.fspath(path), storage_data

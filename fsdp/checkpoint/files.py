@@ -1,22 +1,11 @@
 """What a checkpoint directory holds, and its verification before DCP reads any of it.
 
-A save (:mod:`fsdp.checkpoint.atomic`) writes DCP's data files (``__<rank>_<n>.distcp``), DCP's
-``.metadata`` (a pickle: the keys, shapes and where each piece lies in which data file) and last
-``.checksums``: the size and CRC32 of every other file, ``.metadata`` included, as JSON, then one
-line ``crc32 <8 hex digits>`` holding the CRC32 of everything above it. A ``.checksums`` that does
-not end in that line, whose line does not match, or whose JSON is not this format is damaged.
-
-:func:`inspect` (rank 0 runs it, and the load broadcasts its answer) checks ``.checksums`` and
-then ``.metadata`` against it before anything is unpickled, so a damaged ``.metadata`` never
-reaches the unpickler; each rank checks the data files it will read (:func:`check_file`) while
-DCP is still planning.
-
-A checksum proves a file was not damaged after it was written, not who wrote it: whoever writes
-``.metadata`` can rewrite ``.checksums`` too. So nothing a checkpoint holds is trusted either:
-``.metadata`` is unpickled admitting only DCP's own classes (:mod:`.unpickler`), and every file
-it names must be a plain name of a regular file in the checkpoint's own directory (no directory
-part, no ``..``, no symbolic link, present there and, when verified, listed in ``.checksums``),
-so a checkpoint cannot make a load read another checkpoint's or any other file.
+A save (:mod:`fsdp.checkpoint.atomic`) writes DCP's data files and ``.metadata`` (a pickle), then
+``.checksums``: every other file's size and CRC32 as JSON, then a line ``crc32 <8 hex digits>``
+covering everything above it. :func:`inspect` (rank 0) checks ``.checksums``, then ``.metadata``
+against it before unpickling; each rank checks its data files (:func:`check_file`) while DCP plans.
+A checksum does not prove who wrote a file, so ``.metadata`` is also unpickled admitting only DCP's
+classes (:mod:`.unpickler`), and may name only regular files of its own directory, by plain name.
 """
 
 from __future__ import annotations
@@ -117,8 +106,7 @@ def mismatch(file: str, have: tuple[int, int], want: tuple[int, int], what: str 
 
 
 def check_file(directory: str, name: str, sums: Optional[Sums]) -> None:
-    """Raise :class:`CheckpointError` unless data file ``name`` exists and (when ``sums``) matches
-    its recorded size and CRC32."""
+    """Raise :class:`CheckpointError` unless data file ``name`` exists and matches any ``sums``."""
     file = os.path.join(directory, name)
     try:
         mode = os.lstat(file).st_mode
@@ -136,18 +124,16 @@ def check_file(directory: str, name: str, sums: Optional[Sums]) -> None:
 
 
 class Verified(NamedTuple):
-    """A checkpoint whose ``.checksums`` and ``.metadata`` passed (or, with ``allow_unverified``,
-    could not be checked): what every rank loads from."""
+    """What every rank loads: a checkpoint that passed its checks (or ``allow_unverified``)."""
 
-    path: str  # the directory: ``path``, or ``<path>.old`` after a save cut between its renames
+    path: str
     sums: Optional[Sums]  # the data files' (size, CRC32); None: unverified
     metadata: Metadata
     notes: tuple[str, ...]  # warnings every rank gives
 
 
 def inspect(path: str, allow_unverified: bool, trust_pickled_objects: bool = False) -> Union[Verified, str]:
-    """Rank 0's verdict on the checkpoint at ``path``: :class:`Verified`, or the message of the
-    :class:`CheckpointError` every rank raises. Never raises (the other ranks wait for it)."""
+    """Rank 0's verdict on ``path``: :class:`Verified` or an error; never raises (ranks wait)."""
     try:
         return _inspect(path, allow_unverified, trust_pickled_objects)
     except CheckpointError as exc:
@@ -232,12 +218,11 @@ def _check_names(directory: str, md_file: str, storage_data: dict, sums: Optiona
                 f"checkpoint metadata file {md_file} names the data file {name!r}, which {CHECKSUMS} does not list: "
                 f"not written by this save; {_RESTORE}"
             )
-        check_file(directory, name, None)  # present, and a regular file (not a link out)
+        check_file(directory, name, None)
 
 
 def _resolve(path: str) -> tuple[str, tuple[str, ...]]:
-    """The directory to load (``path``, or ``<path>.old`` which a save cut between its two renames
-    leaves) and the warning that goes with it."""
+    """The directory to load (``path``, or a mid-publish save's ``<path>.old``) and a warning."""
     if os.path.exists(os.path.join(path, METADATA)):
         return path, ()
     if os.path.exists(os.path.join(path + OLD, METADATA)):

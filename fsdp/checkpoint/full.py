@@ -1,6 +1,5 @@
 """State dicts of fsdp modules: torch's ``get_state_dict`` (full ones always copies) and a
-``set_state_dict`` that also loads full state dicts into fsdp's layouts (see
-:mod:`fsdp.checkpoint`)."""
+``set_state_dict`` that also loads full state dicts into fsdp's layouts (:mod:`fsdp.checkpoint`)."""
 
 from __future__ import annotations
 
@@ -28,10 +27,8 @@ def get_state_dict(
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """torch's ``get_state_dict`` (``optimizers`` may be empty: the second dict is then empty).
 
-    Sharded by default: views of the live tensors, for DCP to save or load in place. With
-    ``full_state_dict=True`` the tensors are gathered, and always copies: torch returns the live
-    tensors themselves where nothing is sharded (``no_shard``, or world 1) and no device move
-    happens, so an export taken before more training would silently change with it.
+    Sharded by default: views of the live tensors. With ``options.full_state_dict``, always copies:
+    torch returns live tensors where nothing is sharded, so an export would change with training.
     """
     optimizers = _optimizers(optimizers)
     if not optimizers:
@@ -54,13 +51,9 @@ def set_state_dict(
 ):
     """torch's ``set_state_dict``, with full state dicts checked before anything moves.
 
-    With ``full_state_dict=True`` every rank passes the full dicts; with
-    ``broadcast_from_rank0=True`` only rank 0 of the model's mesh does (others may pass ``{}``)
-    and each full tensor is sent from it in turn. Each rank copies its own rows into the live
-    parameters and optimizer state (the optimizer's state is created first if it has none).
-    A key missing (with ``strict``) or a shape that differs raises :class:`CheckpointError` on
-    every rank before any tensor is sent or copied (torch's own loaders, which also load fsdp's
-    layouts exactly through :mod:`dbuffer.full_load`, find such a mistake only part-way).
+    Full dicts come from every rank, or with ``broadcast_from_rank0`` from rank 0, one tensor at a
+    time; each rank copies its rows into the live state. A missing key (``strict``) or a differing
+    shape raises :class:`CheckpointError` on every rank first, not part-way as torch's loaders.
     """
     options = options or StateDictOptions()
     optimizers = _optimizers(optimizers)
@@ -128,8 +121,7 @@ class _Source(NamedTuple):
             if isinstance(p, DTensor) and p.device_mesh.ndim == 1:
                 mesh = p.device_mesh
                 is_src = not broadcast or mesh.get_local_rank(0) == 0
-                # the mesh's device: under CPU offload the shards are on the host, but the
-                # broadcast runs on the mesh's backend
+                # the mesh's device: shards may be offloaded, the broadcast runs on the backend's
                 return _Source(broadcast, mesh.get_group(0), is_src, mesh_device(mesh))
         # an HSDP mesh: the default group broadcasts, on the mesh's device (not the host's shards)
         device = next((mesh_device(p.device_mesh) if isinstance(p, DTensor) else p.device
@@ -160,9 +152,8 @@ def _set(obj: Any, path: tuple, value: Any) -> None:
 
 @torch.no_grad()
 def _fill(local: dict, full: dict, what: str, strict: bool, source: _Source) -> None:
-    """Copy ``full`` into ``local``, a sharded state dict of live tensors: each DTensor gets its
-    own rows, every other leaf the whole value. Every key and shape is checked (on every rank
-    alike: the source broadcasts the structure first) before any tensor is sent or copied."""
+    """Copy ``full`` into ``local`` (live tensors): a DTensor its rows, other leaves the value;
+    every key and shape checked on every rank (the source broadcasts the structure) first."""
     fulls = _leaves(full) if source.is_src else {}
     header = {p: _TensorInfo(tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else v for p, v in fulls.items()}
     if source.broadcast:
@@ -199,8 +190,8 @@ def _copy_rows(leaf: torch.Tensor, value: torch.Tensor) -> None:
         local = leaf._local_tensor
         if leaf.dim() == 0:
             local.copy_(value)
-        elif any(isinstance(p, _StridedShard) for p in leaf.placements):  # FSDP x TP (fsdp.compose.tensor_parallel)
-            # DTensor's own split of the full value, on this rank alone (no communication)
+        elif any(isinstance(p, _StridedShard) for p in leaf.placements):
+            # FSDP x TP: DTensor's own split of the value, on this rank alone (no communication)
             local.copy_(distribute_tensor(value, leaf.device_mesh, leaf.placements, src_data_rank=None)._local_tensor)
         elif any(isinstance(p, Shard) and p.dim != 0 for p in leaf.placements):
             local.copy_(_chunk_piece(leaf, value))  # a plain DTensor (shard_placement_fn's)
@@ -215,8 +206,7 @@ def _copy_rows(leaf: torch.Tensor, value: torch.Tensor) -> None:
 
 
 def _chunk_piece(leaf: DTensor, value: torch.Tensor) -> torch.Tensor:
-    """This rank's piece of ``value`` under a plain DTensor's placements: torch.chunk's, nested
-    over the mesh axes."""
+    """This rank's piece of ``value`` under a plain DTensor's placements (nested torch.chunk)."""
     mesh, coordinate = leaf.device_mesh, leaf.device_mesh.get_coordinate()
     for axis, placement in enumerate(leaf.placements):
         if isinstance(placement, Shard):

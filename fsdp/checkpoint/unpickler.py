@@ -1,32 +1,12 @@
 """Reading a checkpoint's pickles without running anything they name.
 
-A checkpoint holds two kinds of pickle. DCP's ``.metadata`` is a plain ``pickle.dump`` of a
-:class:`~torch.distributed.checkpoint.metadata.Metadata`; each non-tensor entry of the state dict
-(``"step": 100``, an optimizer's hyperparameters) is a ``torch.save`` blob inside a data file,
-which torch's ``DefaultLoadPlanner.load_bytes`` reads with ``torch.load(weights_only=False)``. A
-pickle can name any importable callable and have it called (``__reduce__``), so either file,
-written by someone else, could run code the moment it is read; its checksum proves only that it
-was not damaged after it was written, not who wrote it.
-
-:func:`read_metadata` unpickles ``.metadata`` admitting only what DCP writes there in torch
-2.11 to 2.15 (read from each release's ``torch/distributed/checkpoint``): the classes of
-``torch.distributed.checkpoint.metadata`` (``Metadata``, ``MetadataIndex``, ``StorageMeta``,
-``TensorStorageMetadata``, ``BytesStorageMetadata``, ``ChunkStorageMetadata``,
-``TensorProperties`` and its ``_MEM_FORMAT_ENCODING``; the ``_shard`` copies of the last two that
-torch before 2.4 wrote), ``filesystem._StorageInfo``, ``torch.Size``, the ``torch`` dtypes,
-``torch.serialization._get_layout`` (how a layout pickles) and ``pathlib``'s path classes (the
-checkpoint id). No builtin is named by such a file: its strings, numbers, lists, tuples and
-dicts are pickle opcodes. Anything else is refused by name before it is imported. State is
-set only on instances of those dataclasses, only in their own fields (a pickle's ``BUILD`` could
-otherwise set attributes of a class, or of a torch enum everyone shares); persistent ids and
-copyreg extensions are refused. This is the pure-Python unpickler: ``.metadata`` is small.
-
-:func:`read_object` reads a non-tensor entry with ``torch.load(weights_only=True)``: containers,
-numbers, strings, tensors and whatever the user admitted with
-``torch.serialization.add_safe_globals``.
-
-``trusted`` (``fsdp.checkpoint.load(trust_pickled_objects=True)``) reads both with plain pickle,
-for a checkpoint that holds the user's own objects and comes from someone the user trusts.
+DCP's ``.metadata`` is a pickle, and each non-tensor state-dict entry a ``torch.save`` blob torch
+reads with ``weights_only=False``: either, written by someone else, could run code when read (a
+checksum proves only that it was not damaged). :func:`read_metadata` (pure Python: the file is
+small) admits only what DCP writes there in torch 2.11 to 2.15 (``_ADMITTED``, the dtypes),
+refusing anything else by name before importing it; it sets state only on those dataclasses, in
+their fields (``BUILD`` could set a class's or shared enum's attributes), and refuses persistent
+ids and copyreg extensions. :func:`read_object` uses ``torch.load(weights_only=True)``.
 """
 
 from __future__ import annotations
@@ -112,18 +92,16 @@ class _MetadataUnpickler(pickle._Unpickler):  # the Python one: its opcodes can 
 
 
 def read_metadata(content: bytes, trusted: bool) -> Any:
-    """The object pickled in ``content`` (DCP's ``.metadata``). Raises :class:`Refused` naming
-    the first thing it names that DCP never writes there (unless ``trusted``), or any error of
-    an unreadable pickle."""
+    """The object pickled in ``content`` (DCP's ``.metadata``). Raises :class:`Refused` naming the
+    first thing DCP never writes there (unless ``trusted``), or an unreadable pickle's error."""
     if trusted:
         return pickle.loads(content)
     return _MetadataUnpickler(io.BytesIO(content)).load()
 
 
 def read_object(stream: BinaryIO, trusted: bool) -> Any:
-    """A non-tensor entry (a ``torch.save`` blob) read by ``torch.load(weights_only=True)``, or
-    with plain pickle if ``trusted``. Raises :class:`Refused` naming the globals
-    ``weights_only`` does not admit."""
+    """A ``torch.save`` blob read with ``weights_only=True`` (plain pickle if ``trusted``). Raises
+    :class:`Refused` naming the globals ``weights_only`` does not admit."""
     if trusted:
         return torch.load(stream, map_location="cpu", weights_only=False)
     try:

@@ -1,34 +1,18 @@
 """FSDP2's communication objects on fsdp's flat buffers: ``set_custom_all_gather``,
 ``set_custom_reduce_scatter`` and the comm-memory setters built on them.
 
-FSDP2 (torch 2.13, ``torch.distributed.fsdp._fully_shard._fsdp_api``) defines two protocols:
+FSDP2's protocols (torch 2.13, ``_fsdp_api``) share ``allocate(size, *, dtype, device) -> Tensor``:
+``AllGather.__call__(output_tensor=, input_tensor=, group=, async_op=) -> Work | None``,
+``ReduceScatter.__call__(output_tensor=, input_tensor=, group=, op=, async_op=) -> Work | None``.
+A group with one calls it for its shard-axis gather or gradient reduce-scatter, on the flat,
+shard-major tensors dbuffer would hand c10d. As in FSDP2 the collective runs on tensors
+``allocate`` made, copied into (out of) fsdp's persistent buffers; an object with FSDP2's default
+``allocate`` gets fsdp's buffers directly.
 
-* ``AllGather``: ``allocate(size, *, dtype, device) -> Tensor`` and
-  ``__call__(output_tensor=, input_tensor=, group=, async_op=) -> Work | None``;
-* ``ReduceScatter``: the same ``allocate`` and
-  ``__call__(output_tensor=, input_tensor=, group=, op=, async_op=) -> Work | None``.
-
-When a group of a unit has one, its gather (Shard -> Replicate on the shard axis) or gradient
-reduce-scatter (Partial -> Shard on the shard axis) calls the object instead of dbuffer's
-collective, on exactly the flat tensors dbuffer would have handed c10d: this rank's shard of the
-gather source and the unsharded buffer (all-gather), the packed gradient buffer and this rank's
-reduced shard (reduce-scatter), each ``(W * shard,)`` / ``(shard,)`` with the shard-major layout
-c10d's ``*_single`` collectives expect. fsdp never calls c10d itself; the object does.
-
-``allocate`` is honoured as FSDP2 does: the collective's output (all-gather) or input and output
-(reduce-scatter) are tensors the object allocated, then copied into (out of) fsdp's persistent
-buffers, which parameters and gradients are views of and which cannot change storage. An object
-whose ``allocate`` is FSDP2's default (``torch.empty``, ``DefaultAllocMixin``) is handed fsdp's
-buffers directly: the result is the same and the copies are skipped.
-
-The reduce op passed is what dbuffer would pass: ``SUM``, or for an averaging reduction ``AVG``
-where the backend has it (NCCL) and otherwise ``SUM`` followed by a division by the group size
-(gloo), so a torch.distributed-backed object gives bitwise dbuffer's result. On an HSDP mesh only
-the reduce-scatter within the shard group is the object's; the all-reduce across replicas stays
-dbuffer's (as FSDP2's stays ``dist.all_reduce``). Not routed through the object (dbuffer's
-collectives stay): ``Owned()`` groups (their gathers are broadcasts of used ranges), the
-``n``-rank regather of ``reshard_after_forward=n`` and all-reduces of unsharded gradients
-(``no_shard``, ``optim``).
+The reduce op is dbuffer's (``AVG`` where the backend has it, else ``SUM`` and a division), so a
+torch.distributed-backed object gives bitwise dbuffer's result. dbuffer's collectives stay for the
+HSDP all-reduce across replicas (as FSDP2's ``dist.all_reduce``), ``Owned()`` groups, the regather
+of ``reshard_after_forward=n`` and all-reduces of unsharded gradients.
 """
 
 from __future__ import annotations
@@ -72,9 +56,7 @@ def check_comm(comm: object, what: str, needs: str) -> None:
 
 
 class CustomComms:
-    """A group's comms (see :mod:`fsdp.group.comms`) with FSDP2's comm objects: the gather and
-    the shard-axis reduce-scatter go through them where :func:`routes` says so, the rest (an
-    HSDP all-reduce across replicas, ``Owned()`` moves) stays dbuffer's."""
+    """Group comms (:mod:`fsdp.group.comms`) via FSDP2's comm objects, as :func:`routes` says."""
 
     def __init__(self, all_gather_comm: Optional[AllGatherComm] = None,
                  reduce_scatter_comm: Optional[ReduceScatterComm] = None) -> None:
@@ -94,7 +76,7 @@ class CustomComms:
             return source.redistribute(placements, out=out, async_op=async_op)
         if tuple(placements[:-1]) == tuple(source.placements[:-1]):
             pending = reduce_scatter(comm, source, out)
-        else:  # HSDP: reduce-scatter within the shard group, then dbuffer's all-reduce across replicas
+        else:  # HSDP: reduce-scatter in the shard group, then dbuffer's all-reduce across replicas
             mid_placements = tuple(source.placements[:-1]) + tuple(placements[-1:])
             mid = source.sibling(mid_placements, out.dtype, zero_fill=False)
             pending = reduce_scatter(comm, source, mid).wait().redistribute(placements, out=out, async_op=True)
@@ -105,8 +87,7 @@ _KEEP = object()
 
 
 def install(group: ParameterGroup, all_gather_comm: object = _KEEP, reduce_scatter_comm: object = _KEEP) -> None:
-    """Give ``group`` these comm objects (the one not passed is kept); with neither set, the
-    group goes back to dbuffer's own comms."""
+    """Give ``group`` these comm objects (one not passed is kept); with neither, dbuffer's own."""
     have = group.comms
     gather = have.all_gather_comm if all_gather_comm is _KEEP else all_gather_comm
     reduce = have.reduce_scatter_comm if reduce_scatter_comm is _KEEP else reduce_scatter_comm
@@ -119,9 +100,8 @@ def _default_alloc(comm: Union[AllGatherComm, ReduceScatterComm]) -> bool:
 
 
 def routes(source: DBuffer, after: tuple) -> bool:
-    """Whether going from ``source`` to placements ``after`` is a gather (``Shard`` ->
-    ``Replicate``) or reduce-scatter (``Partial`` -> ``Shard``) on the last (shard) axis of a
-    packed buffer, which is what a comm object replaces; other moves stay dbuffer's."""
+    """Whether ``source`` -> ``after`` is a gather (``Shard`` -> ``Replicate``) or reduce-scatter
+    (``Partial`` -> ``Shard``) on the shard axis of a packed buffer: what a comm object replaces."""
     if source.is_owned:
         return False
     have, want = source.placements[-1], after[-1]
@@ -142,8 +122,7 @@ def _finish(work: Optional[Work], then: Callable[[], DBuffer]) -> Pending:
 
 
 def all_gather(comm: AllGatherComm, source: DBuffer, target: DBuffer) -> Pending:
-    """``target`` (Replicate on the last axis) = every shard-group rank's ``source`` shard, by
-    ``comm``. ``wait()`` returns ``target``."""
+    """Gather the shard group's ``source`` shards into ``target`` by ``comm``; wait() returns it."""
     axis = source.mesh.ndim - 1
     group = source.mesh.get_group(axis)
     shard, full = source.local_buffer, target.local_buffer
@@ -162,9 +141,8 @@ def all_gather(comm: AllGatherComm, source: DBuffer, target: DBuffer) -> Pending
 
 
 def reduce_scatter(comm: ReduceScatterComm, source: DBuffer, target: DBuffer) -> Pending:
-    """``target`` (Shard on the last axis; other axes as ``source``) = this rank's chunk of the
-    reduction of ``source`` (Partial) over the shard group, by ``comm``. ``wait()`` returns
-    ``target``."""
+    """``target`` = this rank's chunk of ``source`` reduced over the shard group, by ``comm``;
+    ``wait()`` returns ``target``."""
     axis = source.mesh.ndim - 1
     group, size = source.mesh.get_group(axis), source.mesh.shape[axis]
     full, shard = source.local_buffer, target.local_buffer
@@ -193,20 +171,16 @@ def reduce_scatter(comm: ReduceScatterComm, source: DBuffer, target: DBuffer) ->
 
 
 def _keep_until_used(*tensors: torch.Tensor) -> None:
-    """Staging tensors the comm object allocated inside a launch (on a comm side stream), just
-    read by a copy on the current stream and about to be dropped: their memory goes back to that
-    side stream's pool. An event recorded here, after the read, is waited for by each side
-    stream's next launch before its work can reuse the memory (FSDP2 orders its next all-gather
-    after its copy-out event the same way); no ``record_stream``. On the CPU the same lines run
-    on torch.cpu's stand-ins (see :mod:`fsdp.group.streams`, item 5)."""
+    """Staging tensors from a comm side stream's pool, just read on the current stream: each side
+    stream's next launch waits for an event recorded after the read before reusing the memory (as
+    FSDP2 orders its copy-out; no ``record_stream``: :mod:`fsdp.group.streams`, item 5)."""
     for device in {t.device for t in tensors}:
         streams = CommStreams.for_device(device)
         streams.after_read(streams.record())
 
 
 class _MemoryComm:
-    """fsdp's comm object for FSDP2's comm-memory setters: FSDP2's protocol with buffers from the
-    process group's allocator or the symmetric-memory pool; the collective is dbuffer's."""
+    """FSDP2's comm-memory setters: process-group or symmetric memory, dbuffer's collective."""
 
     def __init__(self, allocate: Optional[Callable[[int, torch.dtype], torch.Tensor]], symmetric: bool) -> None:
         self._allocate = allocate
@@ -220,6 +194,8 @@ class _MemoryComm:
 
 
 class MemoryAllGather(_MemoryComm):
+    """The all-gather of :func:`memory_comms`."""
+
     def __call__(self, output_tensor, input_tensor, group, async_op: bool = False):
         if self.symmetric:  # an in-place style gather: only the output need be symmetric
             collectives.rendezvous_symmetric(output_tensor, group)
@@ -227,6 +203,8 @@ class MemoryAllGather(_MemoryComm):
 
 
 class MemoryReduceScatter(_MemoryComm):
+    """The reduce-scatter of :func:`memory_comms`."""
+
     def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
         name = collectives.reduce_op_name(op)
         if self.symmetric and name == "sum":  # NCCL's symmetric reduce-scatter only sums
@@ -236,10 +214,8 @@ class MemoryReduceScatter(_MemoryComm):
 
 
 def memory_comms(kind: str, mesh: DeviceMesh, device: torch.device, backend: str = "NCCL"):
-    """``(all_gather, reduce_scatter)`` comm objects for a group on ``mesh``'s shard axis:
-    ``kind="process_group"`` allocates from the process group (None off CUDA / without an
-    allocator: nothing to change); ``"symmetric"`` from the symmetric-memory pool (CUDA only;
-    collective: a barrier)."""
+    """``(all_gather, reduce_scatter)`` for ``mesh``'s shard axis, allocating from the process group
+    (``kind="process_group"``; None without an allocator) or symmetric memory (collective)."""
     group = mesh.get_group(mesh.ndim - 1)
     if kind == "process_group":
         allocate = collectives.group_allocator(group, device)

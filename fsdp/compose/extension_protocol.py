@@ -1,8 +1,6 @@
 """FSDP2's all-gather extension protocol, the parts fully_shard needs before any group exists:
-which parameters are extensions (tensor subclasses, or tensors defining ``fsdp_pre_all_gather`` /
-``fsdp_post_all_gather``), the checks that refuse what the extension path cannot do (before any
-collective, alike on every rank), and the plain tensors behind a subclass. The group that
-gathers them is :mod:`fsdp.compose.extensions`."""
+which parameters are extensions, the checks refusing what the extension path cannot do, and the
+plain tensors behind a subclass. The group that gathers them is :mod:`fsdp.compose.extensions`."""
 
 from __future__ import annotations
 
@@ -18,9 +16,8 @@ PRE, POST = "fsdp_pre_all_gather", "fsdp_post_all_gather"
 
 
 def is_extension_param(p: torch.Tensor) -> bool:
-    """Whether ``fully_shard`` must keep ``p`` as its own tensor type: it defines either
-    all-gather method, or it is a tensor subclass with its own ``__torch_dispatch__`` (other
-    than DTensor), whose values a flat buffer of plain elements cannot hold."""
+    """Whether ``fully_shard`` must keep ``p``'s type: it defines an all-gather method, or is a
+    non-DTensor subclass with its own ``__torch_dispatch__``, which a flat buffer cannot hold."""
     if isinstance(p, DTensor):
         return False
     if hasattr(p, PRE) or hasattr(p, POST):
@@ -56,11 +53,8 @@ def check_extension_params(fqns: Sequence[str], params: Sequence[torch.Tensor], 
 
 
 def split_extension_members(spec, params: Sequence[torch.Tensor]) -> tuple[list[int], list[int]]:
-    """(members of a subclass group, other members) of a bucket spec, each in registration
-    order. The plain tensors of a spec with extension members join them, cut like them
-    (``torch.chunk`` along dim 0), so the unit gathers them in one all-gather, as FSDP2 does;
-    the rest get their own group: DTensors, 0-d tensors, and those ``shard_placement_fn`` cuts
-    along another dim."""
+    """(subclass group members, others) of a bucket spec, in order. Plain tensors cut along dim 0
+    join extension members, so the unit makes one all-gather, as FSDP2 does."""
     ext = {k for k in spec.members if is_extension_param(params[k])}
     if ext:
         dims = dict(zip(spec.members, spec.dims)) if spec.dims is not None else {}
@@ -72,6 +66,7 @@ def split_extension_members(spec, params: Sequence[torch.Tensor]) -> tuple[list[
 
 
 def numel(shape: Sequence[int]) -> int:
+    """The number of elements of ``shape``."""
     n = 1
     for d in shape:
         n *= d
@@ -91,5 +86,3 @@ def plain(t: torch.Tensor) -> torch.Tensor:
     if type(t) in (torch.Tensor, nn.Parameter):
         return t
     return torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)
-
-

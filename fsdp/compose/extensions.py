@@ -8,37 +8,18 @@ torch FSDP2's protocol, honoured by ``fsdp.fully_shard``. A parameter whose tens
 * ``fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None)`` returning
   ``(unsharded_tensor, tensors_to_free)`` (``out=None``) or writing into ``out`` (``None``)
 
-is sharded as FSDP2 shards it, by a group whose weights part is :class:`SubclassWeights`
-(plain parameters of the same unit, dtype and ``requires_grad`` join that group, so the unit still
-makes one all-gather, as FSDP2's does): its sharded parameter is a plain ``DTensor`` with placement
-``Shard(0)`` (``(Replicate(), Shard(0))`` under HSDP) whose local tensor is a ``torch.chunk``
-piece *of the parameter's own type* (padded like FSDP2's: the pieces of every rank have the
-shape of rank 0's), so the optimizer updates the subclass itself. Before an all-gather fsdp calls
-``fsdp_pre_all_gather`` on that local tensor (``mesh``: the 1-D shard mesh; ``module``: the module
-holding the parameter; ``mp_policy``: the unit's :class:`fsdp.MixedPrecisionPolicy`), gathers the
-returned tensors through a DBuffer (one all-gather for all the group's tensors; different dtypes
-travel as bytes), and calls ``fsdp_post_all_gather`` with each output viewed as
-``(-1, *input.shape[1:])``: the first time without ``out`` to build the unsharded parameter, later
-with ``out=`` that parameter, whose storage and that of ``tensors_to_free`` were freed at reshard
-and are given back first (FSDP2's in-place reuse: tensors autograd saved stay valid). Gradients
-of the unsharded parameter are reduce-scattered into plain sharded gradients, as in FSDP2.
-A subclass without the two methods is gathered as its values (cast to ``param_dtype``) and the
-unsharded parameter is a plain tensor, as in FSDP2.
+is sharded as FSDP2 shards it, by :class:`SubclassWeights`: its local tensor is a padded
+``torch.chunk`` piece *of its own type* (the optimizer updates the subclass itself), and the
+unsharded parameter is refilled in place (``out=``: tensors autograd saved stay valid). A subclass
+without the two methods is gathered as its values and unsharded as a plain tensor.
 
-What differs from FSDP2, and why: ``fsdp_pre_all_gather`` runs once per change of the weights
-(an optimizer step, an in-place update, a load), not before every all-gather. Its outputs are
-copied into a persistent sharded buffer, the group's low-precision model shard, which every
-gather of that step reuses (keyed on everything the method may read, so never stale): a float8 weight is cast (amax, scale, quantise) once per optimizer
-step however often ZeRO-3 gathers it (forward, backward, every micro-batch), where FSDP2 casts it
-on every gather. This is the same rule as fsdp's BF16 compute weights. The methods are looked up again at every
-refresh, so monkey-patching the local tensor after ``fully_shard`` works.
+Unlike FSDP2, ``fsdp_pre_all_gather`` runs once per change of the weights
+(:meth:`SubclassWeights.version_key`), not before every all-gather: a float8 weight is cast once
+per optimizer step however often ZeRO-3 gathers it. The methods are looked up at each refresh.
 
-Limits (each raises a clear error before any collective): such parameters need a strategy that
-shards the main weights (not ``no_shard``), ``Shard(0)`` (no ``shard_placement_fn`` dim other
-than 0, no ``Owned`` bucket), contiguous tensors, and keep their dtype after ``fully_shard``
-(``module.to(dtype)`` raises). A plain parameter whose local tensor is given the methods after
-``fully_shard`` raises too: the row-atomic layout is not FSDP2's piece; make it a subclass
-before sharding.
+Limits (each raises a clear error before any collective): a strategy sharding the main weights,
+``Shard(0)`` only, contiguous tensors, no dtype change after ``fully_shard``, and the methods
+present at ``fully_shard`` (make a plain parameter a subclass before sharding).
 """
 
 from __future__ import annotations
@@ -74,8 +55,8 @@ class _Slot:
 
     k: int
     i: int
-    offset: int  # in elements of the buffer's dtype
-    length: int  # same units
+    offset: int  # offset and length in elements of the buffer's dtype
+    length: int
     shape: tuple[int, ...]
     dtype: torch.dtype
 
@@ -93,12 +74,9 @@ SUBCLASS = SubclassKind()
 
 
 class SubclassWeights:
-    """A group's weights part (:mod:`fsdp.group.weights`) for tensor-subclass parameters, in
-    ``torch.chunk`` pieces along dim 0 (the group's :class:`~fsdp.group.layouts.ChunkedLayout`):
-    the sharded weights are padded pieces of the subclass itself (``main`` only lends its layout
-    to the gradient buffers), the gather source is the persistent buffer of the pre-all-gather
-    outputs (``send``), and the unsharded parameters are what ``fsdp_post_all_gather`` builds.
-    Gradients use the group's chunked gradient buffers unchanged (plain ``Shard(0)`` pieces)."""
+    """A group's weights part (:mod:`fsdp.group.weights`) for tensor-subclass parameters in a
+    :class:`~fsdp.group.layouts.ChunkedLayout`: padded pieces of the subclass (``main`` only lends
+    its layout to the gradients), gathered from the persistent pre-all-gather outputs ``send``."""
 
     keep_unsharded_storage = False  # FSDP2's set_keep_unsharded_storage (see BufferWeights)
     dtype_fixed = (
@@ -108,18 +86,18 @@ class SubclassWeights:
 
     def __init__(self, parts: WeightsParts) -> None:
         self.parts = parts
-        self.main: Optional[DBuffer] = None  # lends its layout and device; and the dtypes: from build()
+        self.main: Optional[DBuffer] = None  # lends layout and device; set, with dtypes, by build()
         self.dtypes: Optional[Dtypes] = None
         self.hooks = GradHooks()
         self._orig = [(torch.Size(i.param.shape), contiguous_stride(torch.Size(i.param.shape))) for i in parts.infos]
         self._modules = [i.registrations[0][0] for i in parts.infos]
-        self._pieces: Optional[list[torch.Tensor]] = None  # each rank's padded piece, of the parameter's type
+        self._pieces: Optional[list[torch.Tensor]] = None
         self._shard_mesh_cache: Optional[DeviceMesh] = None
         self._spec: Optional[tuple] = None  # (shape, dtype) of every pre-all-gather output
-        self._inputs: list[torch.Tensor] = []  # what the last version_key() named, kept referenced
+        self._inputs: list[torch.Tensor] = []  # see version_key()
         self._metadata: list[object] = []
         self._extended: list[bool] = []
-        self.send: Optional[DBuffer] = None  # this rank's pre-all-gather outputs, the gather source
+        self.send: Optional[DBuffer] = None
         self.gathered: Optional[DBuffer] = None
         self.unsharded_params: Optional[list[nn.Parameter]] = None  # built by the first gather
         self._inner: list[list[torch.Tensor]] = []  # tensors_to_free of each parameter
@@ -128,18 +106,14 @@ class SubclassWeights:
         self._alive = False  # the unsharded parameters have storage and current values
         self._init_full: Optional[list[nn.Parameter]] = None
 
-    # ------------------------------------------------------------------ sharded weights
-
     def fill(self, tensors: list[torch.Tensor]) -> None:
         self._make_pieces(tensors, fill=True)
 
     def replanned(self, plan: GroupPlan) -> None:
-        """Nothing to take: a subclass's routes (``fsdp_pre_all_gather``, a copy out of each
-        gather) are the same in every plan."""
+        """Nothing to take: a subclass's routes are the same in every plan."""
 
     def build(self, plan: GroupPlan, main: DBuffer, dtypes: Dtypes, siblings: Siblings) -> None:
-        """Pieces on ``main``'s device (zeros when built on meta or just materialised); ``main``
-        keeps no storage: it only lends its layout to the gradient buffers."""
+        """Pieces on ``main``'s device (zeros if built on meta or materialised); frees ``main``."""
         self.main, self.dtypes = main, dtypes
         if self._pieces is None:
             self._make_pieces([i.param for i in self.parts.infos], fill=False)
@@ -153,15 +127,14 @@ class SubclassWeights:
 
     @torch.no_grad()
     def _make_pieces(self, params: list[torch.Tensor], fill: bool) -> None:
-        """Each rank's padded ``torch.chunk`` piece, of the parameter's own type (``new_zeros``
-        goes through its dispatch), filled with this rank's rows unless built on meta."""
+        """This rank's padded piece of each parameter, of its type, holding its rows if ``fill``."""
         chunks, device = self.parts.layout.chunks, self.main.device
         pieces = []
         for k, p in enumerate(params):
             data = p.detach()
             padded = data.new_zeros(tuple(chunks.piece_shape(k, 0)), device=device)
             _, length = chunks.piece(k, self.parts.layout.rank)
-            if fill and length:  # cut by torch.chunk (aten.split), as FSDP2 does: NF4 has no partial slice
+            if fill and length:  # torch.chunk (aten.split) as FSDP2: NF4 has no partial slice
                 padded.narrow(0, 0, length).copy_(self._chunk_of(data))
             pieces.append(padded)
         self._pieces = pieces
@@ -184,8 +157,6 @@ class SubclassWeights:
     def release_model_shard(self) -> None:
         """Kept: the pre-all-gather outputs are what every gather of the step reuses."""
 
-    # ------------------------------------------------------------------ pre-all-gather
-
     def _shard_mesh(self) -> DeviceMesh:
         """The 1-D mesh of the shard axis (FSDP2 passes it, not the HSDP mesh)."""
         if self._shard_mesh_cache is None:
@@ -202,12 +173,9 @@ class SubclassWeights:
         return self._shard_mesh_cache
 
     def version_key(self) -> tuple:
-        """Everything ``fsdp_pre_all_gather`` may read, per parameter: the method itself, the
-        parameter's and its local tensor's versions, every plain tensor inside the subclass and
-        every tensor attribute set on it (identity and version: torchao's precomputed float8
-        scale is such an attribute, replaced without any version bump), its other plain
-        attributes and its flatten metadata. The tensors are also kept referenced (in
-        ``_inputs``), so an identity in the key cannot be reused by a new tensor."""
+        """Everything ``fsdp_pre_all_gather`` may read: the method, versions, the identity of inner
+        tensors and tensor attributes (torchao replaces its float8 scale without a version bump,
+        kept referenced so no new tensor reuses an identity), plain attributes, flatten metadata."""
         key, refs = [], []
         for p in self.parts.sharded_params:
             local = p._local_tensor
@@ -253,9 +221,7 @@ class SubclassWeights:
 
     @torch.no_grad()
     def refresh(self, model_current: bool) -> None:
-        """Run the pre-all-gather of every parameter (the group calls this only when
-        :meth:`version_key` changed or the optimizer stepped) and copy its outputs into the
-        persistent sharded gather buffer ``send``."""
+        """Run every pre-all-gather into ``send`` (on a new :meth:`version_key` or after a step)."""
         made = [self._pre_all_gather(k) for k in range(len(self.parts.infos))]
         spec = tuple(tuple((tuple(t.shape), t.dtype) for t in inputs) for inputs, _, _ in made)
         if spec != self._spec:
@@ -270,9 +236,7 @@ class SubclassWeights:
         self._extended = extended
 
     def _build_gather_buffers(self, spec: tuple) -> None:
-        """Lay out the pre-all-gather outputs in each rank's shard (after checking that every
-        rank's outputs have the same shapes and dtypes: one small collective, as the all-gather
-        needs it), one dtype for all, else bytes."""
+        """Lay out the outputs in each rank's shard (one dtype or bytes), checked across ranks."""
         g = self.parts
         entries = [
             (f"{g.infos[k].fqn} all-gather input {i}", f"shape {shape} {dtype}")
@@ -323,17 +287,13 @@ class SubclassWeights:
             part = part.view(slot.dtype)
         return part.view(slot.shape)
 
-    # ------------------------------------------------------------------ gather, post-all-gather
-
     def has_unsharded(self) -> bool:
         return self._alive
 
     shares_gather = True  # its gather lands in rank-major rows it copies out of anyway
 
     def keep_slice(self, post) -> None:
-        """Never called: the plan keeps no slice of tensor-subclass parameters
-        (:func:`~fsdp.group.plan.can_keep_slice`), so ``reshard_after_forward=n`` frees these
-        weights whole: it gathers the pre-all-gather outputs, not a model shard."""
+        """Never called: :func:`~fsdp.group.plan.can_keep_slice` is false for these weights."""
         raise RuntimeError("tensor-subclass weights keep no post-forward slice (the plan keeps none)")
 
     def begin_gather(self, kind: GatherKind = GatherKind.OWN) -> Optional[DBuffer]:
@@ -350,11 +310,8 @@ class SubclassWeights:
 
     @torch.no_grad()
     def end_gather(self, refill: bool, rows: Optional[torch.Tensor] = None) -> None:
-        """Copy each parameter's gathered outputs out of the rank-major ``rows`` (where a gather
-        shared with other groups landed, else ``gathered``: FSDP2's copy-out), then build the
-        unsharded parameters with ``fsdp_post_all_gather`` (the first time) or refill them in
-        place (``out=``). ``refill``: the version counters of what autograd may have saved
-        (outputs, parameters, inner tensors) are put back."""
+        """Copy the outputs out of ``rows`` (else ``gathered``) and build or refill (``out=``) the
+        unsharded parameters; ``refill`` restores the version counters autograd may have saved."""
         rebuild = self.unsharded_params is None
         saved = [] if rebuild or not refill else self._saved_tensors()
         versions = [t._version for t in saved]
@@ -408,15 +365,14 @@ class SubclassWeights:
         self.hooks.hook(params)
 
     def _saved_tensors(self) -> list[torch.Tensor]:
-        """Everything whose version counter a refill may bump: outputs, parameters, inner tensors."""
+        """Everything whose version counter a refill may bump."""
         return self._storages() + list(self.unsharded_params)
 
     def _storages(self) -> list[torch.Tensor]:
         return [t for outs in self._outputs for t in outs] + [t for inner in self._inner for t in inner]
 
     def _free_storage(self) -> None:
-        """Free the outputs and ``tensors_to_free`` (storage resized to 0: the tensor objects, and
-        whatever autograd saved of them, stay valid and see the storage again when refilled)."""
+        """Resize the outputs and ``tensors_to_free`` to 0 bytes; saved tensors stay valid."""
         for t in self._storages():
             nbytes = t.untyped_storage().nbytes()
             if nbytes:
@@ -430,8 +386,7 @@ class SubclassWeights:
                 t.untyped_storage().resize_(want)
 
     def free_unsharded(self) -> None:
-        """Free the gathered outputs and the tensors ``fsdp_post_all_gather`` named (kept with
-        ``keep_unsharded_storage``, FSDP2's ``set_keep_unsharded_storage``)."""
+        """Free the gathered outputs and ``tensors_to_free`` unless ``keep_unsharded_storage``."""
         if self._alive and not self.keep_unsharded_storage:
             self._free_storage()
         self._alive = False
@@ -439,8 +394,6 @@ class SubclassWeights:
     def release_unsharded_tail(self, tail) -> bool:
         """Tensor subclasses keep their gathered outputs whole: never freed in part."""
         return False
-
-    # ------------------------------------------------------------------ init_weights
 
     def init_params(self) -> list[nn.Parameter]:
         """Full tensors of each parameter's own type for an init function to fill."""

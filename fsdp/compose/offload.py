@@ -1,53 +1,26 @@
 """CPU offload: the main weights, main gradients and optimizer state of a unit live in host memory.
 
-(This module also defines :class:`OptimizerStateOffloadPolicy`, fsdp's choice of offloading the
-optimizer state only; its group part is :mod:`fsdp.compose.optim_state`, which reuses the
-:class:`HostTransfers` seam below for every copy.)
+``fully_shard`` takes torch FSDP2's own policy classes. With :class:`CPUOffloadPolicy` a
+:class:`~fsdp.group.param_group.ParameterGroup` keeps ``main``, ``main_grad`` and ``model`` (in the
+compute dtype, so uploads move fewer bytes) on the host, and the optimizer steps on the CPU. A
+gather uploads the shard to a device target and all-gathers from there; a reduction's result is
+copied (added, for micro-batches) into ``main_grad``. :class:`OptimizerStateOffloadPolicy`
+offloads the optimizer state only (:mod:`fsdp.compose.optim_state`).
 
-``fully_shard(module, offload_policy=CPUOffloadPolicy(pin_memory=True))`` takes torch FSDP2's own
-policy classes (re-exported here and from :mod:`fsdp`: the same objects, so FSDP2 code runs
-unchanged). With :class:`CPUOffloadPolicy` each :class:`~fsdp.group.param_group.ParameterGroup` keeps
+Why the copies are safe on CUDA (``pin_memory=True``: pinned host buffers, ``non_blocking`` copies):
 
-* on the host: ``main`` (the sharded main weights, so the registered DTensor parameters and the
-  optimizer state made like them), ``model`` when the compute dtype differs (cast on the host
-  once per optimizer step, so each upload moves compute-dtype bytes), and ``main_grad`` (so
-  ``param.grad``): the optimizer steps on the CPU;
-* on the compute device (the mesh's): the upload target of this rank's shard (storage only while
-  a gather reads it), the unsharded weights, ``grad_in`` and the reduction's output.
+* an upload runs on the all-gather stream right before the gather that reads it; its target is
+  allocated there and freed after the compute stream has waited for that stream;
+* a download runs on the reduce-scatter stream after the reduction; its source may be ``grad_in``,
+  freed right after on the compute stream, which therefore waits for the download's event before
+  reusing the memory (see :mod:`fsdp.group.streams`);
+* the host waits for the copies' events (:meth:`HostOffload.settle`) before touching a host buffer
+  a copy may still use: before attaching, accumulating, zeroing or freeing gradients and before
+  recasting or freeing model weights.
 
-A gather copies the shard host-to-device into the upload target and all-gathers from there; a
-reduction reduce-scatters (all-reduces) on the device and its result is copied device-to-host
-into ``main_grad`` (added, for micro-batches). Every strategy works this way (for ``no_shard``
-the upload goes straight into the unsharded weights, without a collective).
-
-Why the copies are safe on CUDA (``pin_memory=True``: host buffers are pinned and every copy is
-``non_blocking``):
-
-* the upload runs on the all-gather side stream, right before the gather that reads it, so
-  stream order makes the gather see it; the upload target is allocated on that stream and freed
-  after the compute stream has waited for it;
-* the download runs on the reduce-scatter side stream, ordered after the reduction and the work
-  queued on the compute stream so far (the division); its device source may be ``grad_in``,
-  whose storage is freed right after on the compute stream, so the compute stream waits for
-  the download's event at the end of that launch before it can reuse the memory (an event,
-  not ``record_stream``: the ordering protocol of :mod:`fsdp.group.streams`);
-* each non-blocking copy records an event; the host never touches a host buffer a copy may still
-  read or write without first waiting for those events (:meth:`HostOffload.settle`): before the
-  gradients are attached (so before the optimizer can read them or write the weights), before
-  the model weights are cast again, before gradients are accumulated on the host, zeroed or freed,
-  before a model shard cast for one gather (``persistent_param_shard=False``) is freed after it.
-
-``pin_memory`` on a mesh whose device is the CPU (gloo, no accelerator): there is no device copy
-for pinned memory to speed up, so the host buffers are ordinary memory and the policy works as
-``pin_memory=False`` (torch FSDP2 raises there instead). The copies still run, between distinct
-host buffers, so the data path is the same one a GPU runs.
-
-**The seam.** Everything that differs on a GPU (page-locked allocation, ``non_blocking`` copies,
-the events that end them) is a :class:`HostTransfers` part, made by :data:`TRANSFERS` for the
-compute device: :class:`DeviceTransfers` (torch's own) unless a test replaces the factory with a
-stand-in that pins on the CPU and defers every non-blocking copy until its completion is
-synchronized, so that a host read that skipped :meth:`HostOffload.settle` reads garbage there
-as it would on a GPU (``tests/models/device_standins.py``).
+On a CPU mesh nothing is pinned (torch FSDP2 raises) and the copies run between host buffers.
+Tests replace :data:`TRANSFERS` (the :class:`HostTransfers` seam) with a stand-in deferring
+non-blocking copies until synchronized, so a read that skipped :meth:`HostOffload.settle` fails.
 """
 
 from __future__ import annotations
@@ -73,40 +46,19 @@ STEPS = ("device", "host")
 
 @dataclass
 class OptimizerStateOffloadPolicy(OffloadPolicy):
-    """Offload only the optimizer state to host memory; the main weights and main gradients stay on
-    the compute device, as without offload (``CPUOffloadPolicy`` keeps all three on the host).
+    """Offload only the optimizer state to host memory; the main weights and gradients stay on the
+    compute device. Pass it as ``fully_shard``'s or a :class:`fsdp.Bucket`'s ``offload_policy``; it
+    subclasses ``OffloadPolicy``, not ``CPUOffloadPolicy``, so torch FSDP2 offloads nothing for it.
 
-    ``fully_shard(module, offload_policy=fsdp.OptimizerStateOffloadPolicy(step="device"))``, or a
-    :class:`fsdp.Bucket`'s ``offload_policy`` for some parameters only. A subclass of torch's
-    ``OffloadPolicy`` (not of ``CPUOffloadPolicy``: torch FSDP2 given it offloads nothing).
+    ``step="device"`` (default): the optimizer steps on the device, the state streamed in chunks
+    (:class:`fsdp.FlatOptimizer`: ``chunk_numel``) or per fsdp group (``torch.optim``).
+    ``step="host"``: it steps on the host, where the state lives, moving fewer bytes but computing
+    on the host's cores. ``pin_memory``: page-locked host memory, non-blocking copies. After
+    ``step()`` returns the state may be read and written freely.
 
-    * ``step="device"`` (default): the optimizer steps on the device. :class:`fsdp.FlatOptimizer`
-      (``FlatAdamW``, ...) streams each group's flat state in chunks of its ``chunk_numel``
-      elements: host-to-device, step, device-to-host, the next chunk's upload overlapping the
-      current chunk's step, so the device holds two chunks of state, never all of it. A
-      ``torch.optim`` optimizer is driven by fsdp's step hooks: torch's own per-parameter ones
-      (every class but ``LBFGS``) are stepped one fsdp group at a time with only that group's
-      state uploaded, then downloaded (the device holds one group's state); any other class
-      (a subclass, a third-party optimizer) or a step with a ``closure`` gets all its offloaded
-      state uploaded before its step and downloaded after (the step's peak holds all of it).
-    * ``step="host"``: the optimizer steps on the host, where only the state lives. FlatOptimizer
-      streams chunks the other way: each chunk of main weights and main grads is copied
-      device-to-host, stepped on the host, and the weights copied back (two chunks of host
-      scratch). A ``torch.optim`` optimizer steps host copies of its offloaded parameters (all of
-      the group's weights and gradients are downloaded before, the weights uploaded after; host
-      scratch the size of the weights and gradients, kept); the device holds no state ever. It
-      moves 4 + 4 + grad bytes per element and step against 16 (Adam's two states both ways) but
-      computes on the host's cores; results equal the device step's where the host's kernels
-      round alike (the CPU) and to rounding otherwise.
-
-    ``pin_memory``: host memory is page-locked and every copy non-blocking (on a mesh whose
-    device is the CPU there is nothing to pin: ordinary memory, copies between distinct host
-    buffers). The host waits for the last copies at the end of each step, so after ``step()``
-    returns the state may be read and written freely (``state_dict()``, checkpoints, logging).
-
-    Raises ``ValueError`` for a ``step`` other than ``"device"`` / ``"host"`` and ``TypeError``
-    for a non-bool ``pin_memory``, when built (again in ``fully_shard``, before any collective).
-    With ``step="host"`` a ``torch.optim`` step refuses a ``closure`` and ``capturable=True``
+    Raises ``ValueError`` for a ``step`` other than ``"device"`` / ``"host"`` and ``TypeError`` for
+    a non-bool ``pin_memory``, when built (again in ``fully_shard``, before any collective). With
+    ``step="host"`` a ``torch.optim`` step refuses a ``closure`` and ``capturable=True``
     (``RuntimeError``). Guarantee: training equals training without offload bit for bit where the
     step runs on the same kernels (always for ``step="device"``)."""
 
@@ -131,8 +83,7 @@ AnyOffload = Union[CPUOffloadPolicy, OptimizerStateOffloadPolicy]
 
 
 def check_offload_policy(policy: object, what: str = "offload_policy") -> Optional[AnyOffload]:
-    """The policy to offload with (None: no offload), or a ``TypeError`` / ``ValueError`` naming
-    ``what`` (the argument) and the fix."""
+    """The offload policy (None: none); raises ``TypeError`` / ``ValueError`` naming ``what``."""
     if isinstance(policy, CPUOffloadPolicy):
         if not isinstance(policy.pin_memory, bool):
             raise TypeError(f"CPUOffloadPolicy.pin_memory must be a bool, got {policy.pin_memory!r}")
@@ -161,7 +112,7 @@ class Completion(Protocol):
 class HostTransfers(Protocol):
     """What offload needs of the link between host memory and the compute device."""
 
-    pinned: bool  # host buffers are page-locked and copies between them and the device non-blocking
+    pinned: bool  # host buffers are page-locked and copies non-blocking
 
     def host_tensor(self, numel: int, dtype: torch.dtype, zero: bool) -> torch.Tensor:
         """A 1-D host tensor (pinned when :attr:`pinned`), zeroed if ``zero``."""
@@ -170,13 +121,11 @@ class HostTransfers(Protocol):
         """Whether ``t`` lives in memory :meth:`host_tensor` would give (pinned where it pins)."""
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> Optional[Completion]:
-        """Queue ``dst.copy_(src)`` on the current stream; a :class:`Completion` when it may still
-        be running on return (non-blocking), None when it is done."""
+        """Queue ``dst.copy_(src)`` on the current stream: a :class:`Completion`, None if done."""
 
 
 def has_pinned_memory(device: torch.device) -> bool:
-    """Whether page-locked host memory speeds up copies to ``device``: an accelerator, not the
-    CPU itself (nor the meta device)."""
+    """Whether page-locked host memory speeds up copies to ``device`` (not the CPU or meta)."""
     return device.type not in ("cpu", "meta")
 
 
@@ -189,8 +138,7 @@ class _EventCompletion:
 
 
 class DeviceTransfers:
-    """torch's own transfers: pinned allocation and ``non_blocking`` copies ended by an event of
-    the device's streams, where ``pin_memory`` asks for them and the device has pinned memory."""
+    """torch's transfers: pinned memory, ``non_blocking`` copies ended by events (where it pins)."""
 
     def __init__(self, compute_device: torch.device, pin_memory: bool) -> None:
         self.compute_device = compute_device
@@ -229,9 +177,7 @@ def host_dbuffer(
 
 
 class HostOffload:
-    """The host side of one parameter group: allocation of its host buffers and the copies
-    between them and the compute device (through its :class:`HostTransfers`), with the
-    completions that order those copies. A :class:`fsdp.group.residence.HostResidence`."""
+    """One group's host buffers and copies: a :class:`~fsdp.group.residence.HostResidence`."""
 
     device = torch.device("cpu")
     on_host = True  # the group's other offload parts: fsdp.group.residence
@@ -240,7 +186,7 @@ class HostOffload:
     def __init__(self, policy: CPUOffloadPolicy, compute_device: torch.device) -> None:
         self.compute_device = compute_device
         self.transfers: HostTransfers = TRANSFERS(compute_device, policy.pin_memory)
-        self._pending: list[Completion] = []  # non-blocking copies that may still read or write host memory
+        self._pending: list[Completion] = []  # non-blocking copies that may still use host memory
         self._reads: list[torch.Tensor] = []  # device tensors the next recorded copy reads
         self._staging: Optional[DBuffer] = None  # the upload target (device), one per group
 
@@ -248,8 +194,6 @@ class HostOffload:
     def pin(self) -> bool:
         """Whether the host buffers are pinned and the copies non-blocking."""
         return self.transfers.pinned
-
-    # ------------------------------------------------------------------ allocation
 
     def buffer(
         self,
@@ -260,13 +204,11 @@ class HostOffload:
         layout: Optional[Union[Layout, RaggedLayout]],
         zero_fill: bool = True,
     ) -> DBuffer:
-        """A host DBuffer in the transfers' memory (pinned where they pin), zero-filled unless
-        ``zero_fill=False``."""
+        """A host DBuffer in the transfers' memory, zero-filled unless ``zero_fill=False``."""
         return host_dbuffer(self.transfers, mesh, placements, shapes, dtype, layout, zero_fill)
 
     def in_residence(self, buf: DBuffer) -> DBuffer:
-        """``buf`` itself, or (``pin`` and it is not pinned: a buffer rebuilt by a dtype change)
-        a pinned copy with the same values and the same released state."""
+        """``buf``, or if ``pin`` and it is unpinned a pinned copy (same values, released state)."""
         if not self.pin or self.transfers.is_pinned(buf.local_buffer):
             return buf
         released = buf.is_storage_released()
@@ -277,14 +219,10 @@ class HostOffload:
             out.local_buffer.copy_(buf.local_buffer)
         return out
 
-    # ------------------------------------------------------------------ host -> device
-
     @torch.no_grad()
     def upload(self, src: DBuffer, out: Optional[DBuffer] = None) -> DBuffer:
-        """Copy ``src`` (host) to the compute device: into ``out``, or into this group's upload
-        target (same placements, dtype and layout as ``src``; storage until
-        :meth:`release_upload`). Runs on the current stream, so call it where the collective
-        that reads the result will run."""
+        """Copy host ``src`` into ``out`` or else the upload target (until :meth:`release_upload`),
+        on the current stream: call it where the collective reading the result will run."""
         if out is None:
             staging = self._staging
             if staging is None or staging.dtype != src.dtype or tuple(staging.placements) != tuple(src.placements):
@@ -301,14 +239,10 @@ class HostOffload:
         if self._staging is not None and not self._staging.is_storage_released():
             self._staging.release_storage()
 
-    # ------------------------------------------------------------------ device -> host
-
     @torch.no_grad()
     def download(self, src: torch.Tensor, dst: torch.Tensor, add: bool) -> None:
-        """Copy (``add``: add) the device tensor ``src`` into the host tensor ``dst``, casting to
-        ``dst``'s dtype. Runs on the current stream (the reduction's). An overwrite into pinned
-        memory is non-blocking; an add first lands in a host temporary (blocking) and is summed
-        on the host, after the copies still in flight into ``dst`` are done."""
+        """Copy (or ``add``) device ``src`` into host ``dst``, on the current stream: non-blocking
+        into pinned memory, an add via a blocking host temporary once ``dst``'s copies are done."""
         self.used_here(src)
         if add:
             self.settle()
@@ -316,23 +250,14 @@ class HostOffload:
             return
         self._track(self.transfers.copy(dst, src))
 
-    # ------------------------------------------------------------------ ordering
-
     def used_here(self, t: torch.Tensor) -> None:
-        """The copy about to be queued on the current stream reads the device tensor ``t``, whose
-        owner may free it right after (``grad_in``'s storage is resized to 0, which no kept
-        reference can delay): :meth:`_track` orders that stream after the copy. Held only until
-        then (the caller holds ``t`` while it queues the copy)."""
+        """The next copy reads device ``t``, whose owner may free it right after (a resize to 0 no
+        reference can delay), so :meth:`_track` orders that stream after the copy."""
         self._reads.append(t)
 
     def _track(self, done: Optional[Completion]) -> None:
-        """After a copy between host and device queued on the current stream. A synchronous copy
-        (no pinned memory, or the CPU) is done on return: nothing to order. A non-blocking one is
-        kept until :meth:`settle` waits for it on the host, and if it read device memory
-        (:meth:`used_here`), the stream that opened the launch the copy is queued in (the
-        compute stream; the copy runs on the reduce-scatter stream) waits for its event when that
-        launch ends, before the memory's owner can free and reuse it (FSDP2's events instead of
-        ``record_stream``; see :mod:`fsdp.group.streams`, item 5)."""
+        """Keep a non-blocking copy until :meth:`settle`; if it read device memory
+        (:meth:`used_here`), the launch's opening stream waits for its event before it is reused."""
         reads, self._reads = self._reads, []
         if done is None:
             return
@@ -341,8 +266,7 @@ class HostOffload:
             CommStreams.for_device(self.compute_device).launcher_waits(done.event)
 
     def settle(self) -> None:
-        """Block the host until every non-blocking copy to or from this group's host buffers is
-        done (a no-op when every copy was synchronous)."""
+        """Block the host until every non-blocking copy of this group's host buffers is done."""
         pending, self._pending, self._reads = self._pending, [], []
         for done in pending:
             done.synchronize()

@@ -1,29 +1,19 @@
-"""Optimizer state on the host, main weights and grads on the device: ``OptimizerStateOffloadPolicy``.
+"""Optimizer state on the host, weights and grads on the device: ``OptimizerStateOffloadPolicy``.
 
-A group built with :class:`fsdp.OptimizerStateOffloadPolicy` has an :class:`OptimStateOffload`
-as its ``offload`` part: for the group itself it is :class:`~fsdp.group.residence.NoOffload`
-(``main``, ``main_grad``, the model shard and every compute buffer on the mesh's device), and its
-``optim_state`` (a :class:`HostOptimState`) is where the optimizers (:mod:`fsdp.optim`) keep the
-group's state: host memory from the part's :class:`~fsdp.compose.offload.HostTransfers`, the
-same seam as ``CPUOffloadPolicy``'s (pinned allocation, non-blocking copies, their completions),
-and two passes over a group's flat shard, chunk by chunk:
+Such a group's :class:`OptimStateOffload` part is a :class:`~fsdp.group.residence.NoOffload` whose
+``optim_state`` (a :class:`HostOptimState`) keeps the state for :mod:`fsdp.optim` in host memory
+(:class:`~fsdp.compose.offload.HostTransfers`) and steps the flat shard in chunks:
 
-* :meth:`HostOptimState.device_pass` (``step="device"``): chunk ``i + 1``'s states are uploaded
-  on the all-gather side stream (the optimizer step runs no gathers) while chunk ``i`` steps on
-  the current stream; the current stream waits for an upload's event before its step, and
-  downloads the stepped states right after it. Two device slots per state alternate: the upload
-  into a slot is launched after (and its stream waits for) the step and download that last read
-  it. The host synchronizes a chunk's upload before queueing the download into the same host
-  range (a copy into host memory never races one out of it; on a GPU stream order makes this
-  already true, the wait costs nothing there and keeps the CPU stand-in exact).
-* :meth:`HostOptimState.host_pass` (``step="host"``): chunk ``i + 1``'s weights and gradients are
-  downloaded into host scratch while the host steps chunk ``i``; the host synchronizes a chunk's
-  downloads before it reads them, the upload of a slot's stepped weights before it downloads into
-  that slot again.
+* :meth:`HostOptimState.device_pass`: chunk ``i + 1``'s states upload on the all-gather stream (the
+  step runs no gathers) while chunk ``i`` steps on the current stream, which waits for the upload's
+  event and downloads right after; two device slots alternate. The host synchronizes an upload
+  before queueing the download into that host range (keeps the CPU stand-in exact).
+* :meth:`HostOptimState.host_pass`: chunk ``i + 1``'s weights and gradients download into host
+  scratch while the host steps chunk ``i``; the host waits for the copies before it reads or
+  reuses a slot.
 
-Every copy is tracked; :meth:`HostOptimState.settle` (called by the optimizers at the end of each
-step) blocks the host until all are done, so state is never read or written by the host while a
-copy may still use it (``tests/models/device_standins.py``'s deferred copies check exactly that).
+:meth:`HostOptimState.settle`, called at the end of each step, waits for every tracked copy, so
+the host never touches state a copy may still use.
 """
 
 from __future__ import annotations
@@ -43,8 +33,7 @@ __all__ = ["HostOptimState", "OptimStateOffload"]
 
 
 class HostOptimState:
-    """One group's optimizer state in host memory and the passes that step it (see the module
-    docstring); an :class:`fsdp.group.residence.OptimStateHome`."""
+    """A group's optimizer state in host memory: an :class:`fsdp.group.residence.OptimStateHome`."""
 
     def __init__(self, policy: OptimizerStateOffloadPolicy, compute_device: torch.device) -> None:
         self.step_on = policy.step
@@ -52,17 +41,15 @@ class HostOptimState:
         self.transfers: HostTransfers = _offload.TRANSFERS(compute_device, policy.pin_memory)
         self.streams = CommStreams.for_device(compute_device)
         self._pending: list[Completion] = []
-        self._scratch: dict[tuple, torch.Tensor] = {}  # host_pass's slots, kept (pinned memory is slow to get)
+        self._scratch: dict[tuple, torch.Tensor] = {}  # host_pass's slots, kept: pinning is slow
 
     @property
     def pin(self) -> bool:
         """Whether host memory is pinned and the copies non-blocking."""
         return self.transfers.pinned
 
-    # ------------------------------------------------------------------ host memory
-
     def host_tensor(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """A zeroed 1-D host tensor in the transfers' memory (pinned where they pin)."""
+        """A zeroed 1-D host tensor in the transfers' memory."""
         return self.transfers.host_tensor(numel, dtype, True)
 
     def host_buffer(self, mesh: DeviceMesh, placements: Sequence, shapes: Sequence, dtype: torch.dtype, layout) -> DBuffer:
@@ -79,11 +66,8 @@ class HostOptimState:
             t = self._scratch[key] = self.transfers.host_tensor(numel, dtype, False)
         return t
 
-    # ------------------------------------------------------------------ copies
-
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """``dst.copy_(src)`` (host and device, either way) on the current stream, tracked until
-        :meth:`settle`."""
+        """``dst.copy_(src)`` on the current stream, tracked until :meth:`settle`."""
         self._track(self.transfers.copy(dst, src))
 
     def _track(self, done: Optional[Completion]) -> Optional[Completion]:
@@ -102,12 +86,10 @@ class HostOptimState:
         for done in pending:
             done.synchronize()
 
-    # ------------------------------------------------------------------ passes
-
     @torch.no_grad()
     def device_pass(self, states: Sequence[torch.Tensor], chunks: Sequence[Chunk], fn: Callable) -> None:
-        """``fn(chunk, views)`` for each chunk, ``views[j]`` the device copy of
-        ``states[j][chunk.start:chunk.end]``, whose values go back to the host after ``fn``."""
+        """``fn(chunk, views)`` for each chunk, ``views[j]`` a device copy of
+        ``states[j][chunk.start:chunk.end]`` that goes back to the host after ``fn``."""
         chunks = [c for c in chunks if c.numel > 0]
         if not chunks:
             return
@@ -118,7 +100,7 @@ class HostOptimState:
 
         def upload(i: int) -> tuple:
             c, slot = chunks[i], slots[i % 2]
-            with streams.launch(streams.all_gather):  # after the step and download that last read the slot
+            with streams.launch(streams.all_gather):  # after the last step and download of the slot
                 done = [self.transfers.copy(slot[j][: c.numel], s[c.start : c.end]) for j, s in enumerate(states)]
                 event = streams.record()
             return event, [self._track(d) for d in done]
@@ -141,8 +123,7 @@ class HostOptimState:
         fn: Callable,
     ) -> None:
         """``fn(chunk, w, g, views)`` on the host for each chunk: ``w`` / ``g`` host copies of the
-        chunk of ``weights`` / ``grads`` (device), ``views`` the host states' slices; ``w`` is
-        copied back into ``weights`` after ``fn``."""
+        device ``weights`` / ``grads`` chunk (``w`` copied back after), ``views`` the states'."""
         chunks = [c for c in chunks if c.numel > 0]
         if not chunks:
             return
@@ -174,9 +155,7 @@ class HostOptimState:
 
 
 class OptimStateOffload(NoOffload):
-    """A group's offload part under :class:`~fsdp.compose.offload.OptimizerStateOffloadPolicy`:
-    the group's own buffers stay on the device (no moves), its optimizer state goes to
-    :attr:`optim_state` (a :class:`HostOptimState`)."""
+    """A group's offload part under :class:`~fsdp.compose.offload.OptimizerStateOffloadPolicy`."""
 
     def __init__(self, policy: OptimizerStateOffloadPolicy, compute_device: torch.device) -> None:
         self.optim_state = HostOptimState(policy, compute_device)

@@ -1,48 +1,31 @@
 """HFSDP: HSDP whose optimizer (main weights, main grads, optimizer state) is also sharded across
 the replicate axis — Megatron-FSDP's ``outer_dp_sharding_strategy="optim"``.
 
-On a ``(replicate R, shard S)`` mesh plain HSDP keeps the main weights, main grads and optimizer
-state sharded ``S`` ways and replicated ``R`` times. ``fully_shard(...,
-outer_dp_sharding_strategy="optim")`` cuts them ``R * S`` ways, so optimizer memory per rank
-falls by ``R``, while forward and backward still gather the weights on the shard axis only:
+On a ``(replicate R, shard S)`` mesh HSDP shards the optimizer ``S`` ways; HFSDP cuts it ``R * S``
+ways, while forward and backward still gather on the shard axis only. Pieces are numbered row-major
+over the sharded axes, so for rank ``(r, s)``'s optimizer piece to lie *inside* its HSDP shard
+(pieces ``s*R .. s*R+R-1``) it must be ``s*R + r``: the group lives on the *transposed* mesh
+``(shard, replicate)`` (same process groups), where every move is a collective on one axis:
 
-* **Layout.** A DBuffer's layout is cut once into ``R * S`` finest pieces, and a rank's piece
-  under several sharded axes is numbered row-major over them. The shard-axis piece of rank
-  ``(r, s)`` (what HSDP holds) is pieces ``s*R .. s*R + R - 1``; for the optimizer piece to lie
-  *inside* it, it must be piece ``s*R + r``: shard axis outer, replicate axis inner (torch's
-  ``_StridedShard``). The group therefore lives on the *transposed* mesh ``(shard, replicate)``
-  (the same process groups, no new ones), where that nesting is DBuffer's ordinary row-major
-  one and every move below is a collective on the innermost sharded axis:
+============  ======================  =========================================
+buffer        placements on (S, R)    size per rank
+============  ======================  =========================================
+main          Shard, Shard            1/(R*S) (optimizer state follows it)
+main_grad     Shard, Shard            1/(R*S)
+model         Shard, Replicate        1/S, the gather source (HSDP's shard)
+unsharded     Replicate, Replicate    full, during forward/backward (ZeRO-3)
+grad_in       Partial, Partial        full, while gradients accumulate
+============  ======================  =========================================
 
-  ============  ======================  =========================================
-  buffer        placements on (S, R)    size per rank
-  ============  ======================  =========================================
-  main          Shard, Shard            1/(R*S) (optimizer state follows it)
-  main_grad     Shard, Shard            1/(R*S)
-  model         Shard, Replicate        1/S, the gather source (HSDP's shard)
-  unsharded     Replicate, Replicate    full, during forward/backward (ZeRO-3)
-  grad_in       Partial, Partial        full, while gradients accumulate
-  ============  ======================  =========================================
+Gradients reduce-scatter on both axes; the replicate-axis one (HSDP's all-reduce) is what
+``set_requires_all_reduce(False)`` defers. After the optimizer step the main piece is cast and
+all-gathered over the replicate axis into ``model``, always persistent here (larger than the main
+piece). Parameters are exact DTensors ``(Shard(0), Shard(0))`` on the transposed mesh, so DCP
+checkpoints load into HSDP, FSDP or another HFSDP shape.
 
-* **Gradients:** one ``redistribute`` Partial x Partial -> Shard x Shard: a reduce-scatter on
-  the shard axis, then a reduce-scatter (instead of HSDP's all-reduce) on the replicate axis,
-  straight into ``main_grad``. With ``set_requires_all_reduce(False)`` the second step is the
-  one deferred.
-* **After the optimizer step** (the refresh :mod:`fsdp.optim.step_hooks` triggers, as for every
-  group): cast the ``1/(R*S)`` main piece to the compute dtype and all-gather it over the
-  replicate axis into ``model``; forward gathers ``model`` over the shard axis, as HSDP does.
-  ``model`` is always a persistent buffer here (it is larger than ``main``'s piece), so
-  ``persistent_param_shard=False`` does not apply and :mod:`fsdp.optim` does not write it.
-* **Parameters** handed to users are exact DTensors on the transposed mesh with placements
-  ``(Shard(0), Shard(0))`` (row-exact :class:`dbuffer.RowShardedDTensor` where the row-atomic
-  layout differs from ``torch.chunk``), whose local pieces are the ``1/(R*S)`` pieces: a
-  ``torch.optim`` optimizer on ``model.parameters()`` holds ``1/(R*S)`` of its state. DCP
-  checkpoints describe global rows, so they load into HSDP, FSDP (1-D) or another HFSDP shape.
-
-Not supported (a ``ValueError`` at ``fully_shard``, before any collective): a 1-D mesh (nothing
-to shard across), ``sharding_strategy="no_shard"`` (the optimizer is not sharded at all),
-parameters sharded with ``shard_placement_fn``, tensor-parallel or tensor-subclass parameters,
-buckets on another mesh, and ``offload_policy``.
+Not supported (a ``ValueError`` at ``fully_shard``, before any collective): a 1-D mesh,
+``sharding_strategy="no_shard"``, ``shard_placement_fn`` placements, tensor-parallel or
+tensor-subclass parameters, buckets on another mesh, and ``offload_policy``.
 """
 
 from __future__ import annotations
@@ -63,8 +46,7 @@ OUTER_STRATEGIES = ("no_shard", "optim")
 
 
 def check_outer_sharding(value: str, mesh: DeviceMesh, specs: Sequence, params: Sequence[torch.Tensor], offload) -> bool:
-    """Validate ``outer_dp_sharding_strategy`` against the unit (locally, before any collective);
-    return whether the unit's groups are HFSDP groups."""
+    """Whether the unit's groups are HFSDP; raises ``ValueError`` before any collective if unfit."""
     if value not in OUTER_STRATEGIES:
         raise ValueError(
             f"unknown outer_dp_sharding_strategy {value!r}; use 'no_shard' (HSDP: optimizer replicated across "
@@ -107,9 +89,8 @@ def check_outer_sharding(value: str, mesh: DeviceMesh, specs: Sequence, params: 
 
 
 def transposed_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """``mesh`` with its two axes swapped, ``(shard, replicate)``, built on the same process
-    groups (no collective, no new group); one per mesh object, so groups of one unit share it
-    (and equal meshes compare equal, which is what DTensor ops between them need)."""
+    """``mesh`` with its axes swapped, on the same process groups (no collective); cached per mesh
+    object, so a unit's groups share it, as DTensor ops between them need."""
     cached = mesh.__dict__.get("_fsdp_transposed")
     if cached is not None:
         return cached
@@ -121,9 +102,7 @@ def transposed_mesh(mesh: DeviceMesh) -> DeviceMesh:
 
 
 def outer_sharded(mesh: DeviceMesh, shard: Placement) -> tuple[DeviceMesh, GroupPlacements]:
-    """The mesh and placements an HFSDP group is built with on the user's ``(replicate, shard)``
-    ``mesh``: the transposed mesh and :meth:`GroupPlacements.outer
-    <fsdp.group.members.GroupPlacements.outer>`, whose model shard (the gather source) differs
-    from the main weights' placements, so the group's refresh casts and all-gathers over the
-    replicate axis (:meth:`fsdp.group.weights.BufferWeights.refresh`)."""
+    """An HFSDP group's transposed mesh and :meth:`~fsdp.group.members.GroupPlacements.outer`
+    placements, whose model shard differs from ``main``'s: the group's
+    :meth:`~fsdp.group.weights.BufferWeights.refresh` all-gathers over the replicate axis."""
     return transposed_mesh(mesh), GroupPlacements.outer(shard, "avg")

@@ -1,22 +1,13 @@
-"""FSDP2's ``reshard_after_forward=n``: after forward keep 1/n of the gathered weights, gather in n ranks.
+"""FSDP2's ``reshard_after_forward=n``: keep 1/n of the gathered weights, regather within n ranks.
 
-Between a unit's forward and its backward, ``reshard_after_forward=True`` frees the gathered
-weights (backward gathers them again over the whole shard group) and ``False`` keeps them all.
-An int ``n`` (a factor of the shard group's size ``W``, e.g. the GPUs of one node) is the middle
-way: each rank keeps the ``1/n`` slice of the gathered weights that its position in its group of
-``n`` consecutive ranks selects (a local copy, no communication), and backward all-gathers only
-inside that group (intra-node on a GPU cluster) instead of over all ``W`` ranks.
-
-The groups of ``n`` ranks are the inner axis of a 2-D view ``(W/n, n)`` of the shard mesh, built
-once per (mesh, n) by :func:`post_forward_mesh` (creating process groups: every rank calls it,
-from ``fully_shard``). The kept slice is shard ``j`` of the unit's own row-atomic layout cut into
-``n`` shards (a layout made for ``W`` shards serves every ``n | W``), so it is a
-:class:`~dbuffer.DBuffer` placed ``[Replicate(), Shard(0)]`` on that view, and the backward
-gather is its ``redistribute`` to ``[Replicate(), Replicate()]`` into the unsharded buffer. A
-chunked group (FSDP2's torch.chunk pieces, :class:`fsdp.group.layouts.ChunkedLayout`) keeps a slice of its shard-major
-all-gather buffer instead: ``W/n`` whole rank shards, rebuilt from the unsharded parameters, and
-the backward gather lands there and is copied out as after any gather. An ``Owned()`` group
-(each tensor whole on one rank: no ``Shard(0)`` cut of it) keeps no slice and reshards fully.
+Between forward and backward ``True`` frees the gathered weights, ``False`` keeps them. An int
+``n`` dividing the shard group's size ``W`` (e.g. a node's GPUs) is the middle way: each rank keeps
+a ``1/n`` slice, and backward all-gathers only within its ``n`` consecutive ranks, the inner axis
+of a ``(W/n, n)`` view of the shard mesh (:func:`post_forward_mesh`). The slice is a
+:class:`~dbuffer.DBuffer` placed ``[Replicate(), Shard(0)]`` on the view (the unit's layout cut
+into ``n`` shards), regathered by a ``redistribute`` to ``[Replicate(), Replicate()]``. A
+:class:`~fsdp.group.layouts.ChunkedLayout` group keeps ``W/n`` whole rank shards of its gather
+buffer instead; an ``Owned()`` group has no ``Shard(0)`` cut and reshards fully.
 """
 
 from __future__ import annotations
@@ -36,8 +27,7 @@ _VIEWS = "_fsdp_post_forward_views"  # the attribute of a shard mesh holding its
 
 
 class _Views(dict):
-    """A mesh's views by ``n``. Pickled (a DTensor saved or deep-copied takes its mesh along) as
-    empty: process groups do not travel, and a copy builds its views again when first used."""
+    """A mesh's views by ``n``, pickled empty: process groups do not travel with a DTensor copy."""
 
     def __reduce__(self):
         return (_Views, ())
@@ -45,14 +35,8 @@ class _Views(dict):
 
 def post_forward_mesh(mesh: DeviceMesh, n: int) -> DeviceMesh:
     """The ``(W/n, n)`` view of a 1-D shard mesh whose inner axis groups ``n`` consecutive ranks.
-    Collective the first time for a given (mesh, n): call it on every rank of the mesh.
-
-    The view is kept on ``mesh`` itself, so it lives exactly as long as the mesh and its process
-    groups, and whether a call builds one (a collective) or reuses it depends only on which mesh
-    object the program passes, the same on every rank of an SPMD program. A cache that dropped
-    views when the garbage collector freed their last unit would decide that per rank: one rank
-    still holding an old model would reuse its view while another built a new one, alone, and
-    hang in the process groups' creation."""
+    Collective the first time for (mesh, n): call it on every rank. The view is kept on ``mesh``, so
+    whether a call builds one is alike on every rank (a garbage-collected cache could hang)."""
     views = mesh.__dict__.setdefault(_VIEWS, _Views())
     view = views.get(n)
     if view is None:
@@ -63,10 +47,8 @@ def post_forward_mesh(mesh: DeviceMesh, n: int) -> DeviceMesh:
 
 
 def enable_post_forward_slices(groups: list, mesh: DeviceMesh, n: int) -> None:
-    """Give every group on ``mesh`` that can keep a slice
-    (:func:`~fsdp.group.plan.can_keep_slice`) its
-    :class:`PostForwardShard` on the ``(W/n, n)`` view; the others reshard fully after forward,
-    like ``True``. Collective the first time for (mesh, n): every rank calls it, from ``fully_shard``."""
+    """Give every group on ``mesh`` that can keep a slice (:func:`~fsdp.group.plan.can_keep_slice`)
+    its :class:`PostForwardShard` for ``n``; the others reshard fully. Collective the first time."""
     view = post_forward_mesh(mesh, n)
     for group in groups:
         if group.mesh is mesh and can_keep_slice(group.plan.config):
@@ -89,13 +71,12 @@ class PostForwardShard:
         return self.mesh.size(1)
 
     def rebuilt(self, unsharded: DBuffer) -> "PostForwardShard":
-        """The same slice for a group whose gathered buffer was rebuilt (``module.to``, ``to_empty``)."""
+        """The same slice for a group whose gathered buffer was rebuilt."""
         return PostForwardShard(unsharded, self.mesh)
 
     def keep(self, fill: Optional[Callable[[torch.Tensor, int, int], None]] = None) -> None:
-        """Copy this rank's slice ``[start, end)`` out of the gathered weights (which the caller
-        then frees), or let ``fill(slice, start, end)`` write it where the gathered buffer is gone
-        already (a chunked group rebuilds it from the unsharded parameters)."""
+        """Copy this rank's slice out of the gathered weights (freed next by the caller), or let
+        ``fill(slice, start, end)`` write it where they are gone already (a chunked group)."""
         start, end = self.buffer.layout.shard_range(self.buffer.shard_index, self.buffer.num_shards)
         self.buffer.reallocate_storage()
         if fill is None:
@@ -111,5 +92,6 @@ class PostForwardShard:
         return self.buffer.redistribute([Replicate(), Replicate()], out=target, async_op=True)
 
     def drop(self) -> None:
+        """Free the kept slice."""
         if not self.buffer.is_storage_released():
             self.buffer.release_storage()

@@ -1,29 +1,13 @@
-"""fully_shard over tensor- or expert-parallel DTensor parameters: FSDP x TP / EP on N-D meshes,
-as torch FSDP2 does it (TP first, then ``fully_shard`` on the data-parallel submesh; user guide:
+"""fully_shard over tensor- or expert-parallel DTensor parameters: FSDP x TP / EP on N-D meshes, as
+torch FSDP2 does it (TP first, then ``fully_shard`` on the data-parallel submesh; user guide:
 fsdp/README.md, "Composing with other features").
 
-A parameter that is already a DTensor on a tensor-parallel mesh ``tp`` (any mesh sliced from the
-same root mesh as the data-parallel ``mesh``, on other axes) is sharded by treating its
-*TP-local* tensor as the whole tensor FSDP sees: each data-parallel rank keeps
-``torch.chunk(local, dp, dim)[rank]`` (``dim``: ``shard_placement_fn``'s answer, default 0), in a
-:class:`~fsdp.group.layouts.ChunkedLayout` group (exact torch.chunk pieces: a TP-local tensor is
-rarely split row-atomically the way the flat layouts would want, and chunk pieces keep every
-DTensor handed out a plain, exact one). So:
-
-* the **sharded parameter** is a DTensor on the joint mesh ``(dp..., tp...)`` (the concatenation
-  of the two, on their root mesh) with placements ``(Replicate() for HSDP, dp placement, *tp
-  placements)``, each rank holding about ``1/(dp*tp)`` of it. The dp placement is ``Shard(dim)``,
-  or ``_StridedShard(dim, split_factor=n)`` when the TP placements already split ``dim`` into
-  ``n`` pieces (a column-parallel weight sharded on dim 0 by both): data parallelism splits
-  each TP piece, not the whole tensor, which is exactly what ``_StridedShard`` describes. These
-  are FSDP2's placements, so ``full_tensor()``, ``redistribute``, state dicts, DCP and optimizer
-  states built from the parameter are exact;
-* the **all-gather** runs on the dp mesh only, over TP-local tensors, and the module computes
-  with the **unsharded parameter**: a DTensor on the tp mesh around the gathered local tensor,
-  with the original TP placements, as it was before ``fully_shard``;
-* **gradients** arrive as DTensors on the tp mesh; one whose placements differ from the
-  parameter's (a ``Partial`` gradient of a TP-replicated weight) is redistributed to them (as
-  FSDP2 does), then its local tensor is reduce-scattered on dp.
+A DTensor parameter on a tensor-parallel mesh ``tp`` (other axes of the dp ``mesh``'s root) is
+sharded by treating its *TP-local* tensor as the whole tensor, in exact ``torch.chunk`` pieces
+(:class:`~fsdp.group.layouts.ChunkedLayout`: TP-local tensors rarely split row-atomically). The
+sharded parameter is a DTensor on the joint mesh ``(dp..., tp...)`` with FSDP2's placements, so
+state dicts, DCP and optimizer states are exact. A ``Partial`` gradient is redistributed to the
+parameter's placements, as in FSDP2, before its local tensor is reduce-scattered on dp.
 
 torch 2.13's ``dp_mesh_dims`` contract (torchtitan's ``full_dtensor``)::
 
@@ -31,24 +15,10 @@ torch 2.13's ``dp_mesh_dims`` contract (torchtitan's ``full_dtensor``)::
     # every parameter a DTensor on the whole mesh: Replicate() on dp_shard, TP's placement on tp
     fully_shard(block, mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp_shard"))
 
-is the same sharding seen from the full mesh (:class:`DataParallelDims` names its dp dims): the
-parameter's local tensor is again its TP-local tensor, split in torch.chunk pieces over the dp
-shard ranks. As in FSDP2, the sharded parameter keeps the full mesh, in its own dim order, with
-``Shard(dim)`` (or ``_StridedShard`` within the TP pieces of a later dim that also splits ``dim``)
-on the dp shard dim and ``Replicate()`` on a dp replicate dim (HSDP); several shard dims are one
-flattened dim there. The module computes with the parameter as it was (a DTensor on the full
-mesh, ``Replicate()`` on the dp dims); a gradient keeps its dp placements (a ``Partial`` gradient
-of a data-sharded batch is reduced by the dp reduction itself) and is brought to the parameter's
-placements on the other dims before its local tensor is reduced.
+is the same sharding seen from the full mesh (:func:`full_mesh_sharding`); a gradient keeps its dp
+placements there (the dp reduction reduces a ``Partial`` one).
 
-Everything is checked before any collective (:func:`check_params`): the dp mesh must be a
-sub-mesh of the parameter mesh's root, on axes the parameter's mesh does not use, unless the
-parameter is on the full mesh of ``dp_mesh_dims`` (then ``Replicate()`` on every dp dim);
-placements must be ``Shard``/``Replicate`` (a ``Partial`` parameter is refused with the fix).
-
-:func:`clip_grad_norm_` clips gradients that live on different meshes (TP blocks on
-``(dp, tp)``, norms and embeddings on ``dp`` only), which ``torch.nn.utils.clip_grad_norm_``
-cannot: it stacks the per-parameter norms, and DTensors on different meshes do not stack.
+:func:`clip_grad_norm_` clips gradients on several meshes, which torch's cannot (they do not stack).
 """
 
 from __future__ import annotations
@@ -105,8 +75,8 @@ def joint_mesh(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> DeviceMesh:
 
 
 def joint_placements(dp_ndim: int, dim: int, spec: TensorParallelSpec) -> tuple[Placement, ...]:
-    """Placements of a sharded parameter on :func:`joint_mesh`: replicated on an HSDP replicate
-    axis, split along ``dim`` on the dp shard axis *within* each TP piece, then TP's own."""
+    """Placements on :func:`joint_mesh`: replicated on an HSDP replicate axis, split along ``dim``
+    on the dp shard axis *within* each TP piece (``_StridedShard``), then TP's own."""
     factor = spec.split_factor(dim)
     dp = _StridedShard(dim, split_factor=factor) if factor > 1 else Shard(dim)
     return (Replicate(),) * (dp_ndim - 1) + (dp,) + spec.placements
@@ -114,10 +84,8 @@ def joint_placements(dp_ndim: int, dim: int, spec: TensorParallelSpec) -> tuple[
 
 @dataclass(frozen=True)
 class DataParallelDims:
-    """``dp_mesh_dims`` resolved on fully_shard's full mesh: which of its dims are data-parallel
-    (indices into ``mesh``). A DTensor parameter on ``mesh`` follows FSDP2's full-mesh contract;
-    the others (plain, or tensor-parallel on a sub-mesh of the other dims) are sharded over the
-    dp sub-mesh as without ``dp_mesh_dims``."""
+    """``dp_mesh_dims`` as indices into the full ``mesh``; only DTensor parameters on ``mesh``
+    follow FSDP2's full-mesh contract, the others are sharded over the dp sub-mesh."""
 
     mesh: DeviceMesh
     shard: tuple[int, ...]
@@ -139,11 +107,8 @@ class DataParallelDims:
 def full_mesh_sharding(
     spmd: DataParallelDims, dp_mesh: DeviceMesh, dim: int, spec: TensorParallelSpec
 ) -> tuple[DeviceMesh, tuple[Placement, ...]]:
-    """FSDP2's sharded parameter under ``dp_mesh_dims``: the full mesh in its own order, the
-    parameter's placements with ``Shard(dim)`` on the dp shard dim (``_StridedShard`` when later
-    dims of the mesh split ``dim`` too: dp then splits within their pieces), ``Replicate()`` kept
-    on dp replicate dims. Several shard dims are FSDP's one flattened dim: the dp mesh's, in place
-    of the first (with its replicate dim before it for HSDP, the replicate dims dropped)."""
+    """FSDP2's sharded parameter under ``dp_mesh_dims``: the full mesh, with ``Shard(dim)`` (or
+    ``_StridedShard``) on the dp shard dim; several shard dims become one, flattened."""
     mesh, placements = spmd.mesh, list(spec.placements)
     for i in spmd.shard:
         later = [j for j in range(i + 1, mesh.ndim) if isinstance(spec.placements[j], Shard) and spec.placements[j].dim == dim]
@@ -166,9 +131,8 @@ def full_mesh_sharding(
 def check_params(
     infos: list[ParamInfo], dp_mesh: DeviceMesh, dims: Optional[list[int]], strategy, spmd: Optional[DataParallelDims] = None
 ) -> None:
-    """Raise a clear ``ValueError`` for a DTensor parameter fully_shard cannot shard over
-    ``dp_mesh`` (``spmd``: the full mesh's dp dims, given ``dp_mesh_dims``); run before any
-    collective, identically on every rank."""
+    """Raise a ``ValueError`` naming the fix for a DTensor parameter fully_shard cannot shard over
+    ``dp_mesh`` (``spmd``: given ``dp_mesh_dims``); runs before any collective, on every rank."""
     for info in infos:
         p = info.param
         if not isinstance(p, DTensor):
@@ -201,8 +165,7 @@ def check_params(
 
 
 def _check_full_mesh(where: str, p: DTensor, spmd: DataParallelDims) -> None:
-    """FSDP2's contract: ``Replicate()`` on every dp dim; several shard dims adjacent, in order
-    (they are flattened into one)."""
+    """FSDP2's contract: ``Replicate()`` on every dp dim; several shard dims adjacent, in order."""
     dp = spmd.shard + spmd.replicate
     for i in dp:
         if not isinstance(p.placements[i], Replicate):
@@ -222,8 +185,7 @@ def _check_full_mesh(where: str, p: DTensor, spmd: DataParallelDims) -> None:
 
 
 def _check_sub_mesh(where: str, p: DTensor, dp_mesh: DeviceMesh, spmd: Optional[DataParallelDims]) -> None:
-    """A tensor-parallel parameter on a mesh of its own: a sub-mesh of the dp mesh's root on
-    other axes (the sharded parameter lives on their concatenation)."""
+    """A TP parameter's own mesh must be a sub-mesh of the dp mesh's root, on other axes."""
     tp_mesh = p.device_mesh
     if tp_mesh._get_root_mesh() is not dp_mesh._get_root_mesh() and not _same_root(tp_mesh, dp_mesh):
         raise ValueError(
@@ -278,13 +240,7 @@ def _same_root(a: DeviceMesh, b: DeviceMesh) -> bool:
 
 
 class TensorParallelKind(ParamKind):
-    """The parameter kind of a group of DTensor parameters sharing one mesh (every group that
-    holds them is a torch.chunk :class:`~fsdp.group.layouts.ChunkedLayout` over the dp mesh):
-    their local tensors are what the group shards, gathers and reduces; the sharded parameters it
-    hands out are DTensors on the joint ``(dp, tp)`` mesh (on the full mesh under ``spmd``, the
-    ``dp_mesh_dims`` contract: :func:`full_mesh_sharding`), the unsharded ones DTensors as the
-    parameters were, and a gradient is brought to the parameter's placements (but its own on the
-    dp dims of the full mesh) before its local tensor is reduced."""
+    """The kind of a :class:`~fsdp.group.layouts.ChunkedLayout` group of DTensors on one mesh."""
 
     plain = False
 
@@ -304,7 +260,7 @@ class TensorParallelKind(ParamKind):
         return local_of(param)
 
     def sharded(self, k: int, local: torch.Tensor, mesh: DeviceMesh, placements: tuple, shape: torch.Size) -> DTensor:
-        s, (on, placed) = self.specs[k], self.shardings[k]  # not the layout's dp mesh and placements
+        s, (on, placed) = self.specs[k], self.shardings[k]  # not the layout's mesh and placements
         return dtensor_view(local, on, placed, s.shape, s.stride)
 
     def unsharded(self, k: int, full: torch.Tensor, requires_grad: bool) -> nn.Parameter:
@@ -315,8 +271,7 @@ class TensorParallelKind(ParamKind):
     def grad_local(self, k: int, grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         if isinstance(grad, DTensor):
             s = self.specs[k]
-            # on a dp dim the gradient keeps its placement, as in FSDP2: a Partial one (of a batch
-            # split there) is summed by the dp reduction itself, no all-reduce first
+            # a dp dim keeps the gradient's placement (FSDP2): the dp reduction sums a Partial one
             target = tuple(g if i in self.dp_dims else q for i, (g, q) in enumerate(zip(grad.placements, s.placements)))
             if tuple(grad.placements) != target:
                 grad = grad.redistribute(s.mesh, target)
@@ -324,9 +279,6 @@ class TensorParallelKind(ParamKind):
             if hasattr(grad, "wait"):  # an AsyncCollectiveTensor
                 grad = grad.wait()
         return grad
-
-
-# ---------------------------------------------------------------------------- clip_grad_norm_
 
 
 @torch.no_grad()
@@ -339,20 +291,14 @@ def clip_grad_norm_(
 ) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_`` for gradients on any mix of meshes and plain tensors.
 
-    Gradients are grouped by mesh; each group's norm is torch's own (``get_total_norm``, a
-    DTensor whose pending reduction ``full_tensor()`` completes, one collective per mesh), and
-    the groups' norms combine exactly as one norm over all gradients would: ``(sum n_i^p)^(1/p)``,
-    or the max for ``inf``. Each group is then scaled by torch's ``clip_grads_with_norm_``.
-    Returns the total norm as a plain tensor (the same value on every rank). Every rank must pass
-    parameters on the same meshes in the same order (the collectives run per mesh).
+    Each mesh's gradients get torch's norm (one collective per mesh), combined exactly as one norm
+    over all, then every local piece is scaled. Returns the total norm as a plain tensor, alike on
+    every rank; every rank must pass parameters on the same meshes in the same order.
 
     Arguments as torch's: ``parameters`` (a tensor or an iterable; those without ``.grad`` are
     skipped), ``max_norm``, ``norm_type`` (``inf`` for the max norm), ``error_if_nonfinite``
-    (``RuntimeError``, torch's message, when the total norm is NaN or infinite; checked after the
-    norms are combined, before any gradient is scaled), ``foreach`` (``False``: scale one tensor
-    at a time; otherwise torch's ``_foreach_mul_``). Scaling every local piece scales each
-    DTensor exactly, whatever its layout.
-    """
+    (raise ``RuntimeError`` when the total norm is NaN or infinite, before any gradient is scaled),
+    ``foreach`` (``False``: scale one tensor at a time)."""
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     grads = [p.grad for p in params if p.grad is not None]
     norm_type = float(norm_type)

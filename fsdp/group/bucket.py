@@ -1,19 +1,10 @@
 """Buckets: which parameters of a unit communicate together, where, and how.
 
-By default a unit's parameters are grouped by (dtype, requires_grad), in registration order, and
-each group is one reduce-scatter; the groups of a unit share one all-gather where they can
-(:mod:`fsdp.group.shared_gather`), as a unit is one all-gather in FSDP2. :class:`Bucket` overrides that for the
-parameters whose names match its patterns, independently of module boundaries: its own mesh,
-shard placement, sharding strategy and precision policy. ``bucket_size`` splits the default
-groups, each then with its own collectives.
-
-Guarantees, all checked in :func:`plan_buckets` before any buffer or collective exists:
-
-* every parameter lands in exactly one bucket (a name matching two buckets, or a bucket matching
-  nothing, is an error naming them);
-* inside a bucket the payload keeps parameter registration order (in a default group, the
-  parameters only forward reads last: :mod:`fsdp.group.forward_only`), so every rank packs the
-  same bytes in the same order whatever order the gradients arrive in (bitwise reproducibility).
+Default groups: (dtype, requires_grad) in registration order, one reduce-scatter each, sharing one
+all-gather where they can (:mod:`fsdp.group.shared_gather`) as in FSDP2; ``bucket_size`` splits
+them. A :class:`Bucket` gives the parameters it matches, across modules, their own mesh, placement,
+strategy and precision policy. Groups keep registration order (forward-only ones last:
+:mod:`fsdp.group.forward_only`), so all ranks pack the same bytes in any gradient order.
 """
 
 from __future__ import annotations
@@ -36,33 +27,22 @@ __all__ = ["Bucket", "GroupSpec", "mesh_key", "plan_buckets"]
 
 @dataclass(frozen=True)
 class Bucket:
-    """Parameters whose name (relative to the module given to ``fully_shard``) matches one of
-    ``names`` (``fnmatch`` patterns, e.g. ``"*.experts.*"``).
-
-    * ``placement``: ``Shard(0)`` packs the tensors row-atomically across the shard ranks;
-      ``dbuffer.Owned()`` keeps each tensor whole on one rank (owners balanced by size), which is
-      what an optimizer needing whole matrices (Muon) wants.
-    * ``mesh``: 1-D (shard) or 2-D (replicate, shard: HSDP); default the unit's mesh.
-    * ``per_tensor``: one collective per tensor, each split evenly along dim 0, which must divide
-      by the shard count: stacked MoE expert weights ``[E, ...]`` sharded by whole experts,
-      without the padding a shared buffer would need, as plain ``Shard(0)`` DTensors.
-    * ``gradient_divide_factor``: sum the gradients over the mesh and divide by this instead of
-      averaging over it (expert parallelism: an expert's gradient already sums the tokens of its
-      whole expert-parallel group, so divide by the data-parallel world, not the mesh size).
-    * ``sharding_strategy``, ``mp_policy`` and ``offload_policy``: as ``fully_shard``'s, for this
-      bucket only (None: the unit's); e.g. ``offload_policy=fsdp.OptimizerStateOffloadPolicy()``
-      keeps only the optimizer state of the bucket's parameters (the embedding's) on the host,
-      ``OffloadPolicy()`` offloads nothing of it in a unit that offloads.
-
-    A bucket is a plain value; ``fully_shard`` checks it before any buffer or collective exists
-    and raises ``ValueError`` naming the bucket for: a pattern that matches no parameter, a
-    parameter matched by two buckets, a placement other than ``Shard(0)`` / ``Owned()``,
-    ``Owned()`` on a 2-D mesh, ``per_tensor`` with a dim 0 the shard count does not divide, a
-    non-positive ``gradient_divide_factor``, or a ``shard_placement_fn`` dim for one of its
-    parameters; ``TypeError`` for a ``mesh``, ``mp_policy`` or ``offload_policy`` of the wrong
-    type (``ValueError`` for a bad ``OptimizerStateOffloadPolicy.step``). Guarantee: the
-    bucket's payload keeps registration order, so results are bitwise those without buckets.
-    """
+    """Parameters whose name (relative to the module given to ``fully_shard``) matches one of the
+    ``fnmatch`` patterns ``names`` (e.g. ``"*.experts.*"``), with settings of their own.
+    ``placement``: ``Shard(0)`` (row-atomic packing) or ``dbuffer.Owned()`` (each tensor whole on
+    one rank, owners balanced by size, for optimizers needing whole matrices such as Muon).
+    ``mesh``: 1-D or 2-D (HSDP), default the unit's. ``per_tensor``: one collective per tensor,
+    split evenly along dim 0 into plain ``Shard(0)`` DTensors (stacked MoE experts, unpadded).
+    ``gradient_divide_factor``: divide the summed gradients by this, not the mesh size (expert
+    parallelism: by the data-parallel world, as an expert's gradient sums its EP group's).
+    ``sharding_strategy``, ``mp_policy``, ``offload_policy``: ``fully_shard``'s, for this bucket
+    (None: the unit's; ``OffloadPolicy()``: none). Bitwise results as without buckets.
+    ``fully_shard`` checks it before any buffer or collective exists, raising ``ValueError`` naming
+    the bucket for a pattern matching nothing, a parameter in two buckets, a placement other than
+    ``Shard(0)`` / ``Owned()``, ``Owned()`` on a 2-D mesh, a ``per_tensor`` dim 0 the shard count
+    does not divide, a non-positive ``gradient_divide_factor``, a ``shard_placement_fn`` dim for its
+    parameters or a bad ``OptimizerStateOffloadPolicy.step``; ``TypeError`` for a mistyped ``mesh``,
+    ``mp_policy`` or ``offload_policy``."""
 
     names: Union[str, Sequence[str]]
     placement: Placement = Shard(0)
@@ -94,8 +74,7 @@ class GroupSpec:
     policy: MixedPrecisionPolicy
     gradient_divide_factor: Optional[float] = None
     dims: Optional[list[int]] = None  # shard_placement_fn's Shard(dim) per member: torch.chunk pieces
-    # An explicit Bucket or a bucket_size split: its all-gather stays its own, never one shared
-    # with the unit's other groups (fsdp.group.shared_gather), as the user asked for.
+    # An explicit Bucket or bucket_size split: never shares the unit's all-gather (shared_gather).
     own_collectives: bool = False
     offload_policy: Optional[OffloadPolicy] = None  # an explicit bucket's (None: the unit's)
 
@@ -113,20 +92,13 @@ def plan_buckets(
     param_meshes: Optional[Sequence[Optional[DeviceMesh]]] = None,
     forward_only: Optional[Sequence[bool]] = None,
 ) -> list[GroupSpec]:
-    """Assign the unit's parameters (registration order) to groups. Explicit buckets come first,
-    in the order given; the rest is grouped by (dtype, requires_grad), split at ``bucket_size``
-    bytes of main weights (a larger parameter gets a group of its own). ``shard_dims``: per
-    parameter, the dim ``shard_placement_fn`` shards it along (None: ``default_dim``); those
-    parameters form groups of their own, grouped the same way, when the strategy shards the main
-    weights (otherwise nothing is sharded and they join the default groups). ``default_dim``:
-    the dim of the parameters ``shard_dims`` leaves at None (0: FSDP2's layout; None: flat).
-    ``param_meshes``: per parameter, the mesh ``shard_placement_fn`` put it on (torch 2.15's
-    ``ShardPlacementResult``; None: ``mesh``); such parameters form groups of their own on it.
-    Parameters of different compute dtypes (``MixedPrecisionPolicy.param_dtype_override_fn``)
-    never share a group, and each group gets its members' resolved policy. ``forward_only``:
-    per parameter, whether only forward reads it (:func:`fsdp.group.forward_only.reads_only_in_forward`);
-    those go last in their default group, where a unit keeping its weights after forward can free
-    them (explicit buckets keep registration order)."""
+    """Assign the unit's parameters (registration order) to groups: explicit buckets first, in
+    order; the rest by (dtype, requires_grad, compute dtype, policy), split at ``bucket_size``
+    bytes of main weights. ``shard_dims``, ``param_meshes``: per parameter, the dim and mesh
+    ``shard_placement_fn`` gave it (None: ``default_dim``, 0 for FSDP2's layout or None for flat;
+    ``mesh``); these get groups of their own (by dim only if the strategy shards main weights).
+    ``forward_only[k]``: parameter ``k`` goes last in its default group, where a unit keeping its
+    weights after forward can free it (:func:`~fsdp.group.forward_only.reads_only_in_forward`)."""
     if bucket_size is not None and (not isinstance(bucket_size, int) or bucket_size <= 0):
         raise ValueError(f"bucket_size must be a positive number of bytes or None, got {bucket_size!r}")
     owner: dict[int, int] = {}
@@ -162,7 +134,7 @@ def plan_buckets(
             )
     rest = [k for k in range(len(names)) if k not in owner]
     policies = {k: policy.for_param(params[k], names[k]) for k in rest}
-    for k in rest:  # torch.chunk pieces along dim 0: DTensor (tensor-parallel) parameters always, others by default
+    for k in rest:  # dim-0 torch.chunk pieces: DTensor (TP) parameters always, others by default
         if dims[k] is None and params[k].dim() and (mesh_key(params[k]) is not None or default_dim is not None):
             dims[k] = 0 if default_dim is None else default_dim
     chunked = [k for k in rest if dims[k] is not None] if strategy.shard_optim else []
@@ -212,8 +184,7 @@ def _explicit(b, bucket, members, names, params, mesh, strategy, policy) -> list
 
 
 def _default(members, params, mesh, meshes, strategy, policies, bucket_size, last) -> list[GroupSpec]:
-    """The default groups, split at ``bucket_size`` in registration order; inside each, the
-    members ``last`` names (forward-only) moved to the end (stable)."""
+    """The default groups, split at ``bucket_size``; members ``last`` names go last (stable)."""
     specs = []
     for group, (policy, on) in _by_dtype(members, params, policies, meshes):
         on = mesh if on is None else on
@@ -232,10 +203,9 @@ def _default(members, params, mesh, meshes, strategy, policies, bucket_size, las
 
 
 def _by_dtype(members: list[int], params: list[torch.Tensor], policies: dict, meshes: dict) -> list[tuple[list[int], tuple]]:
-    """``members`` grouped by (dtype, requires_grad, TP mesh, resolved policy, mesh of their
-    own), in registration order; each group with its (policy, mesh or None)."""
+    """``members`` by (dtype, requires_grad, TP mesh, policy, mesh), stably, with (policy, mesh)."""
     groups: dict[tuple, list[int]] = {}
-    for k in members:  # DTensor (tensor-parallel) parameters: one group per TP mesh
+    for k in members:
         key = (params[k].dtype, params[k].requires_grad, mesh_key(params[k]), policies[k], meshes.get(k))
         groups.setdefault(key, []).append(k)
     return [(ks, (key[3], key[4])) for key, ks in groups.items()]
@@ -259,17 +229,16 @@ def _check_placement(b: int, placement: Placement) -> None:
 
 
 def mesh_key(param: torch.Tensor) -> Optional[tuple]:
-    """Parameters of one group share this: None for plain tensors; for DTensors, what identifies
-    their mesh across ranks (device type, ranks, shape, axis names), so a group has one TP mesh."""
+    """What identifies a DTensor's mesh across ranks (None for plain tensors): one per group."""
     if not isinstance(param, DTensor):
         return None
     mesh = param.device_mesh
     key = _MESH_KEYS.get(mesh)
-    if key is None:  # flattening a 1024-rank mesh for every parameter cost ~1 s per fully_shard
+    if key is None:
         key = (mesh.device_type, tuple(mesh.mesh.flatten().tolist()), tuple(mesh.mesh.shape), mesh.mesh_dim_names)
         _MESH_KEYS[mesh] = key
     return key
 
 
-# Weak: a cached key must not keep a mesh (and its process groups) alive past teardown.
+# A cache (flattening a mesh per parameter is slow), weak: no mesh or its groups outlive teardown.
 _MESH_KEYS: "weakref.WeakKeyDictionary[DeviceMesh, tuple]" = weakref.WeakKeyDictionary()

@@ -1,9 +1,5 @@
-"""How a group's collectives run: dbuffer's ``redistribute`` by default.
-
-A group calls its comms object for its two collectives, the all-gather of the weights and the
-reduction of the gradients. FSDP2's custom comm objects (``set_custom_all_gather`` /
-``set_custom_reduce_scatter`` and the comm-memory setters) replace it with one of
-:mod:`fsdp.compose.custom_comm`, which the core never imports.
+"""How a group's all-gather and reduction run: dbuffer's ``redistribute`` by default; FSDP2's
+custom comm objects replace it with one of :mod:`fsdp.compose.custom_comm` (never imported here).
 """
 
 from __future__ import annotations
@@ -22,8 +18,7 @@ __all__ = ["AllGatherComm", "DBUFFER_COMMS", "DBufferComms", "ReduceScatterComm"
 
 
 class AllGatherComm(Protocol):
-    """FSDP2's ``AllGather`` comm object (``set_custom_all_gather``), by its members: torch's
-    abstract class need not be its base."""
+    """FSDP2's ``AllGather`` comm object, by its members (torch's class need not be its base)."""
 
     def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A tensor the collective writes (its output), in the object's memory."""
@@ -45,9 +40,9 @@ class ReduceScatterComm(Protocol):
 
 
 class DBufferComms:
-    """dbuffer's own collectives (the algorithm each backend does best; see :mod:`dbuffer.collectives`)."""
+    """dbuffer's own collectives (each backend's best algorithm, :mod:`dbuffer.collectives`)."""
 
-    all_gather_comm: Optional[AllGatherComm] = None  # FSDP2's comm objects, if any (none here)
+    all_gather_comm: Optional[AllGatherComm] = None  # FSDP2's comm objects: none here
     reduce_scatter_comm: Optional[ReduceScatterComm] = None
 
     def all_gather(self, source: DBuffer, placements: tuple, target: DBuffer) -> Pending:
@@ -56,7 +51,7 @@ class DBufferComms:
 
     def reduce(self, source: DBuffer, placements: tuple, out: DBuffer,
                async_op: bool = True) -> Union[Pending, DBuffer]:
-        """``out`` = ``source`` (Partial) reduced to ``placements``: a Pending, or ``out`` when not async."""
+        """``out`` = ``source`` reduced to ``placements``: a Pending, or ``out`` unless ``async_op``."""
         return source.redistribute(placements, out=out, async_op=async_op)
 
 
@@ -64,10 +59,8 @@ DBUFFER_COMMS = DBufferComms()
 
 
 def full_on_mesh_device(local: torch.Tensor, mesh: DeviceMesh, placements: Sequence) -> torch.Tensor:
-    """The full value of ``local`` (this rank's piece, e.g. a ``Partial`` norm) over ``mesh``,
-    through DTensor, reduced on the mesh's device and returned on ``local``'s: under CPU offload
-    the piece is on the host, which an accelerator-only backend (NCCL) cannot reduce, and the
-    result scales host tensors. The same steps on every device (on the CPU the moves are no-ops)."""
+    """The full value of ``local`` under ``placements`` over ``mesh``, reduced on the mesh's
+    device (NCCL cannot reduce host tensors under CPU offload) and returned on ``local``'s."""
     from torch.distributed.tensor import DTensor
 
     on_mesh = local.to(mesh_device(mesh))

@@ -1,9 +1,6 @@
-"""What a built group is, as the plain :class:`~fsdp.group.plan.GroupConfig` its plan is compiled from.
-
-The planner (:mod:`fsdp.group.plan`) knows nothing of the group's parts; this reads them once,
-at ``fully_shard`` and again after a setter (``ParameterGroup.replan``): the layout's kind, the
-weights part's, the residence, the comms, the policy's ``persistent_param_shard``, the
-forward-only tail, the reduction and storage settings.
+"""What a built group is, as the plain :class:`~fsdp.group.plan.GroupConfig` its plan is compiled from,
+read at ``fully_shard`` and after a setter (``ParameterGroup.replan``) so the planner never sees
+the group's parts.
 """
 
 from __future__ import annotations
@@ -50,9 +47,8 @@ class ConfiguredGroup(Protocol):
 
 
 def config_of(group: ConfiguredGroup, slice_ranks: Optional[int] = None) -> GroupConfig:
-    """The configuration of ``group`` (its weights part made, not necessarily built: the plan
-    is compiled before it is). ``slice_ranks``: the ``n`` of ``reshard_after_forward=n`` (a group
-    holds a slice only where it can keep one: that is for the plan to decide)."""
+    """The configuration of ``group`` (weights part made, maybe not built: the plan comes first).
+    ``slice_ranks``: the ``n`` of ``reshard_after_forward=n``; the plan decides if it applies."""
     layout, s, offload, policy, weights = group.layout, group.strategy, group.offload, group.policy, group.weights
     if isinstance(layout, ChunkedLayout):
         kind = LayoutKind.CHUNK

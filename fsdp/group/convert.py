@@ -1,10 +1,5 @@
-"""``module.to(...)`` on a sharded module, one group at a time (``FSDPModule._apply`` calls these).
-
-What it owns: the group's dtypes after ``module.to(dtype)`` (the policy's explicit dtypes stay,
-the unset ones follow the main weights), the checks that refuse a conversion before anything
-changes (the shards stay on this rank's device of the mesh, or on the host under offload), and
-the conversion itself: every buffer rebuilt in its new dtype from the current values, the
-sharded parameters keeping their identity.
+"""``module.to(...)`` on a sharded module, one group at a time (``FSDPModule._apply`` calls these):
+the new dtypes, the checks that refuse before anything changes, and the rebuild itself.
 """
 
 from __future__ import annotations
@@ -17,17 +12,15 @@ import torch
 from fsdp.group.meta_init import check_swappable, swap_in
 from fsdp.group.policy import Dtypes, MixedPrecisionPolicy, converted
 
-if TYPE_CHECKING:  # annotations only
+if TYPE_CHECKING:
     from fsdp.group.param_group import ParameterGroup
 
 __all__ = ["accepts_device", "check_convert", "convert", "dtypes_after_to"]
 
 
 def dtypes_after_to(group: ParameterGroup, dtype: torch.dtype) -> Dtypes:
-    """The group's dtypes after ``module.to(dtype)``: the main weights (the registered
-    parameters) take ``dtype``; the dtypes the policy left unset (``param_dtype``,
-    ``main_grads_dtype``, ``reduce_dtype`` of None) follow them as they did at ``fully_shard``,
-    the ones it set stay."""
+    """The group's dtypes after ``module.to(dtype)``: main weights take ``dtype``, the ones the
+    policy left None follow them as at ``fully_shard``, the ones it set stay."""
     if dtype == group.dtypes.main:
         return group.dtypes
     if not dtype.is_floating_point:
@@ -46,10 +39,8 @@ def accepts_device(group: ParameterGroup, device: torch.device) -> bool:
 
 
 def check_convert(group: ParameterGroup, dtype: torch.dtype, device: torch.device) -> None:
-    """Raise, changing nothing, if :func:`convert` cannot take the group to ``dtype`` on
-    ``device``: the shards stay on this rank's device of the mesh (no offload). Under CPU
-    offload they stay on the host, and ``device`` may be the host or the compute device
-    (``module.to(device)`` then moves only the module's buffers)."""
+    """Raise ``ValueError``, changing nothing, if :func:`convert` cannot reach ``dtype`` on
+    ``device``: shards stay on their mesh device (offloaded: the host, or name the compute one)."""
     device = torch.device(device)
     names = group.names()
     if not accepts_device(group, device):
@@ -74,13 +65,10 @@ def check_convert(group: ParameterGroup, dtype: torch.dtype, device: torch.devic
 
 @torch.no_grad()
 def convert(group: ParameterGroup, dtype: Optional[torch.dtype] = None, device=None) -> bool:
-    """``module.to(dtype)`` for one group: rebuild every buffer in the new dtypes
-    (:func:`dtypes_after_to`) from the current values (main weights, gradients held or reduced),
-    on the same device (``device`` is checked, see :func:`check_convert`). The sharded
-    parameters keep their identity (their contents are swapped, as ``nn.Module._apply`` does
-    for DTensor parameters), so references to them stay valid; state an optimizer already made
-    for them keeps its old dtype. The model weights are refreshed at the next unshard. Call
-    between steps, not between forward and backward. Returns whether anything changed."""
+    """``module.to(dtype)`` for one group: every buffer rebuilt in :func:`dtypes_after_to` from the
+    current values (``device`` checked by :func:`check_convert`), parameters keeping their
+    identity. Call between steps; raises ``RuntimeError`` inside ``init_weights``. Returns whether
+    anything changed."""
     dtype = group.dtypes.main if dtype is None else dtype
     check_convert(group, dtype, group.main.device if device is None else device)
     dtypes = dtypes_after_to(group, dtype)

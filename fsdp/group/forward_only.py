@@ -1,37 +1,17 @@
 """Weights only forward reads: freed after forward by a unit that keeps the rest for backward.
 
-The root unit keeps its gathered weights from its forward to the end of its backward, as in
-FSDP2 (``reshard_after_forward=None``, the default): its backward would gather them again at once.
-But an ``nn.Embedding``'s weight is read by the lookup and never by its backward (the gradient is
-scattered into rows by index), and in the usual root, embedding + final norm + output head, that
-is half of the root's gathered bytes held through the loss and the whole backward for nothing.
-
-How fsdp frees it, without a collective more:
-
-* **Order.** Parameters registered only as the ``weight`` of exact ``nn.Embedding`` modules
-  (:func:`reads_only_in_forward`: a subclass may read it in its own forward, a tie with a head
-  reads it in backward) go last in their group (:mod:`fsdp.group.bucket`), so they are the tail
-  of the unsharded buffer.
-* **Proof that nothing holds them.** At the unit's pre-forward registration this part takes hold
-  of each tail parameter's gradient accumulator (the forward's graph reuses it) and notes how
-  many Python references and C++ holders (``Tensor._use_count``) the parameter has: only its
-  Python object and that accumulator, or the tail is kept. After forward the counts must be the
-  same: a tensor saved for backward (the parameter, or any view of it: a view keeps its base)
-  or a Python reference kept by the model (``ctx.weight = weight``) is one more, and the tail
-  is then kept, as FSDP2 keeps it. What no count sees: an alias made outside autograd
-  (``weight.detach()``, ``weight.data``) and read in backward; such a model passes
-  ``reshard_after_forward=False`` to the root, which keeps everything.
-* **Release.** The buffer's storage is resized to the prefix: its tensors (and any tensor saved
-  of them) keep their storage and offsets; the tail's memory is returned. ``resize_`` moves the
-  prefix into a new allocation: one device copy of the kept bytes per forward. The tail parameters
-  are registered sharded on their modules, as after a reshard, so nothing reads the freed part.
-
-Backward then gathers nothing for the tail (the unit's ``unshard_for_backward``). A recomputed
-forward (activation checkpointing: the unit's, or the embedding module's own, hooked for it) or a
-user's ``unshard()`` gathers the whole group again. A second forward before the backward (two
-losses) would gather it again each time, so the group stops freeing its tail from then on; an
-explicit ``reshard_after_forward=False`` (pipeline stages: several forwards before their
-backwards) keeps everything, as asked.
+The root unit keeps its gathered weights through backward, as in FSDP2, but an ``nn.Embedding``'s
+weight is read only by the lookup (its gradient is scattered by index): in the usual root, half the
+gathered bytes, held for nothing. Parameters registered only as exact ``nn.Embedding`` weights
+(:func:`reads_only_in_forward`: a subclass may read it in forward, a tied head in backward) go last
+in their group (:mod:`fsdp.group.bucket`). :class:`ForwardOnlyTail` holds their gradient
+accumulators from registration (the forward's graph reuses them) and counts their Python references
+and C++ holders (``Tensor._use_count``); if nothing else held them and the counts are unchanged
+after forward (a tensor saved for backward, even a view, or ``ctx.weight = weight`` adds one), the
+storage is shrunk to the prefix (whose tensors keep storage and offsets) and the tail registered
+sharded, without a collective. Counts miss an alias made outside autograd (``weight.detach()``,
+``.data``) read in backward: give such a root ``reshard_after_forward=False``. A recomputed forward
+or ``unshard()`` gathers the whole group; a second forward before backward stops freeing.
 """
 
 from __future__ import annotations
@@ -49,23 +29,19 @@ __all__ = ["ForwardOnlyTail", "reads_only_in_forward"]
 
 
 def reads_only_in_forward(info: ParamInfo) -> bool:
-    """Whether every registration of the parameter is the ``weight`` of an exact
-    ``nn.Embedding``, whose backward never reads it."""
+    """Whether every registration is the ``weight`` of an exact ``nn.Embedding`` (see module)."""
     return bool(info.registrations) and all(
         type(module) is nn.Embedding and name == "weight" for module, name in info.registrations
     )
 
 
 def _holders(params: Sequence[torch.Tensor]) -> list[tuple[int, int]]:
-    """Per tensor: (Python references, C++ holders of its TensorImpl). Always called the same way
-    (one frame, one argument), so the counts of two calls compare."""
+    """Per tensor: (Python references, TensorImpl holders); always one frame, so calls compare."""
     return [(sys.getrefcount(p), p._use_count()) for p in params]
 
 
 class ForwardOnlyTail:
-    """The tail of a group's parameters, from ``start`` on, that only forward reads: what holds
-    them at the forward's registration, and the release after forward (see the module
-    docstring). A part of :class:`~fsdp.group.param_group.ParameterGroup`, which drives it."""
+    """The tail, from ``start`` on, of a group's parameters that only forward reads (see module)."""
 
     def __init__(self, start: int) -> None:
         self.start = start
@@ -73,18 +49,14 @@ class ForwardOnlyTail:
         self._accumulators: list = []  # held from the registration to the check after forward
 
     def note_registration(self, unsharded: Sequence[torch.Tensor]) -> None:
-        """The unsharded parameters were registered for a forward: take hold of the tail's
-        gradient accumulators (autograd's, created if missing), which the forward's graph then
-        reuses, and note what holds the tail."""
+        """At a forward's registration: hold the tail's gradient accumulators, note its holders."""
         tail = unsharded[self.start:]
         grad = torch.is_grad_enabled()
         self._accumulators = [get_gradient_edge(p).node for p in tail if grad and p.requires_grad]
         self._at_forward = _holders(tail)
 
     def unheld(self, unsharded: Sequence[torch.Tensor]) -> bool:
-        """Whether nothing took hold of a tail parameter since :meth:`note_registration` (no
-        tensor saved for backward is it or a view of it, no Python reference was kept), and
-        nothing but its gradient accumulator held it then (no graph kept from before)."""
+        """Whether only its accumulator held each tail parameter since :meth:`note_registration`."""
         before, self._at_forward = self._at_forward, None
         accumulators, self._accumulators = self._accumulators, []
         if before is None:
@@ -96,8 +68,7 @@ class ForwardOnlyTail:
         return now == before
 
     def release(self, buffer: torch.Tensor, unsharded: Sequence[torch.Tensor]) -> bool:
-        """Shrink ``buffer``'s storage (the unsharded parameters' one) to the bytes before the
-        tail; False, changing nothing, if the parameters are not views of it with the tail last."""
+        """Shrink ``buffer``'s storage to the tail's start, or return False, changing nothing."""
         storage = buffer.untyped_storage()
         if buffer.storage_offset() != 0 or any(p.untyped_storage().data_ptr() != storage.data_ptr() for p in unsharded):
             return False

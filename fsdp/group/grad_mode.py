@@ -1,9 +1,6 @@
-"""``without_grad``: :func:`torch.no_grad` for the methods a training step runs per unit.
-
-A group's gathers, copies and reductions run many times a step, mostly inside autograd's hooks
-where grad mode is already off. ``@torch.no_grad()`` builds and enters a context object at every
-call either way; this decorator only reads the grad mode, and switches it (back in a ``finally``)
-when it is on. Same contract, a fraction of the host time: what a GPU step cannot hide.
+"""``without_grad``: :func:`torch.no_grad` for the methods a training step runs per unit, many
+times a step and mostly in autograd's hooks where grad mode is already off: ``@torch.no_grad()``
+enters a context object at every call anyway, this only reads the mode.
 """
 
 from __future__ import annotations
@@ -22,8 +19,7 @@ _set_enabled = torch._C._set_grad_enabled
 
 
 def without_grad(fn: F) -> F:
-    """Run ``fn`` with grad mode off, as ``@torch.no_grad()`` does (restored on return and on
-    raise); a plain call when it is already off."""
+    """Run ``fn`` with grad mode off (restored on return and raise); a plain call if already off."""
 
     @functools.wraps(fn)
     def run(*args, **kwargs):

@@ -1,8 +1,5 @@
-"""What a :class:`~fsdp.group.grads.GradReducer` is built from: its group's parts and shapes,
-handed down once (again when the group's buffers are rebuilt by ``to_empty``), so the reducer
-never sees its group. What changes between steps comes with the call that changes it:
-the route, comms and reduction settings (``replanned``), the dtypes (``convert``) and the
-gradient buffer's placements (``reduce_op_changed``)."""
+"""What a :class:`~fsdp.group.grads.GradReducer` is built from, handed down once so the reducer
+never sees its group; what changes between steps comes with the call that changes it."""
 
 from __future__ import annotations
 
@@ -27,13 +24,9 @@ __all__ = ["GradParts", "GroupWithGrads", "grad_parts"]
 
 @dataclass(frozen=True)
 class GradParts:
-    """A group's parts the reducer uses, fixed for its life: the parameter ``count``, the
-    ``layout`` and ``kind`` that pack and view them, its ``buffers``, the placements of
-    ``main_grad`` and of the sharded parameters (``outer``: the mesh axes above the shard axis,
-    the views' leading placements), the device's ``streams``, the ``offload`` part, the
-    ``weights`` part (whose unsharded parameters autograd accumulates into), the registered
-    ``sharded_params`` (swapped in place, never replaced), the collectives' label and the
-    group's ``names`` for messages."""
+    """A group's parts the reducer uses, fixed for its life. ``outer_placements``: the views'
+    leading placements (axes above the shard axis); ``weights``: whose unsharded parameters
+    autograd accumulates into; ``sharded_params``: swapped in place, never replaced."""
 
     count: int
     mesh: DeviceMesh
@@ -73,8 +66,8 @@ class GroupWithGrads(Protocol):
 
 
 def grad_parts(group: GroupWithGrads) -> GradParts:
-    """What ``group``'s reducer is built from (again after ``to_empty`` gave it storage): its
-    strategy decides here, once, whether ``main_grad`` is sharded."""
+    """What ``group``'s reducer is built from; its strategy decides here, once, whether
+    ``main_grad`` is sharded."""
     pl, strategy = group.placements, group.strategy
     return GradParts(
         len(group.infos), group.mesh, group.layout, group.kind, Siblings.of(group.main, group.compute_device, group.offload),

@@ -1,28 +1,12 @@
-"""A group's gradients, from autograd's hooks to ``param.grad``: the :class:`GradReducer` a group has.
+"""A group's gradients, from autograd's hooks to ``param.grad``: its :class:`GradReducer`.
 
-What it owns: the gradients its unit's post-accumulate-grad hooks hand it (:meth:`GradReducer.take`;
-the unit installs the hooks and reacts to what ``take`` returns: the reducer never calls up), held
-until the group has them all, then packing them into ``grad_in`` (allocated only
-then, as FSDP2 allocates its reduce-scatter input: a full-size buffer from the first gradient on
-would live through the unit's backward, whose start is a step's memory peak); launching the
-reduce-scatter (sharded main grads) or all-reduce and finishing it into ``main_grad`` (divide,
-hook, offload download, HSDP's deferred all-reduce); the lifetime of ``main_grad``; and
-attaching ``param.grad`` / ``param.main_grad`` to it.
-
-``main_grad``'s lifetime: its storage exists only from the first reduction after the optimizer
-dropped the gradients (``zero_grad()``, set_to_none) until the next such drop, which the root's
-next forward notices for every unit (:meth:`GradReducer.release_dropped_grads`): between steps
-it costs nothing, as in FSDP2. A reduction after such a drop overwrites ``main_grad`` (the
-:attr:`Reduction.OVERWRITE` kind), later ones (micro-batches) accumulate into it
-(:attr:`Reduction.ACCUMULATE`); with HSDP's all-reduce deferred, a reduce-scatter only keeps
-its partial sums (:attr:`Reduction.DEFERRED`).
-
-A reduction's route (deferred; into ``main_grad`` directly, through a temporary or in place;
-folded at launch or landing; to the host or not) is the group's compiled plan, handed in as
-``route`` (:class:`~fsdp.group.plan.ReducePlan`) with the group's ``comms``: run here, never
-re-decided (:meth:`GradReducer.replanned`). What it is built from is handed down
-(:class:`~fsdp.group.grad_parts.GradParts`): it never sees its group. The gradient state it
-keeps to itself.
+It holds the gradients the unit's hooks hand it (:meth:`GradReducer.take`) until the group has them
+all, only then packing them into ``grad_in`` (as FSDP2: allocated earlier, it would live through the
+backward peak), reduces them into ``main_grad`` by the group's :class:`~fsdp.group.plan.ReducePlan`
+and attaches ``param.grad``. ``main_grad`` has storage only from the first reduction after
+``zero_grad()`` (:attr:`Reduction.OVERWRITE`) until the next drop, noticed at the root's next
+forward (:meth:`GradReducer.release_dropped_grads`): between steps it costs nothing, as in FSDP2.
+Built from :class:`~fsdp.group.grad_parts.GradParts`, the reducer never sees its group.
 """
 
 from __future__ import annotations
@@ -43,7 +27,7 @@ from fsdp.group.policy import Dtypes, converted
 from fsdp.group.reduction import ReduceSettings
 from fsdp.group.profiling import label
 
-__all__ = ["GradReducer", "InFlight", "Reduction"]  # the last two: fsdp.group.main_grad_state
+__all__ = ["GradReducer", "InFlight", "Reduction"]
 
 
 class GradReducer:
@@ -57,22 +41,20 @@ class GradReducer:
         self.grad_in.release_storage()
         self.main_grad = parts.buffers.where_main_lives(parts.main_grad_placements, dtypes.main_grad)
         self.main_grad_views = self.make_views()
-        self.main_grad.release_storage()  # allocated again by the first reduction
+        self.main_grad.release_storage()
         self._seen: set[int] = set()  # params whose gradient arrived in this backward
         self._local: set[int] = set()  # params with gradients in grad_in, not yet reduced
-        self._in_main: set[int] = set()  # params with gradients in main_grad
+        self._in_main: set[int] = set()
         self._held: dict[int, torch.Tensor] = {}  # autograd's gradients, until the group has them all
         self._in_flight: Optional[InFlight] = None
         self._direct = PreparedSlot()  # grad_in reduced straight into main_grad: prepared once
         self._temporary: Optional[DBuffer] = None  # REDUCE_OUT, kept: storage only while a reduction uses it
         self._into_temporary = PreparedSlot()
-        # HSDP, set_requires_all_reduce(False): the deferred (Partial x Shard) sums and their parameters.
-        self._partial: Optional[DBuffer] = None
+        self._partial: Optional[DBuffer] = None  # HSDP's deferred (Partial x Shard) sums
         self._partial_members: set[int] = set()
-        self._gaps: Optional[list[tuple[int, int]]] = None  # padding of grad_in, found once
-        self.state = MainGrad.EMPTY  # main_grad's storage: allocated by the first reduction
-        # param.grad a cast copy where main grads' dtype differs (fsdp.optim's flat optimizers: off).
-        self.cast_grads = True
+        self._gaps: Optional[list[tuple[int, int]]] = None
+        self.state = MainGrad.EMPTY
+        self.cast_grads = True  # param.grad: a cast copy if dtypes differ (fsdp.optim: off)
 
     def _move(self, target: MainGrad) -> None:
         if target not in ALLOWED[self.state]:  # the names only for the message: off the hot path
@@ -80,9 +62,7 @@ class GradReducer:
         self.state = target
 
     def replanned(self, route: ReducePlan, comms: Comms, reduction: ReduceSettings) -> None:
-        """Run ``route`` by ``comms`` with ``reduction``'s settings from now on (the group
-        compiled its plan again): dbuffer's collectives into buffers this reducer keeps are
-        prepared once; FSDP2's comm objects run theirs."""
+        """Run ``route`` by ``comms`` with ``reduction``'s settings from now on (a new plan)."""
         self.route, self.comms, self._prepares = route, comms, route.comms is CommsKind.DBUFFER
         self.reduction = reduction
         self._finishing = reduction.finishing(self.parts.mesh, self.parts.streams)
@@ -94,8 +74,7 @@ class GradReducer:
         return fresh
 
     def make_views(self) -> list[DTensor]:
-        """``param.grad`` / ``param.main_grad`` of each parameter: DTensor views of ``main_grad``
-        (made while it has storage)."""
+        """``param.grad`` / ``param.main_grad``: DTensor views of ``main_grad`` (needs storage)."""
         parts, view = self.parts, self.main_grad
         if view.placements != parts.param_placements:  # ``optim``: whole grads, sharded parameters
             view = view.redistribute(parts.param_placements)
@@ -104,16 +83,13 @@ class GradReducer:
     # ------------------------------------------------------------------ from autograd
 
     def starts_round(self) -> bool:
-        """Whether the next gradient is the group's first of a backward round (a query)."""
+        """Whether the next gradient is the group's first of a backward round."""
         return not self._seen
 
     def take(self, k: int, grad: torch.Tensor) -> bool:
-        """Take parameter ``k``'s gradient from autograd (once per parameter per backward: the
-        hot path holds it, no tensor op, so no grad-mode switch unless one runs); True once the
-        group has them all (the unit then frees the weights and calls :meth:`pack_held`: FSDP2's
-        order, the unsharded weights go before the gradient buffer comes). Counted afresh each
-        round: a unit run twice whose gradients arrive in two rounds of one backward (reentrant
-        checkpointing) completes the group once per round."""
+        """Hold parameter ``k``'s gradient (no tensor op on the hot path); True once the group has
+        them all this round (reentrant checkpointing: once per round). The unit then frees the
+        weights before :meth:`pack_held` (FSDP2's order)."""
         if self._in_flight is not None:  # left in flight by set_is_last_backward(False)
             self.finish_reduce()
         self._seen.add(k)
@@ -129,9 +105,7 @@ class GradReducer:
 
     @without_grad
     def _pack(self, k: int, grad: torch.Tensor, before_alloc: Optional[Callable] = None) -> None:
-        """Write one gradient into ``grad_in``: the first of a parameter is copied, later ones
-        (micro-batches) added; what no gradient wrote is zeroed before the reduction.
-        ``before_alloc()`` runs before ``grad_in`` is allocated."""
+        """Copy/add one gradient into ``grad_in``, allocated first (after ``before_alloc()``)."""
         if not self._local:
             if before_alloc is not None:
                 before_alloc()
@@ -146,10 +120,9 @@ class GradReducer:
 
     @without_grad
     def pack_held(self, before_alloc: Optional[Callable] = None) -> None:
-        """Copy the gradients held since the group's first one into ``grad_in`` (allocated now,
-        after ``before_alloc()`` if given) and drop autograd's tensors."""
+        """Pack the held gradients into ``grad_in`` (allocated after ``before_alloc()``)."""
         held, self._held, parts = self._held, {}, self.parts
-        if len(held) == parts.count and not self._local:  # the usual case: every gradient at once
+        if len(held) == parts.count and not self._local:
             if before_alloc is not None:
                 before_alloc()
             self.grad_in.reallocate_storage()
@@ -161,9 +134,7 @@ class GradReducer:
 
     @without_grad
     def take_assigned_grads(self) -> None:
-        """Take the gradients assigned to the unsharded parameters' ``.grad`` outside autograd's
-        accumulation (a pipeline's weight-gradient step, ``torch.autograd.grad`` + assignment),
-        which no post-accumulate-grad hook saw, as if they had arrived through it."""
+        """Take gradients assigned to unsharded ``.grad`` outside autograd (no hook saw them)."""
         params = self.parts.weights.unsharded_params
         if params is None:
             return
@@ -187,12 +158,8 @@ class GradReducer:
     # ------------------------------------------------------------------ reduction
 
     def launch_reduce(self) -> None:
-        """Average ``grad_in`` over the ranks, asynchronously: reduce-scatter for sharded main
-        grads, all-reduce otherwise; straight into ``main_grad`` when it is overwritten in the
-        same dtype, else into a temporary (sharded, or ``grad_in`` itself) folded in by
-        :meth:`finish_reduce`. On an HSDP mesh with ``reduction.all_reduce`` off, reduce-scatter
-        only and keep the partial sums for the next reduction that all-reduces (FSDP2's
-        ``set_requires_all_reduce(False)``)."""
+        """Average ``grad_in`` over the ranks, asynchronously, into ``main_grad`` or a temporary
+        :meth:`finish_reduce` folds in (deferred HSDP: reduce-scatter only, keep partial sums)."""
         if not self.has_local_grads():
             return
         if self._in_flight is not None:  # it may still be reading grad_in
@@ -231,10 +198,8 @@ class GradReducer:
             elif step is ReduceRoute.TEMPORARY:
                 kept = self._into_temporary if source is self.grad_in else None
                 pending = self._reduce_into(source, target_pl, self._reduce_out(target_pl, reduce_dtype), kept=kept)
-                # Folded now, on this stream, if that blocks no host (FSDP2's order), so that the
-                # temporary is not alive through the next unit's backward (the plan says where
-                # it may be: not under host offload, a download, nor a custom comm, whose staging
-                # is read on the compute stream).
+                # Fold now, on this stream, if that blocks no host (FSDP2's order), so the temporary
+                # dies before the next unit's backward (the plan says where that is allowed).
                 if route.fold is FoldWhen.AT_LAUNCH_IF_FREE and streams.wait_is_free(pending):
                     self._fold(pending.wait(), kind)
                     folded = True
@@ -245,16 +210,14 @@ class GradReducer:
 
     def _reduce_into(self, source: DBuffer, placements: tuple, out: DBuffer, async_op: bool = True,
                      kept: Optional[PreparedSlot] = None):
-        """``source.redistribute(placements, out=out)`` by the comms (``kept``: this reducer's
-        slot, for buffers it keeps): a reduce-scatter (and HSDP's all-reduce), or an all-reduce."""
+        """``source.redistribute(placements, out=out)`` by the comms; ``kept``: a prepared slot."""
         with label("fsdp::reduce_scatter", call=self.parts.call_label):
             if kept is not None and self._prepares and async_op:
                 return kept.start(source, placements, out)
             return self.comms.reduce(source, placements, out, async_op)
 
     def _reduce_out(self, placements: tuple, dtype: torch.dtype) -> DBuffer:
-        """The reduction's temporary output, given storage: one buffer kept between reductions
-        (a prepared move's target), rebuilt when its placements or dtype change."""
+        """The reduction's temporary, allocated; kept unless its placements or dtype change."""
         out = self._temporary
         if out is None or out.placements != placements or out.dtype != dtype:
             out = self._temporary = self.parts.buffers.on_device(placements, dtype)
@@ -267,8 +230,7 @@ class GradReducer:
             self._temporary.release_storage()
 
     def defers_all_reduce(self) -> bool:
-        """Whether a reduction now would reduce-scatter only and keep partial sums (HSDP with
-        ``set_requires_all_reduce(False)``)."""
+        """Whether a reduction now only reduce-scatters, keeping partial sums (deferred HSDP)."""
         return self.route.collective is ReduceCollective.SHARD_AXIS_ONLY
 
     def _allreduce_in_place(self) -> Pending:
@@ -280,8 +242,7 @@ class GradReducer:
 
     @without_grad
     def _zero_unwritten(self) -> None:
-        """Zero what no gradient wrote since ``grad_in`` was allocated: the layout's padding and
-        the parameters that got no gradient (they reduce as 0, as unused parameters should)."""
+        """Zero what no gradient wrote: padding, and unused parameters (they reduce as 0)."""
         buf = self.grad_in.local_buffer
         if self._gaps is None:
             self._gaps = self.parts.layout.padding(self.grad_in)
@@ -294,8 +255,7 @@ class GradReducer:
                     self._write(k, None)
 
     def _overwrite_main_grad(self) -> bool:
-        """Whether the next reduction replaces ``main_grad`` (it was zeroed: the optimizer set
-        every ``.grad`` to None since we attached them) or accumulates into it (micro-batches)."""
+        """Whether the next reduction replaces ``main_grad`` (grads dropped) or accumulates."""
         self._detect_zeroed()
         overwrite = not self.state.holds_gradients
         self._move(self.state.after_reduction())
@@ -310,7 +270,7 @@ class GradReducer:
         streams = self.parts.streams
         streams.wait(streams.reduce_scatter)  # first, as in wait_unshard: a custom comm copies in its wait
         result = flight.pending.wait()
-        if flight.kind is Reduction.DEFERRED:  # keep the reduce-scattered sums for a later all-reduce
+        if flight.kind is Reduction.DEFERRED:
             if self._partial is None:
                 self._partial = result
             else:
@@ -323,10 +283,9 @@ class GradReducer:
         return True
 
     def _fold(self, result: DBuffer, kind: Reduction) -> None:
-        """Bring a landed reduction's ``result`` to FSDP2's gradient (divide, hook) and write it
-        into ``main_grad`` (replace or add, as ``kind`` says); a sharded temporary is freed."""
+        """Divide/hook a landed ``result``, then replace or add (``kind``) it into ``main_grad``."""
         parts, overwrite = self.parts, kind is Reduction.OVERWRITE
-        for step in self._finishing:  # divide, hook (FSDP2's knobs)
+        for step in self._finishing:
             step(result.local_buffer)
         if self.route.into is Where.HOST:  # to the host, off the compute stream (which need not wait)
             with parts.streams.launch(parts.streams.reduce_scatter):
@@ -340,10 +299,8 @@ class GradReducer:
                 result.release_storage()  # (the collective's handle and the buffer refer to each other)
 
     def discard_in_flight(self) -> None:
-        """Drop every gradient not yet folded into ``main_grad`` (after a failed forward or
-        backward, FSDP2's ``reset_iter_state``): reductions in flight are waited for and their
-        results dropped, local and deferred gradients freed. ``main_grad`` keeps what earlier
-        steps reduced, and an accumulation folded in at its launch (as FSDP2's is)."""
+        """Drop the gradients not yet in ``main_grad`` (FSDP2's ``reset_iter_state``, after a failed
+        pass), waiting for reductions in flight; earlier sums and launch-time folds stay."""
         flight, self._in_flight = self._in_flight, None
         if flight is not None:
             flight.pending.wait()
@@ -364,8 +321,7 @@ class GradReducer:
         return self.has_local_grads() or self._in_flight is not None or self._partial is not None
 
     def reduce_op_changed(self, placements: GroupPlacements) -> None:
-        """The group's reduce op changed (between steps, nothing :meth:`busy`): rebuild the
-        empty gradient buffer at ``placements``' new ``Partial`` ones."""
+        """The reduce op changed (not :meth:`busy`): rebuild ``grad_in`` at ``placements``."""
         self.placements = placements
         self.grad_in = self.parts.buffers.on_device(placements.partial, self.dtypes.reduce)
         self.grad_in.release_storage()
@@ -376,14 +332,12 @@ class GradReducer:
     # ------------------------------------------------------------------ main_grad and .grad
 
     def _detect_zeroed(self) -> None:
-        """The optimizer dropped every ``.grad`` we attached: main_grad's values are dead, so its
-        storage goes until the next reduction rewrites it."""
+        """If the optimizer dropped every attached ``.grad``, free ``main_grad`` (dead values)."""
         if self.state.attached and all(p.grad is None for p in self.parts.sharded_params):
             self.drop_main_grads()
 
     def drop_main_grads(self) -> None:
-        """Forget the reduced gradients (``zero_grad()`` with set_to_none, or :mod:`fsdp.optim`'s):
-        the next reduction overwrites ``main_grad``, whose storage goes until then."""
+        """Forget the reduced gradients: free ``main_grad`` until the next reduction overwrites it."""
         for p in self.parts.sharded_params:
             p.grad = None
         self._move(MainGrad.EMPTY)
@@ -401,13 +355,8 @@ class GradReducer:
 
     @without_grad
     def attach_grads(self) -> None:
-        """Point ``param.grad`` / ``param.main_grad`` of the sharded parameters at ``main_grad``,
-        for the parameters that received a gradient (unused ones keep ``grad=None``, as in
-        single-process training, so weight decay and momentum skip them).
-
-        When the main-grad dtype differs from the main-weight dtype, ``param.grad`` is a cast copy
-        (torch requires ``grad.dtype == param.dtype``); zero it with ``zero_grad()`` (set_to_none)
-        or :meth:`zero_grad_buffer`."""
+        """Point ``param.grad`` / ``param.main_grad`` at ``main_grad`` where a gradient came (unused
+        ones keep ``None``: weight decay skips them), ``.grad`` cast if dtypes differ."""
         self.parts.offload.settle()  # the optimizer reads the gradients and writes the weights on the host
         self._detect_zeroed()
         if self.state.holds_gradients:
@@ -453,10 +402,8 @@ class GradReducer:
 
     @without_grad
     def convert(self, dtypes, in_residence: Callable[[DBuffer], DBuffer]) -> None:
-        """Rebuild ``grad_in`` and ``main_grad`` in ``dtypes`` from their current values (after
-        the reduction in flight lands), keep held gradients in the new compute dtype, and hook
-        the group's (rebuilt) unsharded parameters. ``in_residence``: the host part's pinning of a
-        rebuilt host buffer (identity without offload)."""
+        """Rebuild ``grad_in`` and ``main_grad`` in ``dtypes`` (after the reduction in flight),
+        casting held gradients; ``in_residence`` pins a rebuilt host buffer (or is the identity)."""
         self.finish_reduce()
         self.parts.offload.settle()
         self._detect_zeroed()
@@ -467,7 +414,7 @@ class GradReducer:
         self._direct.clear()
         self._into_temporary.clear()
         if self.main_grad is not old_main:
-            self.main_grad_views = self.make_views()  # made while it has storage
+            self.main_grad_views = self.make_views()
         for new, old in ((self.grad_in, old_in), (self.main_grad, old_main)):
             if new is not old and old.is_storage_released():
                 new.release_storage()
@@ -477,4 +424,3 @@ class GradReducer:
         """The sharded parameters were swapped (convert): point their ``.grad`` again if attached."""
         if self.state.attached:
             self.point_grads()
-

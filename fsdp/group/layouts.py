@@ -1,23 +1,12 @@
 """Where a group's parameters sit in its flat buffers: the two layouts a group can have.
 
-A :class:`~fsdp.group.param_group.ParameterGroup` keeps every tensor of one bucket in a few
-DBuffers (main weights, model weights, gradients) that share one layout. The layout decides
-three things the group itself does not: which part of each parameter a rank keeps, what the
-parameters handed to users look like (their DTensor views), and the copies an all-gather and a
-reduce-scatter need around the collective. Each layout is a small object the group *has*:
-
-* :class:`FlatLayout` (Megatron-FSDP's): the tensors are packed one after another (row-atomic,
-  ragged, or whole tensors on owners), so the all-gathered buffer *is* the unsharded
-  parameters and a gradient lands where the reduce-scatter reads it: no copy around either
-  collective. The shards handed out are DBuffer's exact DTensor views (row or element pieces).
-* :class:`ChunkedLayout` (FSDP2's, the default): each parameter is split like ``torch.chunk``
-  along its dim over the shard ranks, and each rank's shard is its padded piece of every
-  parameter, one after another (shard-major). The shards handed out are plain DTensors with
-  ``Shard(dim)``; the price is a copy out of every all-gather into the parameters and a copy
-  of every gradient into its pieces before the reduce-scatter (FSDP2 pays the same).
-
-A group's parameters may themselves be wrapped (tensor parallelism: DTensors on another mesh);
-that is the group's :class:`ParamKind`, which a layout calls to build what it hands out.
+A :class:`~fsdp.group.param_group.ParameterGroup`'s DBuffers share one layout, which decides the
+part of each parameter a rank keeps, the DTensor views handed out, and the copies around the
+collectives. :class:`FlatLayout` (Megatron-FSDP's) packs tensors one after another, so the gathered
+buffer *is* the unsharded parameters and gradients land where the reduce-scatter reads: no copies.
+:class:`ChunkedLayout` (FSDP2's, the default) splits each parameter like ``torch.chunk`` and hands
+out plain ``Shard(dim)`` DTensors, at the price of a copy out of every all-gather and into every
+reduce-scatter. The group's :class:`ParamKind` builds what a layout hands out.
 """
 
 from __future__ import annotations
@@ -39,8 +28,7 @@ __all__ = ["ChunkedLayout", "FlatLayout", "ParamKind", "describe_layout", "flat_
 
 
 class ParamKind:
-    """Plain parameters: what a layout wraps its local pieces in, and how a gradient becomes a
-    local tensor. :mod:`fsdp.compose.tensor_parallel` has the DTensor kind."""
+    """Plain parameters' wrapping (:mod:`fsdp.compose.tensor_parallel` has the DTensor kind)."""
 
     plain = True
 
@@ -65,8 +53,7 @@ PLAIN = ParamKind()
 
 
 class FlatLayout:
-    """Tensors packed into one buffer by a DBuffer layout (row-atomic, ragged, owned, or
-    replicated for ``no_shard``): the gathered buffer is the unsharded parameters."""
+    """Tensors packed by a DBuffer layout (row-atomic, ragged, owned, or replicated)."""
 
     copies = False  # gathers land in the unsharded parameters, gradients where the reduction reads
 
@@ -102,9 +89,7 @@ class FlatLayout:
             view.copy_(grad)
 
     def write_grads(self, grad_in: DBuffer, grads: list[torch.Tensor]) -> None:
-        """Copy every tensor's gradient (``grads[k]`` for tensor ``k``) into ``grad_in``: one
-        foreach op (one dispatch, one launch: the host's cost per unit), or where a gradient's
-        shape differs from its view, :meth:`write_grad` each."""
+        """Copy every gradient into ``grad_in``: one foreach op, or :meth:`write_grad` each."""
         views = [grad_in.get_local_tensor(k) for k in range(len(grads))]
         if any(v.shape != g.shape for v, g in zip(views, grads)):
             for k, grad in enumerate(grads):
@@ -127,9 +112,7 @@ class FlatLayout:
 
 
 class ChunkedLayout:
-    """FSDP2's layout: parameter ``k`` split along ``dims[k]`` like ``torch.chunk`` over the
-    ``world`` shard ranks; each rank's shard holds its padded piece of every parameter, so the
-    buffers hold one flat tensor of ``world * shard_numel`` elements, shard-major."""
+    """FSDP2's layout: parameter ``k`` split along ``dims[k]`` like ``torch.chunk``, shard-major."""
 
     copies = True  # a gathered buffer copied out into the parameters; gradients copied into pieces
 
@@ -139,10 +122,8 @@ class ChunkedLayout:
         self.rank = rank
         self.chunks: ChunkLayout = compute_chunk_layout(shapes, self.dims, world)
         self._flat = [(world * self.chunks.shard_numel,)]
-        # When every parameter is cut along dim 0 into ``world`` whole pieces (the usual case), a
-        # parameter viewed as ``[world, chunk * inner]`` is exactly its columns of the gathered
-        # rows, so one ``split_with_sizes_copy`` moves the whole group (FSDP2's copy-out op);
-        # otherwise each parameter takes its own (at most two) strided copies.
+        # whole dim-0 pieces everywhere (usual): a parameter viewed as [world, chunk * inner] is its
+        # columns of the gathered rows, so one split_with_sizes_copy (FSDP2's copy-out) moves all
         items = self.chunks.items
         self._split = None
         if items and all(it.dim == 0 and self.chunks.whole_pieces(k) == world for k, it in enumerate(items)):
@@ -178,13 +159,11 @@ class ChunkedLayout:
         )
 
     def rows(self, flat: torch.Tensor) -> torch.Tensor:
-        """A shard-major flat buffer (all shards, or a run of whole shards) as ``[shards, shard_numel]``."""
+        """A shard-major flat buffer (all shards or a run of them) as ``[shards, shard_numel]``."""
         return flat.view(-1, self.chunks.shard_numel)
 
     def copy_out(self, rows: torch.Tensor, unsharded: DBuffer) -> None:
-        """Every parameter's pieces from the gathered ``rows`` (``[world, shard_numel]``: one row
-        per rank's shard; a view of a wider buffer when a unit gathered several groups at once)
-        into ``unsharded``."""
+        """Every parameter's pieces from the gathered ``rows`` into ``unsharded``."""
         if self._split is not None:
             world = rows.shape[0]
             outs = self._param_views.of(unsharded.local_buffer, lambda: [
@@ -196,8 +175,7 @@ class ChunkedLayout:
             self.exchange(k, rows, unsharded.get_local_tensor(k), to_full=True)
 
     def fill_slice(self, unsharded: DBuffer, out: torch.Tensor, start: int, end: int) -> None:
-        """Write ``[start, end)`` of the shard-major gathered buffer (whole rank shards, as a
-        ``1/n`` post-forward slice always is) from the unsharded parameters; padding is zero."""
+        """Write ``[start, end)`` (whole shards) of the gathered buffer from ``unsharded``."""
         size = self.chunks.shard_numel
         first, last = start // size, end // size
         assert first * size == start and last * size == end, "a post-forward slice is whole rank shards"
@@ -206,16 +184,13 @@ class ChunkedLayout:
             self.exchange(k, self.rows(out), unsharded.get_local_tensor(k), to_full=False, ranks=(first, last))
 
     def _columns(self, grad_in: DBuffer) -> list[torch.Tensor]:
-        """Whole dim-0 pieces (``_split``): per parameter, its ``[world, piece numel]`` columns of
-        the gradient rows, which the gradient viewed so fills exactly."""
+        """Per parameter (``_split``), its ``[world, piece numel]`` columns of the gradient rows."""
         return self._grad_columns.of(grad_in.local_buffer, lambda: torch.split(
             self.rows(grad_in.local_buffer)[:, : sum(self._split)], self._split, dim=1
         ))
 
     def write_grads(self, grad_in: DBuffer, grads: list[torch.Tensor]) -> None:
-        """Copy every parameter's gradient into its columns: one foreach op (one dispatch, one
-        launch: the host's cost per unit) where every parameter is whole dim-0 pieces and every
-        gradient contiguous, else :meth:`write_grad` each."""
+        """Copy every gradient into its columns: one foreach op, or :meth:`write_grad` each."""
         if self._split is None or not all(g.is_contiguous() for g in grads):
             for k, grad in enumerate(grads):
                 self.write_grad(grad_in, k, grad, add=False)
@@ -246,10 +221,8 @@ class ChunkedLayout:
         self, k: int, rows: torch.Tensor, full: torch.Tensor, to_full: bool, add: bool = False,
         ranks: Optional[tuple[int, int]] = None,
     ) -> None:
-        """Copy between parameter ``k``'s pieces in shard-major ``rows`` (one row per shard: all
-        shards, or the shards ``ranks = (lo, hi)`` only) and the ``full`` tensor: to ``full``
-        (gather), or from it into ``rows`` (``add``: added). At most two strided copies: the
-        shards holding a whole piece at once, then the one short piece, if any."""
+        """Copy parameter ``k``'s pieces in shard-major ``rows`` (all, or shards ``ranks = (lo,
+        hi)``) to ``full`` or from it (``add``: added), in at most two strided copies."""
         it = self.chunks.items[k]
         lo, hi = ranks if ranks is not None else (0, self.chunks.num_shards)
         whole = self.chunks.whole_pieces(k)
@@ -274,9 +247,8 @@ class ChunkedLayout:
 
 
 def flat_layout(shapes: list[tuple[int, ...]], mesh: DeviceMesh, shard_optim: bool, shard: Placement) -> FlatLayout:
-    """The flat layout of a group: unpadded when nothing is sharded (``no_shard``), whole tensors
-    on balanced owners for ``Owned()``, else row-atomic unless that pads too much
-    (:func:`fsdp.group.layout_choice.group_layout`)."""
+    """Unpadded for ``no_shard``, whole tensors on balanced owners for ``Owned()``, else row-atomic
+    unless that pads too much (:func:`fsdp.group.layout_choice.group_layout`)."""
     if not shard_optim:
         return FlatLayout(shapes, compute_layout(shapes, 1))
     if isinstance(shard, Owned):
@@ -295,27 +267,22 @@ def describe_layout(layout) -> str:
 
 
 class _ViewsOf:
-    """Views of one tensor's storage, made once for it and again only for another tensor: a
-    DBuffer's views stay valid across ``release_storage`` / ``reallocate_storage`` (the storage
-    object is the same), so the per-parameter views a copy needs cost Python only once."""
+    """Views of one tensor, remade only for another tensor: a DBuffer's views survive
+    ``release_storage`` / ``reallocate_storage`` (same storage object), so they cost Python once."""
 
     def __init__(self) -> None:
         self._base: Optional[torch.Tensor] = None  # the views keep it alive anyway (their ``_base``)
         self._views: Sequence[torch.Tensor] = ()
 
     def of(self, base: torch.Tensor, make: Callable[[], Sequence[torch.Tensor]]) -> Sequence[torch.Tensor]:
-        """The views ``make()`` builds of ``base``: built now if they were built for another tensor."""
+        """The views ``make()`` builds of ``base``, rebuilt if they were built for another."""
         if self._base is not base:
             self._views, self._base = make(), base
         return self._views
 
 
-
-# Elements each rank already owns through the Owned groups this process built before on the same
-# ranks, so that owners balance over the whole model rather than restarting at rank 0 in every
-# unit (three equal matrices per block on four ranks would otherwise leave rank 3 none). Keyed
-# by this rank too: threaded test worlds share one process. Every rank builds the same units in
-# the same order (as collectives require anyway), so every rank computes the same owners.
+# Elements per rank owned through earlier Owned groups on these ranks, so owners balance over the
+# model (keyed by rank too: threaded test worlds). Units are built in one order, so ranks agree.
 _OWNED_LOADS: dict[tuple, list[int]] = {}
 
 

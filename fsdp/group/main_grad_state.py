@@ -1,25 +1,12 @@
-"""What a group's ``main_grad`` buffer holds, and whether the parameters' ``.grad`` point at it
-(:class:`MainGrad`), with the moves between those states checked.
-
-Two questions decide what the gradient reducer does: does the next reduction *accumulate* into
-``main_grad`` (it holds this step's gradients: micro-batches) or *overwrite* it (nothing live is
-there), and are ``.grad`` / ``.main_grad`` of the sharded parameters views of it (then its storage
-must stay, and a swapped parameter must be pointed again). The four answers are the states:
+"""What a group's ``main_grad`` holds and whether ``.grad`` views it (:class:`MainGrad`): whether
+the next reduction *accumulates* or *overwrites*, and whether the storage must stay.
 
 * ``EMPTY``: nothing live; ``.grad`` not ours. Its storage may be released.
-* ``FILLED``: a reduction wrote gradients; not yet attached (the end of backward attaches them).
-* ``ATTACHED``: gradients live and ``.grad`` points at them (the optimizer reads them).
-* ``ZEROED``: ``.grad`` still points at the buffer, whose values are zero
-  (``zero_grad_buffer``): the next reduction overwrites, and the views stay.
+* ``FILLED``: a reduction wrote gradients; the end of backward attaches them.
+* ``ATTACHED``: gradients live and ``.grad`` points at them.
+* ``ZEROED``: ``.grad`` still views the buffer, zeroed: the next reduction overwrites.
 
-The moves (:data:`ALLOWED`), by the reducer's method that makes them: a reduction lands
-(``EMPTY -> FILLED``, ``ZEROED -> ATTACHED``); the end of backward attaches
-(``FILLED -> ATTACHED``); values dropped but views kept (``zero_grad_buffer``, a failed
-backward's overwrite discarded: ``FILLED -> EMPTY``, ``ATTACHED -> ZEROED``); everything dropped
-(``zero_grad()`` set every ``.grad`` to None, or :mod:`fsdp.optim` zeroed: any ``-> EMPTY``).
-A move outside the table is a bug in the reducer: :func:`check_move` raises naming both states.
-A reduction in flight (:class:`InFlight`) says what it does to ``main_grad`` when it lands
-(:class:`Reduction`).
+A move outside :data:`ALLOWED` is a reducer bug: :func:`check_move` raises.
 """
 
 from __future__ import annotations
@@ -35,7 +22,7 @@ __all__ = ["ALLOWED", "InFlight", "MainGrad", "MainGradStateError", "Reduction",
 
 
 class MainGrad(StateEnum):
-    """What ``main_grad`` holds, and whether ``.grad`` views it (see the module docstring)."""
+    """What ``main_grad`` holds and whether ``.grad`` views it (see the module docstring)."""
 
     EMPTY = auto()
     FILLED = auto()
@@ -44,7 +31,7 @@ class MainGrad(StateEnum):
 
     @property
     def holds_gradients(self) -> bool:
-        """Whether the next reduction accumulates into ``main_grad`` (it holds live gradients)."""
+        """Whether the next reduction accumulates into ``main_grad``."""
         return self in (MainGrad.FILLED, MainGrad.ATTACHED)
 
     @property
@@ -77,8 +64,7 @@ class MainGradStateError(RuntimeError):
 
 
 def check_move(params: str, current: MainGrad, target: MainGrad) -> MainGrad:
-    """``target`` if ``main_grad`` of ``params`` (their names, for the message) may move there
-    from ``current``; else raise :class:`MainGradStateError`."""
+    """``target`` if :data:`ALLOWED` from ``current``; else raises :class:`MainGradStateError`."""
     if target not in ALLOWED[current]:
         raise MainGradStateError(
             f"main_grad of {params} cannot go from {current.name} to {target.name}; "
@@ -90,13 +76,15 @@ def check_move(params: str, current: MainGrad, target: MainGrad) -> MainGrad:
 class Reduction(enum.Enum):
     """What a reduction in flight does with its result once it lands."""
 
-    OVERWRITE = "overwrite"  # main_grad held nothing live: the result replaces it
-    ACCUMULATE = "accumulate"  # added to main_grad (micro-batches)
+    OVERWRITE = "overwrite"
+    ACCUMULATE = "accumulate"
     DEFERRED = "deferred"  # HSDP, all-reduce deferred: reduce-scattered sums kept for later
 
 
 @dataclass
 class InFlight:
+    """A reduction in flight, and what it does to ``main_grad`` when it lands."""
+
     pending: Pending
     kind: Reduction
     folded: bool = False  # divided and folded into main_grad at its launch: nothing left to do with it

@@ -1,6 +1,5 @@
-"""What a group is made of: the unit's parameters (:class:`ParamInfo`) and where its buffers
-sit on the mesh (:class:`GroupPlacements`). Plain values, shared by the group, the unit that
-builds it, and the parts that plug into it."""
+"""What a group is made of, as plain values: its parameters (:class:`ParamInfo`) and where its
+buffers sit on the mesh (:class:`GroupPlacements`)."""
 
 from __future__ import annotations
 
@@ -16,13 +15,9 @@ __all__ = ["GroupPlacements", "ParamInfo", "meta_error"]
 
 @dataclass(frozen=True)
 class GroupPlacements:
-    """Where each buffer of a group lives on its mesh, as data: the last mesh axis shards, any
-    outer axis replicates (HSDP); gradients arrive ``Partial`` on every axis.
-
-    ``model``: where the compute-dtype model shard (the all-gather's source) lives when that is
-    not where the main weights are (None: it is, so a local cast makes it). HFSDP's
-    (:func:`GroupPlacements.outer`) is the one that differs. ``deferred``: where
-    reduce-scattered sums wait while HSDP's all-reduce across replicas is deferred."""
+    """Where each buffer of a group lives on its mesh; gradients arrive ``Partial`` on every axis.
+    ``model``: the all-gather source's, when not the main weights' (HFSDP's). ``deferred``: where
+    reduce-scattered sums wait while HSDP's all-reduce is deferred."""
 
     sharded: tuple[Placement, ...]
     replicated: tuple[Placement, ...]
@@ -39,9 +34,8 @@ class GroupPlacements:
 
     @classmethod
     def outer(cls, shard: Placement, reduce_op: str) -> "GroupPlacements":
-        """HFSDP on the transposed ``(shard, replicate)`` mesh: main weights and main grads
-        sharded over both axes, the model shard over the shard axis only
-        (:mod:`fsdp.compose.outer_shard`)."""
+        """HFSDP on a ``(shard, replicate)`` mesh: main weights and grads sharded over both axes,
+        the model shard over the first (:mod:`fsdp.compose.outer_shard`)."""
         partial = (Partial(reduce_op),) * 2
         return cls(
             (shard, shard), (Replicate(), Replicate()), partial, deferred=(shard, partial[1]), model=(shard, Replicate())
@@ -58,8 +52,7 @@ class GroupPlacements:
 
 @dataclass
 class ParamInfo:
-    """One parameter of a unit and every (module, attribute) it is registered under. ``param``,
-    the original full tensor, is dropped once the unit is built so that its memory is freed."""
+    """One parameter and its (module, attribute) registrations; ``param`` is dropped once built."""
 
     fqn: str
     param: Optional[nn.Parameter]

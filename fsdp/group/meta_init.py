@@ -1,17 +1,8 @@
 """A group's weights made or replaced outside training: meta-device init, ``init_weights``, adoption.
 
-FSDP2's flow, which this follows: ``fully_shard`` on a model built under ``torch.device("meta")``
-leaves the sharded parameters on meta (a group's buffers are meta DBuffers: shapes, layout and
-placements, no storage); ``module.to_empty(device=...)`` gives each rank's shards storage
-(:func:`materialize`), keeping the parameter objects, so an optimizer built earlier stays valid;
-then the user initialises the sharded model (:func:`begin_init` / :func:`end_init` around
-``fsdp.init_weights``' function) or loads a checkpoint. DTensors assigned to the modules before
-the first forward (``load_state_dict(sharded_sd, assign=True)``, ``module.weight =
-nn.Parameter(dtensor)``) are adopted (:func:`adopt_assigned`): their values are copied into
-fsdp's layout and the assigned objects *become* the sharded parameters.
-
-Each function takes a :class:`~fsdp.group.param_group.ParameterGroup`; what differs between
-kinds of weights (DBuffers, tensor subclasses) is the group's ``weights`` part.
+As in FSDP2, ``to_empty`` (:func:`materialize`) keeps the parameter objects, so an optimizer built
+earlier stays valid; then ``init_weights`` (:func:`begin_init` / :func:`end_init`), a checkpoint
+or DTensors assigned before the first forward (:func:`adopt_assigned`) fill them.
 """
 
 from __future__ import annotations
@@ -28,7 +19,7 @@ from dbuffer import mesh_device
 from fsdp.group.grad_parts import grad_parts
 from fsdp.group.registration import note_registration
 
-if TYPE_CHECKING:  # annotations only
+if TYPE_CHECKING:
     from fsdp.group.param_group import ParameterGroup
 
 __all__ = ["adopt_assigned", "begin_init", "check_swappable", "end_init", "materialize", "swap_in"]
@@ -36,10 +27,8 @@ __all__ = ["adopt_assigned", "begin_init", "check_swappable", "end_init", "mater
 
 @torch.no_grad()
 def materialize(group: ParameterGroup, device: torch.device) -> None:
-    """``to_empty`` for a meta-built group: every buffer gets (zeroed) storage on ``device``,
-    this rank's device of the mesh; the sharded parameters keep their identity (their contents
-    are swapped, so references and optimizers built on meta stay valid) and become views of the
-    new main weights. Values are meaningless until initialised or loaded, exactly as ``to_empty``."""
+    """``to_empty`` for a meta-built group: storage on ``device``, parameters keep their identity.
+    Raises ``ValueError`` for a device not of the mesh's type."""
     if not group.is_meta:
         return
     device = torch.device(device)
@@ -61,15 +50,10 @@ def materialize(group: ParameterGroup, device: torch.device) -> None:
 
 @torch.no_grad()
 def adopt_assigned(group: ParameterGroup) -> bool:
-    """Take over parameters assigned to the modules since ``fully_shard`` and before the first
-    forward, as FSDP2's lazy init does (``module.weight = nn.Parameter(dtensor)``,
-    ``load_state_dict(sharded_sd, assign=True)``): a DTensor of the parameter's shape on the
-    group's mesh. Its values are copied into the main weights (materialising a meta-built group
-    on the DTensor's device first) and the assigned object *becomes* fsdp's sharded parameter
-    (contents swapped, identity kept), so an optimizer built on it trains the model.
-    Collective when its layout differs from fsdp's (a ``full_tensor()``): every rank of the mesh
-    adopts the same parameters. Anything else assigned raises at the next registration
-    (``Unsharder.check_registered``). Returns whether anything was adopted."""
+    """Take over DTensors assigned since ``fully_shard`` (as FSDP2's lazy init): values copied in,
+    the assigned object *becomes* the sharded parameter, so an optimizer built on it trains the
+    model. Collective when its layout differs from fsdp's. Anything else assigned raises at the
+    next registration. Returns whether anything was adopted."""
     if group.unsharder.registered is not group.sharded_params:
         return False
     adopted = False
@@ -95,8 +79,7 @@ def adopt_assigned(group: ParameterGroup) -> bool:
 
 
 def begin_init(group: ParameterGroup) -> None:
-    """Register full parameters (in the main dtype, of each parameter's own type) for an init
-    function to fill; a meta-built group first gets storage on the mesh's device."""
+    """Register full main-dtype parameters for an init function to fill."""
     if group.is_meta:  # init_weights without to_empty
         materialize(group, mesh_device(group.mesh))
     group.initialising = True
@@ -105,9 +88,8 @@ def begin_init(group: ParameterGroup) -> None:
 
 @torch.no_grad()
 def end_init(group: ParameterGroup, commit: bool = True) -> None:
-    """Keep this rank's part of the initialised weights (a local copy, no communication),
-    register the sharded parameters again and refresh the model weights. ``commit=False``
-    (after a failed init function) only restores the registration."""
+    """Keep this rank's part of the initialised weights (no communication) and refresh;
+    ``commit=False`` (a failed init) only restores the registration."""
     group.weights.commit_init(commit)
     group.initialising = False
     group.unsharder.register_sharded_params()
@@ -127,8 +109,7 @@ def check_swappable(group: ParameterGroup) -> None:
 
 
 def swap_in(params: list[nn.Parameter], new_params: list[nn.Parameter]) -> None:
-    """Give the parameter objects ``params`` the contents of ``new_params`` (attributes set on
-    the old ones stay), as ``nn.Module._apply`` does for DTensor parameters."""
+    """Give ``params`` the contents of ``new_params``, keeping their attributes (as ``_apply``)."""
     for old, new in zip(params, new_params):
         old.grad = None  # attached again by the caller; a reference would block the swap
         for key, value in vars(old).items():
@@ -138,8 +119,7 @@ def swap_in(params: list[nn.Parameter], new_params: list[nn.Parameter]) -> None:
 
 
 def _copy_into_shard(group: ParameterGroup, k: int, src: DTensor) -> None:
-    """This rank's part of parameter ``k`` from a DTensor of its full shape. Whether this
-    communicates depends only on types and placements, so every rank decides alike."""
+    """This rank's part of parameter ``k`` from ``src``; communicates by types and placements only."""
     target = group.sharded_params[k]
     local = target.to_local()
     if type(target) is DTensor and type(src) is DTensor and src.placements == target.placements:
@@ -151,20 +131,19 @@ def _copy_into_shard(group: ParameterGroup, k: int, src: DTensor) -> None:
 
 
 def _swap_in_one(group: ParameterGroup, k: int, assigned: nn.Parameter) -> None:
-    """The assigned object becomes fsdp's sharded parameter ``k``; fsdp's old object gets the
-    assigned contents and is marked, so an optimizer still holding it is refused."""
+    """``assigned`` becomes sharded parameter ``k``; the old object is marked for refusal."""
     ours = group.sharded_params[k]
     assigned.grad = ours.grad = None
     torch.utils.swap_tensors(assigned, ours)
-    ours._fsdp_owner = getattr(assigned, "_fsdp_owner", "its fsdp unit")  # no _fsdp_group: refused
+    ours._fsdp_owner = getattr(assigned, "_fsdp_owner", "its fsdp unit")
     group.sharded_params[k] = assigned
     for m, n in group.infos[k].registrations:
         m._parameters[n] = assigned
-    note_registration()  # optimizers are checked again
+    note_registration()
 
 
 def _adoptable(assigned, ours: DTensor, mesh: DeviceMesh) -> bool:
-    """An assigned parameter fsdp can take over: a DTensor of the same shape on the same mesh."""
+    """A DTensor parameter of ``ours``' shape on ``mesh``."""
     return (
         isinstance(assigned, nn.Parameter)
         and isinstance(assigned, DTensor)

@@ -1,27 +1,11 @@
 """ParameterGroup: one communication bucket of a unit's parameters, and the parts that hold it.
 
-A group's parameters share a dtype, ``requires_grad``, a mesh, a sharding strategy and a shard
-placement (see :mod:`fsdp.group.bucket`). On a 1-D mesh the shard axis is the mesh; on a 2-D mesh
-(HSDP) the outer axis replicates and the inner one shards, so gathers stay inside a shard group
-and one ``redistribute`` reduce-scatters inside it and all-reduces across replicas.
-
-A group *has* its parts, each chosen by ``fully_shard`` and handed in, and its ``plan``
-(:mod:`fsdp.group.plan`: compiled here, again by :meth:`ParameterGroup.replan`, and handed to the parts):
-
-* ``main``: the DBuffer of the weights the optimizer updates (sharded unless ``no_shard``); the
-  registered parameters are DTensor views of it (or, for tensor subclasses, of their own pieces);
-* ``layout`` (:mod:`fsdp.group.layouts`): where each parameter sits in the buffers and which
-  copies a collective needs; ``kind``: how parameters are wrapped (plain, tensor-parallel);
-* ``placements`` (:class:`~fsdp.group.members.GroupPlacements`): where each buffer lives on the mesh;
-* ``weights`` (:mod:`fsdp.group.weights`): how the model weights are made from ``main``,
-  gathered and freed: DBuffers (default), or tensor subclasses (:mod:`fsdp.compose.extensions`);
-* ``unsharder`` (:class:`~fsdp.group.unsharder.Unsharder`): the weights' cycle the unit drives
-  (refresh, unshard, reshard, registration on the modules);
-* ``grads`` (:class:`~fsdp.group.grads.GradReducer`): autograd's gradients to ``param.grad``;
-* ``offload`` (a :class:`~fsdp.group.residence.Residence`: where the main weights, grads and
-  optimizer state live) and ``comms`` (:mod:`fsdp.group.comms`): optional parts, called without
-  asking which they are. ``module.to`` and ``to_empty`` of a group: :mod:`fsdp.group.convert`,
-  :mod:`fsdp.group.meta_init`.
+A group's parameters share dtype, ``requires_grad``, mesh, strategy and shard placement
+(:mod:`fsdp.group.bucket`); on a 2-D (HSDP) mesh gathers stay inside a shard group, and one
+``redistribute`` reduce-scatters inside it and all-reduces across replicas. ``fully_shard`` hands in
+the parts (:mod:`fsdp.group.parts`); the group compiles its ``plan`` (:mod:`fsdp.group.plan`) for
+them. The registered parameters are DTensor views of ``main``, the weights the optimizer updates.
+``module.to``, ``to_empty``: :mod:`fsdp.group.convert`, :mod:`fsdp.group.meta_init`.
 """
 
 from __future__ import annotations
@@ -59,12 +43,9 @@ __all__ = ["ParameterGroup"]
 
 
 class ParameterGroup:
-    """The parts of one (dtype, requires_grad) bucket (module docstring). Built by ``fully_shard``,
-    which checked every argument before any collective: ``infos``, the bucket's parameters with
-    their registrations, in registration order (every rank packs the same bytes); ``strategy``,
-    the ZeRO stage (:class:`~fsdp.group.policy.Strategy`: what of main weights, gradients and
-    compute weights is sharded). Errors raise from its unsharder (a meta group's gather, a replaced
-    parameter: ``RuntimeError``) and :meth:`set_reduction`."""
+    """The parts of one (dtype, requires_grad) bucket (module docstring), built by ``fully_shard``,
+    which checked every argument before any collective. Errors raise from its unsharder (a meta
+    group's gather, a replaced parameter: ``RuntimeError``) and :meth:`set_reduction`."""
 
     def __init__(
         self,
@@ -84,18 +65,15 @@ class ParameterGroup:
         own_gather: bool = False,
         forward_only: Optional[ForwardOnlyTail] = None,
     ) -> None:
-        """``shard``: ``Shard(0)`` (row-atomic packing) or ``dbuffer.Owned()`` (whole tensors on
-        balanced owners) for the flat layouts. ``gradient_divide_factor``: divide the summed
-        gradients by this instead of averaging over the mesh (expert weights, whose gradients hold
-        a whole expert-parallel group's). ``policy``: the policy ``dtypes`` came from
-        (``module.to(dtype)`` keeps the dtypes it set explicitly). ``offload``: a
-        :class:`~fsdp.group.residence.Residence` (default none): :mod:`fsdp.compose.offload`'s
-        keeps main weights, main grads and optimizer state on the host, :mod:`fsdp.compose.optim_state`'s
-        the optimizer state only. ``layout``: default :func:`~fsdp.group.layouts.flat_layout`;
-        ``kind``: :class:`~fsdp.group.layouts.ParamKind`; ``placements``: default
-        :meth:`GroupPlacements.for_mesh` (HFSDP passes its own); ``weights``: builds the weights
-        part. ``own_gather``: never share an all-gather with the unit's other groups (an explicit
-        bucket). ``forward_only``: the tail of ``infos`` only forward reads (:mod:`fsdp.group.forward_only`)."""
+        """``infos``: the parameters and their registrations, in registration order (every rank
+        packs the same bytes); ``strategy``: the ZeRO stage (:class:`~fsdp.group.policy.Strategy`);
+        ``shard``: ``Shard(0)`` or ``dbuffer.Owned()`` (flat layouts); ``gradient_divide_factor``:
+        divides the summed gradients instead of the mesh size; ``policy``: the one ``dtypes`` came
+        from (``module.to(dtype)`` keeps those it set); ``offload``: default none; ``layout``:
+        default :func:`~fsdp.group.layouts.flat_layout`; ``kind``: plain or tensor-parallel;
+        ``placements``: default :meth:`GroupPlacements.for_mesh` (HFSDP passes its own);
+        ``weights``: builds the weights part; ``own_gather``: share no all-gather with other groups
+        (explicit buckets); ``forward_only``: the tail of ``infos`` only forward reads."""
         self.infos = infos
         self.call_label = CallLabel(f"fsdp parameter group {self.names()}")  # its collectives' (lazy init names the unit)
         self.mesh = mesh
@@ -106,7 +84,7 @@ class ParameterGroup:
         self.kind = kind
         self.own_gather = own_gather
         self.comms: Comms = DBUFFER_COMMS  # FSDP2's custom comm objects replace it (fsdp.compose.custom_comm)
-        self.reduction = ReduceSettings(divide_factor=gradient_divide_factor)  # FSDP2's reduction knobs
+        self.reduction = ReduceSettings(divide_factor=gradient_divide_factor)
         op = self.reduction.op  # the gradient buffer's Partial placements
         self.placements = placements.with_reduce_op(op) if placements else GroupPlacements.for_mesh(mesh.ndim, shard, op)
         self.offload: Residence = offload if offload is not None else NO_OFFLOAD
@@ -116,7 +94,7 @@ class ParameterGroup:
         buffer_shapes, buffer_layout = self.layout.buffer_shapes()
         device = tensors[0].device  # meta: built under torch.device("meta"), so are the shards (FSDP2)
         self.place_main(main_pl, buffer_shapes, dtypes.main, buffer_layout, device)
-        self.sharded_params: list[nn.Parameter] = []  # the weights part makes them, below
+        self.sharded_params: list[nn.Parameter] = []
         self.weights: Weights = weights(WeightsParts(infos, mesh, strategy, self.placements, self.layout, kind, self.offload,
                                                      policy, requires_grad, self.sharded_params, self.names()))
         self.plan: GroupPlan = plan_group(config_of(self))
@@ -132,9 +110,7 @@ class ParameterGroup:
         self.unsharder.refresh()
 
     def replan(self) -> None:
-        """Compile the plan again and hand its routes to the parts that run them: after
-        anything it is compiled from changed (``module.to(dtype)``, a custom comm, a reduction
-        setting, ``set_keep_unsharded_storage``, a post-forward slice), between steps."""
+        """Recompile the plan after its inputs changed, between steps; hand the parts its routes."""
         post = self.unsharder.post_forward
         self.plan = plan_group(config_of(self, post.ranks if post is not None else None))
         self.weights.replanned(self.plan)
@@ -143,10 +119,8 @@ class ParameterGroup:
             self.grads.replanned(self.plan.reduce, self.comms, self.reduction)
 
     def set_reduction(self, **changes: object) -> None:
-        """Change the ``reduction`` settings (field=value) between steps, and the plan with them.
-        Only for a group that requires grad (the unit's setters pick and check those). Raises,
-        changing nothing, for a new reduce op while gradients wait to be reduced (the gradient
-        buffer's placements change)."""
+        """Change ``reduction`` fields between steps (groups requiring grad) and replan. Raises
+        ``RuntimeError``, changing nothing, for a new reduce op while gradients await reduction."""
         new, grads = replace(self.reduction, **changes), cast(GradReducer, self.grads)
         if new.op != self.reduction.op:
             if grads.busy():

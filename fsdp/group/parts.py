@@ -1,19 +1,9 @@
 """The typed interfaces between a :class:`~fsdp.group.param_group.ParameterGroup` and its parts.
 
-Two directions, one Protocol each way:
-
-* what the group calls on a part: :class:`Weights` (:class:`~fsdp.group.weights.BufferWeights`,
-  :class:`~fsdp.compose.extensions.SubclassWeights`), :class:`Comms`
-  (:class:`~fsdp.group.comms.DBufferComms`, :mod:`fsdp.compose.custom_comm`'s) and
-  :class:`PostForwardSlice` (:class:`~fsdp.compose.post_forward.PostForwardShard`); the
-  residence has its own in :mod:`fsdp.group.residence`;
-* what a weights part is built from: :class:`WeightsParts`, plain data its group hands down.
-  No part sees its group: the :class:`~fsdp.group.grads.GradReducer` and the
-  :class:`~fsdp.group.unsharder.Unsharder` are built from what it hands down too
-  (:mod:`fsdp.group.grad_parts`).
-
-No behaviour here: Protocols and data only, checked by a type checker and by
-``tests/fsdp/test_parts.py`` (every implementation has every member).
+Protocols for what the group calls on a part (:class:`Weights`, :class:`Comms`,
+:class:`PostForwardSlice`; the residence's are in :mod:`fsdp.group.residence`) and
+:class:`WeightsParts`, the data a weights part is built from, as no part sees its group
+(:mod:`fsdp.group.grad_parts`). No behaviour; ``tests/fsdp/test_parts.py`` checks implementations.
 """
 
 from __future__ import annotations
@@ -45,8 +35,8 @@ class GatherKind(enum.Enum):
     """What a weights part's next gather is (:meth:`Weights.begin_gather`)."""
 
     OWN = "own"  # the group's own all-gather of this rank's shard into its own target
-    SHARED = "shared"  # its part of one all-gather with the unit's other groups (fsdp.group.shared_gather)
-    POST_FORWARD_SLICE = "post_forward_slice"  # gathered within n ranks from the slices kept after forward
+    SHARED = "shared"  # its part of one all-gather with the unit's other groups (shared_gather)
+    POST_FORWARD_SLICE = "post_forward_slice"  # within n ranks, from the slices kept after forward
 
 
 class Comms(Protocol):
@@ -86,8 +76,7 @@ class PostForwardSlice(Protocol):
 
 
 class SharedGatherPart(Protocol):
-    """One all-gather shared by several groups of a unit (:mod:`fsdp.group.shared_gather`), as
-    each group sees it while its part is in flight."""
+    """A group's view of an all-gather it shares with others (:mod:`fsdp.group.shared_gather`)."""
 
     def rows(self, index: int) -> torch.Tensor:
         """Group ``index``'s rows of the gathered buffer, to copy out of."""
@@ -97,10 +86,8 @@ class SharedGatherPart(Protocol):
 
 
 class Weights(Protocol):
-    """How a group's model weights are made from ``main``, gathered and freed
-    (:mod:`fsdp.group.weights`). The group drives the cycle: :meth:`refresh` after a step,
-    :meth:`begin_gather` / :meth:`gather_source` / :meth:`end_gather` around the collective,
-    :meth:`free_unsharded` after use."""
+    """Makes a group's model weights from ``main`` (:mod:`fsdp.group.weights`); the group drives
+    :meth:`refresh`, :meth:`begin_gather` to :meth:`end_gather`, then :meth:`free_unsharded`."""
 
     shares_gather: bool  # its gathers may be one collective with the unit's other groups
     dtype_fixed: Optional[str]  # why module.to(dtype) must not change its dtype (None: it may)
@@ -114,13 +101,10 @@ class Weights(Protocol):
         """Copy the original parameters' values into ``main`` (after :meth:`build`)."""
 
     def build(self, plan: "GroupPlan", main: DBuffer, dtypes: "Dtypes", siblings: "Siblings") -> None:
-        """(Re)build the model-weight and gathered buffers for the group's ``main`` weights (new
-        after ``module.to(dtype)`` and ``to_empty``), in ``dtypes``, as ``siblings`` of it, to
-        run ``plan``'s routes; the unsharded parameters it makes are hooked again."""
+        """(Re)build the weight buffers for new ``main``, ``dtypes``, ``siblings`` and ``plan``."""
 
     def install_grad_hooks(self, hook_for: Callable[[int], Callable[[torch.Tensor], None]]) -> None:
-        """Hook each unsharded parameter ``k`` with ``hook_for(k)``, now and whenever this part
-        makes them again (the unit's hook, which hands the gradient to the reducer)."""
+        """Hook each unsharded parameter ``k`` with ``hook_for(k)``, again whenever it is remade."""
 
     def replanned(self, plan: "GroupPlan") -> None:
         """The group compiled its plan again (a setter, between steps): run ``plan``'s routes."""
@@ -156,8 +140,7 @@ class Weights(Protocol):
         """Release the gathered weights' storage."""
 
     def release_unsharded_tail(self, tail: ForwardOnlyTail) -> bool:
-        """Free the gathered weights from ``tail``'s start on (a
-        :class:`~fsdp.group.forward_only.ForwardOnlyTail`); False if this part cannot."""
+        """Free the gathered weights from ``tail.start`` on; False if this part cannot."""
 
     def keep_slice(self, post: PostForwardSlice) -> None:
         """Let ``post`` keep its slice of the gathered weights."""
@@ -171,13 +154,8 @@ class Weights(Protocol):
 
 @dataclass(frozen=True)
 class WeightsParts:
-    """What a weights part is built from, fixed for its life: its group's parameters
-    (``infos``), ``mesh``, ``strategy``, ``placements`` (a reduce-op change moves only the
-    gradients'), ``layout``, ``kind``, ``offload`` part, the ``policy`` its dtypes came from,
-    whether the parameters require grad, the registered ``sharded_params`` (filled with what
-    :meth:`Weights.new_sharded_params` makes first, then swapped in place, never replaced)
-    and the group's ``names`` for messages. What changes (the main weights, the dtypes, the
-    device after ``to_empty``) comes with :meth:`Weights.build`."""
+    """Fixed inputs of a weights part (a reduce-op change moves only the gradients' ``placements``;
+    ``sharded_params`` is swapped in place); the rest comes with :meth:`Weights.build`."""
 
     infos: list["ParamInfo"]
     mesh: DeviceMesh

@@ -1,28 +1,11 @@
-"""A group's plan as data: every buffer it holds and the route each phase takes, from its configuration.
+"""A group's plan as data: every buffer it holds and the route each phase takes, from its config.
 
-A :class:`~fsdp.group.param_group.ParameterGroup` and its parts decide their moves by asking, on
-every call, what the group is (``strategy.shard_params``, ``offload.on_host``, ``comms is
-DBUFFER_COMMS``, the weights part's predicates). Here the same decisions are taken once, by one
-pure function: :func:`plan_group` turns a :class:`GroupConfig` (plain values ``fully_shard`` and
-the unit's setters decided) into a frozen :class:`GroupPlan`: every buffer the group will hold
-(placements, dtype, host or device, lifetime, aliases) and, as enums, the route of each phase (the
-refresh after the optimizer, how the unsharded weights are made, what a gather reads and where it
-lands, what happens after forward, how gradients reach ``main_grad``).
-
-This first step states what the code does today (``weights.py``'s predicates,
-``Unsharder.refresh`` / ``launch_gather`` / ``reshard_after_forward``,
-``GradReducer.launch_reduce``, ``FSDPState._post_forward``); ``tests/fsdp/test_group_plan.py``
-checks its invariants over the whole configuration space, ``test_group_plan_agreement.py`` that
-it agrees with the groups ``fully_shard`` builds. A group holds its plan (``ParameterGroup.plan``,
-compiled again by ``replan()`` whenever something it is compiled from changes, from the
-:class:`GroupConfig` that :mod:`fsdp.group.configure` reads off it): its gradient reducer runs the
-``reduce`` route, its weights part ``model_refresh`` and ``gather_source``, its unsharder (gather
-and reshard) ``unsharding`` and ``sharing``; the rest follows, one route at a time. The planner
-imports nothing of the parts it plans.
-
-Not planned here: ``init_weights``' temporary full weights, the staging buffers of FSDP2's custom
-comm objects (theirs), and the buffers of a gather shared by a unit's groups (the unit's:
-:mod:`fsdp.group.shared_gather`).
+:func:`plan_group` turns a :class:`GroupConfig` (plain values ``fully_shard`` and the unit's setters
+decided) into a frozen :class:`GroupPlan`: each buffer (:class:`BufferPlan`) and each phase's route,
+decided once by a pure function importing none of the parts it plans, rather than by each part on
+every call (``tests/fsdp/test_group_plan*.py`` check it). Groups recompile it (``replan()``) on
+config changes (:mod:`fsdp.group.configure`). Not planned: ``init_weights``' temporaries, custom
+comms' staging buffers, a unit's shared gather (:mod:`fsdp.group.shared_gather`).
 """
 
 from __future__ import annotations
@@ -55,20 +38,13 @@ GradsTo = enum.Enum("GradsTo", "REACHED EVERY", module=__name__)
 
 @dataclass(frozen=True)
 class GroupConfig:
-    """What decides a group's plan, as plain values (:func:`fsdp.group.configure.config_of`
-    says where each comes from in a built group):
-    ``mesh`` 1-D, 2-D ``(replicate, shard)`` or HFSDP's transposed one; ``residence`` no offload,
-    ``CPUOffloadPolicy`` or ``OptimizerStateOffloadPolicy``; ``layout`` FSDP2's torch.chunk pieces
-    (copied out of each gather), flat row-atomic, flat ragged, ``Owned()`` or ``no_shard``'s one
-    shard; ``params`` plain, tensor-parallel DTensors or tensor subclasses; ``comms`` dbuffer's or
-    FSDP2's custom comm objects; ``model_shard``: ``persistent_param_shard``; ``gather_scope``:
-    it may share its unit's all-gather, or (explicit bucket) not; ``slice_ranks``: the ``n`` of
-    ``reshard_after_forward=n`` asked for its mesh (None: none); ``forward_only``: it ends with
-    parameters only forward reads; ``replica_reduce``: ``set_requires_all_reduce``;
-    ``unsharded_storage``: ``set_keep_unsharded_storage``; ``grads_to``: the parameters a
-    reduction gives gradients, those this rank's backward reached or every one
-    (``set_reduce_scatter_unused_params``). Building one raises ``ValueError``
-    for a combination ``fully_shard`` refuses."""
+    """What decides a group's plan, as plain values (:func:`fsdp.group.configure.config_of`); the
+    enums name the choices. ``layout``: ``CHUNK`` is FSDP2's (copied out), ``WHOLE`` ``no_shard``'s;
+    ``model_shard``: ``persistent_param_shard``; ``gather_scope``: ``OWN`` for an explicit bucket;
+    ``slice_ranks``: ``reshard_after_forward=n``; ``forward_only``: ``TAIL`` if it ends with
+    forward-only parameters; ``replica_reduce``, ``unsharded_storage``, ``grads_to``:
+    ``set_requires_all_reduce``, ``set_keep_unsharded_storage``,
+    ``set_reduce_scatter_unused_params``. Raises ``ValueError`` for what ``fully_shard`` refuses."""
 
     strategy: Strategy
     dtypes: Dtypes
@@ -132,21 +108,14 @@ Lifetime = enum.Enum(
 
 @dataclass(frozen=True)
 class BufferPlan:
-    """One buffer: its ``name`` (the main weights; the compute-dtype model shard; HFSDP's main cast
-    before its replica gather; the model shard uploaded for a gather under host offload; the
-    unsharded weights; the chunked layout's gather target; a tensor subclass's pre-all-gather
-    outputs; the ``1/n`` post-forward slice; the packed gradients; a reduction's temporary output;
-    HSDP's deferred partial sums; the reduced gradients; ``param.grad``'s cast copies where
-    main_grad's dtype differs), placements per mesh axis (the slice's on the ``(W/n, n)`` view of
-    the shard mesh), dtype (None: what a subclass's ``fsdp_pre_all_gather`` returns), where it
-    lives, the buffer it *is* (``alias_of``: the same object, no storage of its own), and when it
-    has storage (``lifetime``): from ``fully_shard`` on (a kept unsharded storage: from its first
-    gather); never (released at ``fully_shard``: it
-    lends its layout, or every gather writes elsewhere); from each refresh until the next forward
-    with grad (a later gather casts it again); just before a gather until it lands; from a gather
-    to the reshard; from forward to backward; from packing the gradients until their reduction
-    lands; from the first reduction after ``zero_grad()`` to the next one; until the next
-    reduction that all-reduces."""
+    """One buffer: ``name`` (``CAST_MAIN``: HFSDP's main cast for its replica gather; ``UPLOAD``:
+    the offloaded model shard's upload; ``GATHERED``: the chunked layout's gather target; ``SEND``:
+    a subclass's pre-all-gather outputs; ``SLICE``: the ``1/n`` post-forward slice, on the
+    ``(W/n, n)`` view of the shard mesh; ``GRAD_COPY``: ``param.grad``'s cast copies), ``dtype``
+    (None: ``fsdp_pre_all_gather``'s), ``alias_of`` (same object, no own storage) and ``lifetime``:
+    ``RUN`` (kept unsharded storage: from its first gather); ``NEVER`` (it lends its layout; gathers
+    write elsewhere); ``REFRESH_TO_FORWARD`` (a later gather casts again); ``GRADIENTS`` from a
+    reduction after ``zero_grad()`` to the next drop; ``DEFERRED`` until the next all-reduce."""
 
     name: Buf
     placements: tuple
@@ -177,16 +146,12 @@ FoldWhen = enum.Enum("FoldWhen", "NONE AT_LAUNCH_IF_FREE AT_FINISH", module=__na
 
 @dataclass(frozen=True)
 class ReducePlan:
-    """The gradients' route: the ``collective`` (reduce-scatter; all-reduce of unsharded main
-    grads; HSDP's reduce-scatter then all-reduce across replicas; HFSDP's reduce-scatter on both
-    axes; the shard axis only, the replica step deferred); the route of a reduction that
-    overwrites ``main_grad`` (the first after ``zero_grad()``) and of one that accumulates
-    (micro-batches): straight into ``MAIN_GRAD``, into ``REDUCE_OUT`` then folded in, all-reduced
-    in ``GRAD_IN`` then folded in, or into ``PARTIAL`` for a later all-reduce; when ``REDUCE_OUT``
-    is folded (at its launch where waiting costs the host nothing: real streams, or the collective
-    already completed; else when finished); where the fold writes (``HOST``: a download);
-    whose collectives run it (dbuffer's are prepared once per pair of kept buffers); and which
-    parameters an all-reducing reduction gives gradients (``grads_to``)."""
+    """The gradients' route. ``collective``: reduce-scatter, all-reduce (unsharded main grads), both
+    (HSDP), reduce-scatter on both axes (HFSDP), or the shard axis only (deferred). ``overwrite``
+    (first reduction after ``zero_grad()``) / ``accumulate``: ``DIRECT`` into ``MAIN_GRAD``, via
+    ``REDUCE_OUT`` or in place in ``GRAD_IN`` then folded, or ``DEFERRED`` into ``PARTIAL``.
+    ``fold``: at launch where waiting is free for the host, else at finish; ``into``: ``HOST`` is a
+    download; ``grads_to``: which parameters an all-reducing reduction gives gradients."""
 
     collective: ReduceCollective
     overwrite: ReduceRoute
@@ -225,23 +190,15 @@ _TOUCHES: dict[enum.Enum, tuple[Buf, ...]] = {
 class GroupPlan:
     """Everything a group will hold and do, compiled from ``config`` by :func:`plan_group`.
 
-    * ``model_refresh``, after the optimizer: nothing (the model shard is main, or each gather
-      casts); a local cast into the model shard (skipped where the step wrote it); HFSDP's
-      all-gather over the replicate axis (after a cast into ``CAST_MAIN``); a subclass's
-      ``fsdp_pre_all_gather`` into ``SEND``.
-    * ``unsharding``: gathered before each use (ZeRO-3); gathered once per step at the refresh
-      (ZeRO-1/2); the model weights themselves (``no_shard``); uploaded at the refresh
-      (``no_shard`` under host offload).
-    * ``gather_source``: main cast into the target's own row (gathered in place), main itself,
-      the model shard, its upload from the host, or a subclass's outputs; ``gather_landing``: the
-      unsharded weights, or ``GATHERED`` (copied out); ``sharing``: whether a ZeRO-3 gather may be
-      one collective with the unit's other groups, and ``shared_source`` what it then reads.
-    * ``after_forward``, in a unit that reshards after forward: nothing freed (ZeRO-0..2), the
-      unsharded weights freed, or the ``1/n`` slice kept; ``kept_after_forward``, in a unit
-      that keeps them after a forward with grad (the root by default): all kept, the
-      forward-only tail freed, or freed where it lies last in the buffer (``Owned()``: its
-      owner decides); ``backward_gather`` after a resharding forward: none, the
-      forward's again, or within ``n`` ranks from the slices.
+    * ``model_refresh`` after the optimizer: nothing (model shard is main, or gathers cast), a local
+      cast (skipped where the step wrote it), HFSDP's replica gather, or ``fsdp_pre_all_gather``.
+    * ``unsharding``: gathered at each use (ZeRO-3) or at the refresh (ZeRO-1/2), the model weights
+      (``no_shard``), or uploaded at the refresh (offloaded ``no_shard``).
+    * ``gather_source`` / ``gather_landing``: what a gather reads, where it lands; ``sharing``:
+      whether a ZeRO-3 gather may join the unit's (reading ``shared_source``).
+    * ``after_forward`` (resharding unit): keep, free, or keep the ``1/n`` slice;
+      ``kept_after_forward`` (keeping unit): all, free the forward-only tail, or free it if last
+      (``Owned()``); ``backward_gather``: none, full, or from the slices.
     * ``reduce`` (:class:`ReducePlan`); ``optim_state``: where the optimizer state lives."""
 
     config: GroupConfig
@@ -386,12 +343,9 @@ def plan_group(c: GroupConfig) -> GroupPlan:
 
 
 def can_keep_slice(c: GroupConfig) -> bool:
-    """Whether ``reshard_after_forward=n`` may keep a slice of a group of configuration ``c``:
-    ZeRO-3 plain parameters on a 1-D mesh without offload, in a packed layout (row-atomic, ragged
-    or FSDP2's chunks: :mod:`fsdp.compose.post_forward`). Not an ``Owned()`` group: its layout
-    puts each tensor whole on one of the ``W`` ranks, which cuts into no ``Shard(0)`` slice for
-    ``n`` ranks. Such a group, like every other one refused here, reshards fully after forward
-    and gathers over the whole mesh in backward, as ``reshard_after_forward=True``."""
+    """Whether ``reshard_after_forward=n`` may keep a slice (:mod:`fsdp.compose.post_forward`):
+    ZeRO-3 plain parameters on a 1-D mesh without offload, not ``Owned()`` (whole tensors on one
+    rank cut into no ``Shard(0)`` slice). Others reshard fully and gather all ranks in backward."""
     return (
         c.params is ParamsKind.PLAIN and c.strategy.shard_params and c.mesh is MeshKind.FSDP
         and c.residence is not ResidenceKind.HOST and c.layout is not LayoutKind.OWNED

@@ -1,8 +1,7 @@
 """What is sharded and in which dtype: the sharding strategy and the mixed-precision policy.
 
-Both are plain values, validated when built, so every misuse raises before any buffer exists or
-any collective runs. :func:`converted` takes a group's buffer into the dtype a policy change (or
-``module.to(dtype)``) gives it.
+Both are plain values validated when built, so misuse raises before any buffer or collective.
+:func:`converted` takes a buffer into the dtype a policy change (or ``module.to(dtype)``) gives it.
 """
 
 from __future__ import annotations
@@ -13,7 +12,7 @@ from typing import TYPE_CHECKING, Callable, Optional, Union
 
 import torch
 
-if TYPE_CHECKING:  # annotations only
+if TYPE_CHECKING:
     from dbuffer import DBuffer
 
 __all__ = [
@@ -28,12 +27,10 @@ __all__ = [
 
 
 class MainDtype(enum.Enum):
-    """``MixedPrecisionPolicy.main_params_dtype``'s default, ``fsdp.FLOAT32_OR_WIDER``: main
-    weights in float32 for a trained parameter built in bf16, fp16 or fp32, in the parameter's
-    own dtype where that is wider (float64 stays float64) or where it is frozen, so that no parameter is stored less precisely
-    than it was built unless a policy says so. A value of its own, not ``torch.float32``: an
-    explicit ``torch.float32`` does store a float64 model in float32. It is valid only as that
-    field's value; ``MixedPrecisionPolicy`` raises ``ValueError`` for it in another field."""
+    """``MixedPrecisionPolicy.main_params_dtype``'s default: float32 main weights for a trained
+    parameter built in bf16, fp16 or fp32, else (wider, or frozen) its own dtype, so nothing is
+    stored less precisely than built. Not ``torch.float32``, which does store a float64 model in
+    float32. ``MixedPrecisionPolicy`` raises ``ValueError`` for it in another field."""
 
     FLOAT32_OR_WIDER = "float32, or the parameter's own dtype where that is wider"
 
@@ -46,20 +43,17 @@ FLOAT32_OR_WIDER = MainDtype.FLOAT32_OR_WIDER
 
 @dataclass(frozen=True)
 class Strategy:
-    """Which of the three per-parameter states live sharded (ZeRO stage = how many are).
-
-    ``name``: Megatron-FSDP's name of the strategy. ``shard_optim``: the main weights, and so the
-    optimizer state made like them, are sharded. ``shard_grads``: the main grads are sharded
-    (reduce-scatter instead of all-reduce). ``shard_params``: the model weights are gathered
-    before forward and backward and freed after. ``fully_shard(sharding_strategy=)`` takes one of
-    the four named values (``"no_shard"``, ``"optim"``, ``"optim_grads"``,
-    ``"optim_grads_params"``) or a Strategy; another name raises ``ValueError`` listing them.
-    """
+    """Which of the three per-parameter states live sharded (ZeRO stage = how many are):
+    ``shard_optim`` the main weights (and so the optimizer state), ``shard_grads`` the main grads
+    (reduce-scatter, not all-reduce), ``shard_params`` the model weights (gathered around forward
+    and backward). ``name``: Megatron-FSDP's; ``fully_shard`` takes a Strategy or one of the names
+    ``"no_shard"``, ``"optim"``, ``"optim_grads"``, ``"optim_grads_params"``, and raises
+    ``ValueError`` for another."""
 
     name: str
-    shard_optim: bool  # main weights (and so optimizer state)
-    shard_grads: bool  # main grads: reduce-scatter instead of all-reduce
-    shard_params: bool  # model weights: gathered before forward and backward, freed after
+    shard_optim: bool
+    shard_grads: bool
+    shard_params: bool
 
 
 STRATEGIES = {
@@ -83,55 +77,36 @@ def parse_strategy(value: "str | Strategy") -> Strategy:
 
 @dataclass(frozen=True)
 class MixedPrecisionPolicy:
-    """Dtypes of the four copies of a floating parameter.
-
-    FSDP2 names are kept (``param_dtype``, ``reduce_dtype``, ``output_dtype``,
-    ``cast_forward_inputs``); Megatron-FSDP adds the main copies. With no policy at all a
-    parameter computes in the dtype it was built in (as FSDP2) and its main weights are FP32 or
-    wider (as Megatron-FSDP): a BF16-built model trains with FP32 main weights and BF16 compute,
-    an FP32 one in FP32 throughout, a float64 one in float64.
+    """Dtypes of the four copies of a floating parameter (FSDP2's names; Megatron-FSDP adds the main
+    copies). With no policy a parameter computes in its built dtype (as FSDP2) and its main weights
+    are FP32 or wider (as Megatron-FSDP): a BF16-built model trains with FP32 main weights and BF16
+    compute, an FP32 one in FP32 throughout, a float64 one in float64.
 
     * ``main_params_dtype``: the sharded weights the optimizer updates. Default
-      ``fsdp.FLOAT32_OR_WIDER``: float32 for a trained parameter built in bf16, fp16 or fp32 (or
-      float8), its own dtype where that is wider (float64 stays float64) and for a frozen one
-      (``requires_grad=False``: no optimizer step to keep precise). A dtype: that dtype for every floating
-      parameter (``torch.bfloat16`` for BF16 main weights). ``None``: each parameter's own
-      dtype (then a BF16-built model keeps BF16 main weights, as FSDP2).
-    * ``param_dtype``: the model/compute weights forward and backward run with. ``None``: the
-      dtype the parameter was built in (then, where that is also the main dtype, the model
-      weights *are* the main weights, no copy).
-    * ``main_grads_dtype``: the gradient accumulation buffer. ``None``: the main dtype. When it
-      differs from the main dtype, ``param.grad`` is a cast copy of ``param.main_grad``.
-    * ``reduce_dtype``: the dtype gradients are averaged across ranks in. ``None``: as the
-      installed torch's FSDP2 does: from torch 2.15 each parameter's own gradient dtype (its
-      ``grad_dtype`` if set, else its original dtype; promoted with the compute dtype), before
-      2.15 the compute dtype (:func:`reduces_in_grad_dtype`).
+      ``fsdp.FLOAT32_OR_WIDER``: float32 for a trained parameter built in bf16, fp16 or fp32, its
+      own dtype where that is wider or it is frozen. A dtype: that dtype for every floating
+      parameter. ``None``: each parameter's own (BF16-built: BF16 main weights, as FSDP2).
+    * ``param_dtype``: the compute weights; ``None``: the built dtype (where that is also the main
+      dtype, the model weights *are* the main weights, no copy).
+    * ``main_grads_dtype``: the gradient accumulation buffer; ``None``: the main dtype, else
+      ``param.grad`` is a cast copy of ``param.main_grad``.
+    * ``reduce_dtype``: the dtype gradients are averaged in; ``None``: as the installed torch's
+      FSDP2 (from 2.15 each gradient's own dtype, before it the compute dtype:
+      :func:`reduces_in_grad_dtype`).
+    * ``persistent_param_shard``, where a gather cannot cast the main shard into its own row of the
+      gathered buffer (host offload, ``Owned`` buckets): True (default) keeps this rank's
+      ``param_dtype`` shard between steps (not from a unit's forward to its backward: the
+      activations' peak); False casts it into a temporary before each gather, saving that shard's
+      memory for one more cast per gather. HFSDP always keeps its shard-axis copy.
+    * ``output_dtype`` / ``cast_forward_inputs``: cast the unit's floating outputs / inputs (to
+      ``param_dtype``), as FSDP2.
+    * ``param_dtype_override_fn`` (keyword only, torch 2.15's): per parameter at ``fully_shard``,
+      ``None`` or ``param_dtype`` keeps ``param_dtype`` and the parameter's own dtype computes it in
+      that (e.g. a norm in FP32), in a group of its own.
 
-    And one memory/speed knob, for when ``param_dtype`` differs from the main dtype:
-
-    * ``persistent_param_shard``: where a gather can, it casts the main shard straight into its
-      own row of the gathered buffer and gathers in place (FSDP2's copy-in; every packed layout
-      on the compute device), and no ``param_dtype`` shard exists whatever this says. Where it
-      cannot (host offload, ``Owned`` buckets), True (default) keeps this rank's shard of the
-      model weights in ``param_dtype`` between steps (written by the optimizer step, or cast
-      once after it), so the forward's all-gather reads it as is; it is not kept from a unit's
-      forward to its backward, the span of the activations' peak: a unit resharded after a
-      forward with grad casts it again for its backward gather, and a unit whose gathered
-      weights stay until the next step (the root from forward to the end of backward;
-      ``optim``/``optim_grads`` after their gather) drops it once gathered. False (lean) casts
-      the shard into a temporary right before each gather, freed when the gather lands, saving
-      ``shard numel x param_dtype size`` per rank between steps for one more cast per gather.
-      HFSDP always keeps its shard-axis copy.
-
-    ``output_dtype`` casts the unit's floating outputs; ``cast_forward_inputs`` casts its floating
-    inputs to ``param_dtype`` (both as FSDP2). ``param_dtype_override_fn`` (torch 2.15's,
-    keyword only): called once per parameter at ``fully_shard``; ``None`` or ``param_dtype``
-    keeps ``param_dtype`` for it, the parameter's own dtype computes it in that dtype (e.g. a
-    norm kept in FP32 under a BF16 policy); parameters of different compute dtypes go to
-    different groups. Construction raises ``TypeError`` for a non-bool
-    ``persistent_param_shard`` or a non-callable override, ``ValueError`` for a dtype that is not
-    a floating ``torch.dtype`` (or None); :meth:`for_param` raises ``ValueError`` for an override
-    that returns another dtype. Non-floating parameters are never cast.
+    Raises ``TypeError`` for a non-bool ``persistent_param_shard`` or a non-callable override,
+    ``ValueError`` for a dtype that is not floating or None, and (:meth:`for_param`) for an override
+    returning another dtype. Non-floating parameters are never cast.
     """
 
     param_dtype: Optional[torch.dtype] = None
@@ -165,9 +140,8 @@ class MixedPrecisionPolicy:
                 raise ValueError(f"MixedPrecisionPolicy.{name} must be a floating torch.dtype or None, got {value!r}")
 
     def for_param(self, param: torch.Tensor, name: str = "") -> "MixedPrecisionPolicy":
-        """This policy for one parameter: ``param_dtype_override_fn`` applied (and removed), as
-        FSDP2 resolves it at ``fully_shard``. Raises ``ValueError`` naming the parameter for an
-        override other than None, ``param_dtype`` or the parameter's own dtype."""
+        """This policy for one parameter with ``param_dtype_override_fn`` applied (and removed), as
+        FSDP2 does; raises ``ValueError`` naming ``name`` for an invalid override."""
         fn = self.param_dtype_override_fn
         if fn is None:
             return self
@@ -182,11 +156,9 @@ class MixedPrecisionPolicy:
     def dtypes_for(
         self, orig: torch.dtype, grad_dtype: Optional[torch.dtype] = None, requires_grad: bool = True
     ) -> "Dtypes":
-        """The dtypes of a parameter built as ``orig`` (non-floating ones are never cast);
-        ``grad_dtype``: its ``grad_dtype`` where set (torch 2.15), for ``reduce_dtype=None``;
-        ``requires_grad``: whether the optimizer trains it (``FLOAT32_OR_WIDER`` keeps a frozen
-        parameter in its own dtype: no step needs the precision, and a frozen float8 or BF16
-        base model would otherwise be stored in FP32)."""
+        """The dtypes of a parameter built as ``orig``, with ``grad_dtype`` for
+        ``reduce_dtype=None``; a frozen one (``requires_grad=False``) keeps its own under
+        ``FLOAT32_OR_WIDER``."""
         if not orig.is_floating_point:
             return Dtypes(orig, orig, orig, orig)
         main = self.main_params_dtype
@@ -202,9 +174,8 @@ class MixedPrecisionPolicy:
 
 
 def as_policy(value: object, argument: str = "mp_policy") -> MixedPrecisionPolicy:
-    """``value`` as an fsdp policy: fsdp's as it is; torch FSDP2's ``MixedPrecisionPolicy`` (any
-    torch 2.11-2.15) converted field by field, Megatron's main weights at their default. Anything
-    else raises ``TypeError`` naming ``argument``."""
+    """``value`` as an fsdp policy, torch FSDP2's converted field by field (main weights at their
+    default); raises ``TypeError`` naming ``argument`` for anything else."""
     if isinstance(value, MixedPrecisionPolicy):
         return value
     from torch.distributed.fsdp import MixedPrecisionPolicy as TorchPolicy
@@ -234,18 +205,15 @@ class Dtypes:
 
 
 def reduces_in_grad_dtype(fsdp2_param: Optional[type] = None) -> bool:
-    """Whether the installed torch's FSDP2 reduces ``reduce_dtype=None`` gradients in each
-    parameter's gradient dtype (torch 2.15: ``FSDPParam.unsharded_grad_dtype``) rather than in
-    the compute dtype (earlier). ``fsdp2_param``: the class to inspect (default torch's), so a
-    test drives both answers."""
+    """Whether the installed FSDP2 reduces ``reduce_dtype=None`` gradients in each parameter's grad
+    dtype (torch 2.15), not the compute dtype; ``fsdp2_param``: the class to inspect."""
     if fsdp2_param is None:
         from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam as fsdp2_param
     return hasattr(fsdp2_param, "unsharded_grad_dtype")
 
 
 def converted(buf: DBuffer, dtype: torch.dtype) -> DBuffer:
-    """``buf`` itself if already in ``dtype``, else rebuilt in it (same mesh, placements, layout,
-    device) with its values cast, if it has storage (the new one always has)."""
+    """``buf`` if in ``dtype``, else a sibling in it holding its values cast (if it has storage)."""
     if buf.dtype == dtype:
         return buf
     out = buf.sibling(dtype=dtype, zero_fill=False)

@@ -1,10 +1,5 @@
-"""Where a group's parameters are registered on modules (:class:`Registrations`), and a counter
-of registrations, which the optimizer step hooks read.
-
-Every time fsdp registers a group's parameters on modules for the first time, or swaps a
-parameter object (``to_empty``, adoption of assigned DTensors), an optimizer built earlier may
-hold objects fsdp no longer trains. The core only counts; :mod:`fsdp.optim.step_hooks` checks
-each optimizer again when the count has moved since its last check.
+"""Where a group's parameters are registered (:class:`Registrations`), and a counter of
+(re)registrations: :mod:`fsdp.optim.step_hooks` checks optimizers again when it moved.
 """
 
 from __future__ import annotations
@@ -32,18 +27,17 @@ def registrations() -> int:
 
 
 class Registrations:
-    """Every ``(module, name)`` a group's parameters are registered under (tied ones included),
-    checked before each registration against what fsdp put there last: a parameter assigned
-    after ``fully_shard`` (``module.weight = nn.Parameter(...)``) would otherwise be silently
-    replaced by fsdp's own at the next registration, and never trained or used."""
+    """Every ``(module, name)`` the parameters of ``infos`` are registered under, checked before
+    each registration against fsdp's last: a parameter assigned after ``fully_shard`` would
+    otherwise be silently replaced and never trained."""
 
     def __init__(self, infos: Sequence[ParamInfo]) -> None:
         self.infos = infos
         self._slots = tuple((k, m, name) for k, info in enumerate(infos) for m, name in info.registrations)
 
     def put(self, params: list[nn.Parameter], last: Optional[list[nn.Parameter]], owner: Callable[[], str]) -> None:
-        """Register ``params`` in place of ``last`` (None: the originals, at ``fully_shard``);
-        raises, registering nothing, as :meth:`check` does (``owner()``: the unit's name, for the message)."""
+        """Register ``params`` in place of ``last`` (None: at ``fully_shard``); raises, registering
+        nothing, as :meth:`check` does (``owner()`` names the unit)."""
         if last is not None:  # check()'s loop, inline: this runs at every registration
             for k, module, name in self._slots:
                 if module._parameters.get(name) is not last[k]:

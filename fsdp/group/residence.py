@@ -1,21 +1,11 @@
 """Where a group's main state lives: the ``offload`` part every group has, and its Protocols.
 
-A group always has an ``offload`` part (a :class:`Residence`) and calls it without asking which
-it is. Three exist:
-
-* :data:`NO_OFFLOAD` (here): main weights, main grads and optimizer state on the mesh's device;
-  its moves are no-ops;
-* :class:`fsdp.compose.offload.HostOffload` (``CPUOffloadPolicy``): the main weights, main grads
-  and optimizer state on the host, copied to and from the device around each gather and
-  reduction (``on_host``: it also allocates the host buffers, :class:`HostResidence`);
-* :class:`fsdp.compose.optim_state.OptimStateOffload` (``fsdp.OptimizerStateOffloadPolicy``): main
-  weights and grads on the device as without offload, only the optimizer state on the host: its
-  :attr:`Residence.optim_state` is an :class:`OptimStateHome`, which the optimizers
-  (:mod:`fsdp.optim`) ask for host memory for their state and for the passes that bring it to
-  where the step runs.
-
-``on_host`` answers the few decisions of the group that do differ (which buffer a reduction may
-write directly, what ``module.to`` may accept); ``optim_state`` those of the optimizers.
+A group calls its :class:`Residence` without asking which it is: :data:`NO_OFFLOAD` (all on the
+mesh's device), :class:`fsdp.compose.offload.HostOffload` (``CPUOffloadPolicy``: all on the host,
+copied around each gather and reduction; a :class:`HostResidence`) or
+:class:`fsdp.compose.optim_state.OptimStateOffload` (``fsdp.OptimizerStateOffloadPolicy``: the
+optimizer state only, an :class:`OptimStateHome`). ``on_host`` settles the few group decisions that
+differ (which buffer a reduction writes, what ``module.to`` accepts).
 """
 
 from __future__ import annotations
@@ -36,9 +26,8 @@ __all__ = ["Chunk", "HostResidence", "NO_OFFLOAD", "NoOffload", "OptimStateHome"
 
 @dataclass(frozen=True)
 class Chunk:
-    """Elements ``[start, end)`` of a group's flat main weights (and of its flat optimizer state,
-    laid out alike), whose gradients start at ``grad_start`` of the flat main grads; ``tag`` is
-    the optimizer's (e.g. the step count of the run it belongs to)."""
+    """Elements ``[start, end)`` of a group's flat main weights and flat optimizer state, whose
+    gradients start at ``grad_start`` of the flat main grads; ``tag``: the optimizer's."""
 
     start: int
     end: int
@@ -51,10 +40,8 @@ class Chunk:
 
 
 class OptimStateHome(Protocol):
-    """A group's optimizer state in host memory, and the passes that step it (see
-    :mod:`fsdp.compose.optim_state`). Every copy between host and device goes through the part's
-    :class:`~fsdp.compose.offload.HostTransfers`; after a pass or a copy the host touches host
-    memory a copy may still use only after :meth:`settle`."""
+    """A group's host-memory optimizer state and step passes (:mod:`fsdp.compose.optim_state`).
+    Memory a :class:`~fsdp.compose.offload.HostTransfers` copy may use waits for :meth:`settle`."""
 
     step_on: str  # "device": the step runs where the weights are, states streamed in; "host": on the host
 
@@ -78,9 +65,8 @@ class OptimStateHome(Protocol):
         self, weights: torch.Tensor, grads: torch.Tensor, states: Sequence[torch.Tensor], chunks: Sequence[Chunk],
         fn: Callable,
     ) -> None:
-        """For each chunk in turn, ``fn(chunk, w, g, views)`` on the host: ``w`` and ``g`` host
-        copies of the chunk of ``weights`` and ``grads`` (device), ``views`` the host states'
-        slices; ``w``'s values after ``fn`` go back into ``weights``."""
+        """For each chunk, ``fn(chunk, w, g, views)`` on the host: ``w``, ``g`` host copies of the
+        chunk of device ``weights``, ``grads``, ``views`` the host states'; ``w`` is copied back."""
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """``dst.copy_(src)`` between host and device, tracked until :meth:`settle`."""
@@ -93,7 +79,7 @@ class Residence(Protocol):
     """A group's offload part: what a :class:`~fsdp.group.param_group.ParameterGroup` calls."""
 
     on_host: bool  # the main weights and grads live on the host (HostResidence)
-    optim_state: Optional[OptimStateHome]  # the optimizer state apart from the weights, or None
+    optim_state: Optional[OptimStateHome]
 
     def in_residence(self, buf: DBuffer) -> DBuffer:
         """``buf`` in this part's memory (a buffer rebuilt by ``module.to(dtype)``)."""

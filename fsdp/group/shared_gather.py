@@ -1,16 +1,8 @@
 """One all-gather for several groups of a unit, as FSDP2 gathers a unit's parameters in one collective.
 
-A unit has one group per (dtype, ``requires_grad``, mesh) bucket: a QLoRA block holds frozen NF4
-weights and trainable LoRA ones, a fine-tuned one frozen and trainable weights. Gathered group by
-group, such a unit would make one all-gather per group where FSDP2 makes one. Groups whose
-gather lands in rank-major rows that they copy out of anyway (FSDP2's chunked layout, tensor
-subclasses: ``weights.shares_gather``) can share one instead: their shards are copied side by
-side into one byte shard (FSDP2's all-gather copy-in), gathered once through a DBuffer, and each
-group copies its part out of its ``[world, bytes]`` column range of the result, which is freed
-once the last of them has.
-
-The groups' own moves are unchanged (:meth:`~fsdp.group.unsharder.Unsharder.join_gather`
-hands a group the shared collective and its rows); this module only packs, launches and frees.
+A unit has one group per (dtype, ``requires_grad``, mesh) bucket. Groups that copy out of
+rank-major rows anyway (``weights.shares_gather``) pack their shards into one byte shard, gathered
+once; each copies its columns out (:meth:`~fsdp.group.unsharder.Unsharder.join_gather`).
 """
 
 from __future__ import annotations
@@ -24,7 +16,7 @@ from dbuffer.layout import compute_layout
 from fsdp.group.profiling import label
 from fsdp.group.parts import GatherKind
 
-if TYPE_CHECKING:  # annotations only
+if TYPE_CHECKING:
     from fsdp.group.param_group import ParameterGroup
 
 __all__ = ["SharedGather", "gather_together"]
@@ -33,8 +25,7 @@ _ALIGN = 16  # byte offset of each group's part, so every dtype view of it is al
 
 
 def can_share(groups: Sequence[ParameterGroup]) -> bool:
-    """Whether ``groups`` (each needing a gather now, each able to share one) can be gathered
-    together: the same mesh and placements, so one collective serves them all."""
+    """Whether one collective serves ``groups``: two or more, same mesh, placements and device."""
     if len(groups) < 2:
         return False
     first = groups[0]
@@ -46,8 +37,7 @@ def can_share(groups: Sequence[ParameterGroup]) -> bool:
 
 
 class SharedGather:
-    """The packed send and receive buffers of one set of groups (kept between steps: storage only
-    while a gather is in flight or being copied out), and the gather in flight."""
+    """Packed send and receive buffers of ``groups``, sized by ``sources``; storage only in use."""
 
     def __init__(self, groups: Sequence[ParameterGroup], sources: Sequence[DBuffer]) -> None:
         first = groups[0]
@@ -65,7 +55,7 @@ class SharedGather:
         self.send = DBuffer(first.mesh, first.placements.sharded, flat, torch.uint8, first.compute_device, **common)
         self.recv = DBuffer(first.mesh, first.placements.replicated, flat, torch.uint8, first.compute_device, **common)
         self.replicated = first.placements.replicated
-        self.call_label = first.call_label  # the unit's groups share its label (lazy init names it)
+        self.call_label = first.call_label
         self.send.release_storage()
         self.recv.release_storage()
         self._gather = PreparedSlot()  # send -> recv, both kept: prepared once
@@ -78,8 +68,8 @@ class SharedGather:
         return tuple((src.local_buffer.numel(), src.dtype) for src in sources)
 
     def launch(self, sources: Sequence[DBuffer]) -> Pending:
-        """Copy each source shard into its part of the send shard and start the all-gather (on
-        the current stream: the caller opens the all-gather stream's launch)."""
+        """Pack ``sources`` and start the all-gather on the current stream (the caller opens the
+        all-gather stream's launch)."""
         with label("fsdp::all_gather", call=self.call_label):
             self.send.reallocate_storage()
             self.recv.reallocate_storage()
@@ -90,7 +80,7 @@ class SharedGather:
             return self._gather.start(self.send, self.replicated, self.recv)
 
     def rows(self, i: int) -> torch.Tensor:
-        """Group ``i``'s gathered part: ``[world, shard numel]`` in its dtype, one row per rank."""
+        """Group ``i``'s gathered part: ``[world, shard numel]`` in its dtype."""
         offset, nbytes, dtype = self.parts[i]
         return self.recv.local_buffer.view(self.world, self.shard_bytes)[:, offset : offset + nbytes].view(dtype)
 
@@ -103,8 +93,7 @@ class SharedGather:
 
 
 def shared_gather_for(cache: dict, groups: Sequence[ParameterGroup], sources: Sequence[DBuffer]) -> SharedGather:
-    """The :class:`SharedGather` of ``groups`` from ``cache`` (one per set of groups), rebuilt
-    when a source's size or dtype changed (``module.to``, a tensor subclass's new outputs)."""
+    """The :class:`SharedGather` of ``groups`` in ``cache``, rebuilt when ``sources`` changed."""
     key = tuple(id(g) for g in groups)
     shared: Optional[SharedGather] = cache.get(key)
     if shared is None or shared.key != SharedGather.key_of(sources):
@@ -113,9 +102,8 @@ def shared_gather_for(cache: dict, groups: Sequence[ParameterGroup], sources: Se
 
 
 def gather_together(groups: Sequence[ParameterGroup], cache: dict) -> list[ParameterGroup]:
-    """Launch one gather for those of a unit's ``groups`` that need one now and can share it;
-    return the groups it serves ([] when fewer than two could share: each gathers alone).
-    ``cache``: the unit's :class:`SharedGather` objects, kept between steps."""
+    """Launch one gather for those of ``groups`` that need one and can share it; return them
+    ([]: each gathers alone). ``cache``: the unit's :class:`SharedGather` objects."""
     if len(groups) < 2:
         return []
     batch = [g for g in groups if g.unsharder.can_share_gather() and g.unsharder.needs_gather()]  # refreshed by the unit already

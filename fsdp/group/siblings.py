@@ -1,11 +1,6 @@
-"""Where a group's main weights live (:func:`place_main`) and its parts make their buffers:
-:class:`Siblings` of the main weights.
-
-Every buffer a group holds (model shard, gathered weights, gradients) packs the same tensors
-as its main weights, in the same layout: a sibling. The group hands its parts this small
-recipe instead of itself: the shapes and layout, the compute device, and the host part that
-allocates pinned buffers under offload. Shapes only, not the main weights themselves, whose old
-storage must not outlive a ``module.to(dtype)``."""
+"""Where a group's main weights live (:func:`place_main`) and how its parts make buffers packing
+the same tensors in the same layout (:class:`Siblings`). Parts get this recipe, not the main
+weights themselves, whose old storage must not outlive a ``module.to(dtype)``."""
 
 from __future__ import annotations
 
@@ -23,9 +18,8 @@ __all__ = ["Siblings", "place_main"]
 
 def place_main(mesh: DeviceMesh, placements: Sequence, shapes: Sequence, dtype: torch.dtype, layout: object,
                device: torch.device, offload: Residence) -> tuple[DBuffer, torch.device]:
-    """A group's main weights and the device it computes on: on ``device`` (meta for a
-    meta-built group, else this rank's device), or on the host under ``offload``. fully_shard
-    checked that every rank builds the same unit, so no rank check here."""
+    """Main weights on ``device`` (the host under ``offload``) and the compute device; no rank
+    check: fully_shard checked every rank builds the same unit."""
     if not offload.on_host or device.type == "meta":
         main = DBuffer(mesh, placements, shapes, dtype, device, layout=layout, check_ranks=False)
         return main, main.device
@@ -35,20 +29,18 @@ def place_main(mesh: DeviceMesh, placements: Sequence, shapes: Sequence, dtype: 
 
 @dataclass(frozen=True)
 class Siblings:
-    """Buffers of the main weights' tensors and layout on ``mesh``: on the compute ``device``,
-    or where the main weights live (``host``: the offload part that allocates host buffers;
-    None: the device)."""
+    """Buffers of the main weights' tensors and layout: on ``device``, or where the main weights
+    live (``host``: the offload part; None: the device)."""
 
     mesh: DeviceMesh
     shapes: tuple
-    layout: object  # the main weights' dbuffer layout
+    layout: object
     device: torch.device
     host: Optional[HostResidence]
 
     @classmethod
     def of(cls, main: DBuffer, device: torch.device, offload: Residence) -> "Siblings":
-        """The siblings of ``main``, computed with on ``device``; on the host where ``offload``
-        keeps ``main`` there (not while it is on the meta device)."""
+        """The siblings of ``main`` computing on ``device``, with ``offload``'s host unless meta."""
         host = cast(HostResidence, offload) if offload.on_host and main.device.type != "meta" else None
         return cls(main.mesh, tuple(main.shapes), main.layout, device, host)
 

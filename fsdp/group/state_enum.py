@@ -1,9 +1,5 @@
-"""The base of fsdp's state machines' enums: members hashed by identity.
-
-Every hook of every unit checks its move against an ``ALLOWED`` table (a dict of frozensets keyed
-by members), several times per unit per step. ``Enum.__hash__`` is a Python function (it hashes
-the member's name); members are singletons compared by identity, so ``object.__hash__`` (in C)
-is as correct and costs no Python call.
+"""The base of fsdp's state machines' enums: members hashed by identity (``object.__hash__``, in
+C, not ``Enum.__hash__``'s Python call), as every hook looks its move up in an ``ALLOWED`` table.
 """
 
 from __future__ import annotations

@@ -1,58 +1,35 @@
 """Side streams and events for fsdp's collectives, on any device through torch's device module.
 
-**One set per device, shared.** :meth:`CommStreams.for_device` hands every group on a device the
-same object: an ``all_gather`` and a ``reduce_scatter`` stream, high priority as in FSDP2 (their
-short copies should not queue behind compute kernels). Every unit of every tree on that device
-uses them, which is what FSDP2's comm context shared by the root (and ``share_comm_ctx``) gives;
-the root's :class:`~fsdp.unit.root.RootContext` lists the ones its tree uses.
+**One set per device, shared.** :meth:`CommStreams.for_device` gives every group on a device the
+same high-priority ``all_gather`` and ``reduce_scatter`` streams (as in FSDP2: short copies should
+not queue behind compute), like FSDP2's root-shared comm context (``share_comm_ctx``);
+:class:`~fsdp.unit.root.RootContext` lists those its tree uses.
 
-**Device-generic.** Streams and events come from ``torch.get_device_module(device)``: real ones on
-CUDA and XPU; on the CPU, ``torch.cpu``'s stand-ins (``Stream``, ``Event``, ``stream()``,
-``current_stream()``: no-ops kept for device-generic code), so a CPU run (gloo, threaded) executes
-every line below that a GPU run does, and asynchrony comes from ``async_op=True`` alone. The meta
-device and devices without a stream API get the CPU's stand-ins too. ``enabled``: the streams are
-real.
+**Device-generic.** Streams and events come from ``torch.get_device_module(device)``; devices
+without a stream API (CPU, meta) get ``torch.cpu``'s no-op stand-ins (``enabled`` False), so a CPU
+run executes every line a GPU run does, asynchrony coming from ``async_op=True`` alone.
 
-**Ordering protocol** (FSDP2's, with events; fsdp calls ``record_stream`` nowhere):
+**Ordering protocol** (FSDP2's, with events; fsdp never calls ``record_stream``):
 
-1. *All-gather.* ``launch(all_gather)``: the all-gather stream first waits for the current
-   (compute) stream, so the gather reads the shard written there (the cast model shard, an
-   offload upload) and runs after every earlier copy-out of a buffer it overwrites; then the
-   collective is queued there. Its target's storage was allocated before the launch; the
-   ``Pending`` handle keeps source and target referenced until waited. The launch ends by
-   recording an event on the stream.
-2. *Copy-out.* ``wait(all_gather)``: the current stream waits for the event of the latest
-   all-gather launch (the work queued on the side stream; a later launch of another group is
-   waited for too, which costs only that launch's copy-in); then the handle is waited (c10d's
-   ``wait`` orders the current stream after the collective itself; a custom comm copies its
-   output there, and one that returned no work is ordered by the event alone), then copies the
-   gathered values into place (chunked groups, extensions' post-all-gather) and the parameters
-   are used. The next gather into that buffer is launched later, and its launch waits for the
-   current stream: it cannot overwrite the buffer before the copy-out read it (FSDP2 makes its
-   all-gather streams wait for a copy-out event for the same reason).
-3. *Reduce-scatter.* The gradients are packed into ``grad_in`` on the current stream;
-   ``launch(reduce_scatter)`` waits for it and queues the collective, whose temporaries are
-   allocated on that stream. A result in a temporary is divided and folded into ``main_grad``
-   inside the same launch when :meth:`wait_is_free` (FSDP2 accumulates on its side stream too),
-   so the temporary, that stream's memory, is freed at once; otherwise after
-   ``wait(reduce_scatter)`` and then the handle's wait, as in 2. ``wait(reduce_scatter)`` orders
-   the current stream after the launch either way before anything reads or zeroes
-   ``main_grad``. ``grad_in`` is freed then, on the stream it was allocated on, which has waited
-   for the reduction.
-4. *All-reduce* (HSDP across replicas, ``no_shard`` / ``optim``'s unsharded gradients): on the
-   reduce-scatter stream, in the same launch (one ``redistribute``), so one ordering covers both.
-5. *Memory read across streams.* Instead of ``record_stream``:
-   a side-stream allocation read on the current stream and then dropped (a custom comm object's
-   staging buffer) goes back to that side stream's pool; :meth:`after_read` records the read's
-   event, which each side stream's next launch waits for before its work can reuse the memory.
-   Memory of the launching stream read by work queued inside a launch, which its owner may free
-   right after by resizing its storage (no reference can delay that: an offload download of
-   ``grad_in``), is handed to :meth:`launcher_waits`: the launching stream waits for that work
-   when the launch ends.
-6. *Host.* Non-blocking copies between pinned host memory and the device record events that the
-   host synchronizes before it touches that host memory (:mod:`fsdp.compose.offload`). A
-   post-optimizer event (FSDP2's ``set_post_optim_event``) is waited for by the all-gather stream;
-   without real streams, by the host (:meth:`gathers_wait`).
+1. *All-gather.* ``launch(all_gather)``: the side stream waits for the current stream, so the gather
+   reads the shard written there and runs after every earlier copy-out of a buffer it overwrites.
+   The target is allocated before; the ``Pending`` handle keeps source and target alive.
+2. *Copy-out.* ``wait(all_gather)``: the current stream waits for the latest launch's event, then
+   the handle (c10d orders it after the collective; a custom comm copies its output there), then
+   copies out. The next gather into that buffer waits for this stream at launch: after the copy-out.
+3. *Reduce-scatter.* ``launch(reduce_scatter)`` waits for ``grad_in``'s packing on the current
+   stream; temporaries are allocated on the side stream and folded into ``main_grad`` inside the
+   launch when :meth:`wait_is_free` (as FSDP2 does), freeing them at once, else after
+   ``wait(reduce_scatter)`` and the handle, as in 2. Either way the current stream is ordered after
+   the launch before ``main_grad`` is read or zeroed and ``grad_in`` freed (on that stream).
+4. *All-reduce* (HSDP replicas, ``no_shard`` / ``optim``): in the same launch, the same ordering.
+5. *Memory read across streams.* A side-stream allocation read on the current stream and dropped (a
+   custom comm's staging buffer) returns to the side stream's pool: :meth:`after_read` makes each
+   side stream's next launch wait for the read. Launching-stream memory read in a launch and freed
+   by resizing right after (an offload download of ``grad_in``): see :meth:`launcher_waits`.
+6. *Host.* Pinned-host copies record events the host synchronizes before touching that memory
+   (:mod:`fsdp.compose.offload`); a post-optimizer event (``set_post_optim_event``) is waited for by
+   the all-gather stream, or by the host without real streams (:meth:`gathers_wait`).
 """
 
 from __future__ import annotations
@@ -75,8 +52,7 @@ _HIGH_PRIORITY = -1  # FSDP2's priority for its all-gather and reduce-scatter st
 
 
 def _device_module(device: torch.device) -> ModuleType:
-    """``torch.cuda``, ``torch.xpu``, ...; ``torch.cpu`` (stand-ins) for the CPU, meta and any
-    device whose module lacks streams or events."""
+    """``torch.cuda``, ``torch.xpu``, ...; ``torch.cpu``'s stand-ins without streams or events."""
     try:
         module = torch.get_device_module(device)
     except RuntimeError:  # meta, or a backend without a registered module
@@ -87,7 +63,7 @@ def _device_module(device: torch.device) -> ModuleType:
 
 
 class DeviceStream(Protocol):
-    """A stream of a device module: ``torch.cuda.Stream``, ``torch.xpu.Stream``, ``torch.cpu``'s stand-in."""
+    """A device module's stream (``torch.cuda.Stream``, ``torch.xpu.Stream``, ``torch.cpu``'s)."""
 
     def wait_stream(self, stream: DeviceStream) -> None:
         """Work queued here from now on runs after the work queued on ``stream`` so far."""
@@ -97,7 +73,7 @@ class DeviceStream(Protocol):
 
 
 class DeviceEvent(Protocol):
-    """An event of a device module (``torch.cuda.Event``, ``torch.cpu``'s stand-in) or ``torch.Event``."""
+    """A device module's event (``torch.cuda.Event``, ``torch.cpu``'s stand-in) or ``torch.Event``."""
 
     def record(self, stream: Optional[DeviceStream] = None) -> None:
         """Mark the point ``stream`` (default: the current stream) has reached."""
@@ -112,7 +88,7 @@ class CommStreams:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.module = _device_module(device)
-        self.enabled = self.module is not torch.cpu  # real streams
+        self.enabled = self.module is not torch.cpu
         where = {"device": device} if self.enabled and device.index is not None else {}
         self.all_gather: DeviceStream = self.module.Stream(priority=_HIGH_PRIORITY, **where)
         self.reduce_scatter: DeviceStream = self.module.Stream(priority=_HIGH_PRIORITY, **where)
@@ -128,11 +104,8 @@ class CommStreams:
             return _CACHE[device]
 
     def __reduce__(self):
-        # A device's streams: a deep-copied (or pickled and loaded) module shares them, as every
-        # unit does.
+        # A device's streams: a deep-copied or unpickled module shares them, as every unit does.
         return CommStreams.for_device, (self.device,)
-
-    # ------------------------------------------------------------------ events
 
     def current(self) -> DeviceStream:
         return self.module.current_stream(self.device)
@@ -143,12 +116,9 @@ class CommStreams:
         event.record(self.current() if stream is None else stream)
         return event
 
-    # ------------------------------------------------------------------ launch / wait
-
     @contextlib.contextmanager
     def launch(self, stream: Optional[DeviceStream]) -> Iterator[None]:
-        """Run the enclosed launch on ``stream``, after the work already queued on the current
-        stream and the reads recorded by :meth:`after_read`; record the event that ends it."""
+        """Run the launch on ``stream`` after the current stream and :meth:`after_read`'s reads."""
         if stream is None:
             yield
             return
@@ -171,8 +141,7 @@ class CommStreams:
                 origin.wait_event(event)
 
     def run_on(self, stream: DeviceStream, fn: Callable[[], None]) -> None:
-        """Run ``fn`` with ``stream`` current, after the work queued on the current stream so far,
-        and order the current stream after it (a user's all-reduce hook on its own stream)."""
+        """Run ``fn`` on ``stream``, ordered after and before the current stream (a user's hook)."""
         origin = self.current()
         stream.wait_stream(origin)
         with self.module.stream(stream):
@@ -186,22 +155,17 @@ class CommStreams:
             self.current().wait_event(event)
 
     def wait_is_free(self, pending: Pending) -> bool:
-        """Whether waiting for ``pending`` (a collective's handle) now costs the host nothing:
-        with real streams the wait only orders the current stream after the collective; without,
-        only if the collective has already completed (a query: it waits for nothing)."""
+        """Whether waiting for ``pending`` is free for the host (real streams, or it completed)."""
         return self.enabled or pending.is_completed()
 
     def after_read(self, event: DeviceEvent) -> None:
-        """``event`` (on the reading stream) ends a read of memory a side stream allocated: each
-        side stream's next launch waits for it first. One event per reading stream is kept: a
-        later one on the same stream covers the earlier ones."""
+        """Each side stream's next launch waits for ``event``, which ends a read on this stream."""
         reader = self.current()
         for reads in self._reads.values():
             reads[reader] = event
 
     def launcher_waits(self, event: DeviceEvent) -> None:
-        """``event`` ends work queued inside the open launch that reads memory of the launching
-        stream: that stream waits for it when the launch ends (at once outside any launch)."""
+        """The launching stream waits for ``event`` when the open launch ends (now if none is)."""
         frames = self._frames()
         if frames:
             frames[-1].append(event)
@@ -209,9 +173,7 @@ class CommStreams:
             self.current().wait_event(event)
 
     def gathers_wait(self, event: DeviceEvent) -> None:
-        """The next gathers start after ``event`` (FSDP2's ``set_post_optim_event``): the
-        all-gather stream waits for it; without real streams the host does (a user's event is
-        then the only thing to order against)."""
+        """The next gathers start after ``event``: the all-gather stream (or host) waits for it."""
         if self.enabled:
             self.all_gather.wait_event(event)
         else:

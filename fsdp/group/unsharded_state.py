@@ -1,23 +1,15 @@
-"""The life of a group's unsharded (model-dtype, full) weights between the optimizer's steps
-(:class:`Unsharded`), with the moves checked and the main weights' version they were made from.
+"""The life of a group's unsharded weights (:class:`Unsharded`), tracked per group (FSDP2: per
+parameter), where gathers happen:
 
-FSDP2 tracks this per parameter (``ShardedState``: sharded, unsharded, sharded post-forward);
-fsdp tracks it per group, where the gathers happen, and adds the gather in flight:
+* ``SHARDED``: no unsharded weights: using them needs a gather.
+* ``GATHERING``: a gather into them is in flight.
+* ``GATHERED``: they hold refresh :attr:`UnshardedLife.version`. ZeRO-0/1/2 stay here.
+* ``SLICE_KEPT``: freed after forward, a ``1/n`` slice kept (:mod:`fsdp.compose.post_forward`).
+* ``FORWARD_ONLY_FREED``: forward-only parameters freed (:mod:`fsdp.group.forward_only`): enough
+  for backward, not for another forward.
 
-* ``SHARDED``: no unsharded weights (ZeRO-3 between uses): using them needs a gather.
-* ``GATHERING``: a gather into them is in flight (a prefetch, or an ``unshard(async_op=True)``).
-* ``GATHERED``: they hold the main weights of refresh :attr:`UnshardedLife.version`; current
-  while no refresh came since. ZeRO-0/1/2 keep them here between steps.
-* ``SLICE_KEPT``: freed after forward, a ``1/n`` slice of them kept for backward's gather
-  (``reshard_after_forward=n``, :mod:`fsdp.compose.post_forward`).
-* ``FORWARD_ONLY_FREED``: kept after forward but for the parameters only forward reads, freed
-  (:mod:`fsdp.group.forward_only`): enough for backward, not for another forward.
-
-The moves (:data:`ALLOWED`): a gather starts from any state but ``GATHERING`` (``GATHERED``: the
-optimizer stepped since), lands in ``GATHERED``; after forward, ``GATHERED -> SLICE_KEPT``,
-``-> FORWARD_ONLY_FREED`` or ``-> SHARDED``; a reshard or a rebuild of the buffers
-(``module.to``, ``to_empty``) returns to ``SHARDED`` from any state but ``GATHERING`` (waited for
-first).
+The moves (:data:`ALLOWED`): a gather, a reshard or a rebuild may start from any state but
+``GATHERING`` (a rebuild waits for it first).
 """
 
 from __future__ import annotations
@@ -31,7 +23,7 @@ __all__ = ["ALLOWED", "Unsharded", "UnshardedLife", "UnshardedStateError"]
 
 
 class Unsharded(StateEnum):
-    """Where a group's unsharded weights are in their life (see the module docstring)."""
+    """Where a group's unsharded weights are (see :mod:`~fsdp.group.unsharded_state`)."""
 
     SHARDED = auto()
     GATHERING = auto()
@@ -57,8 +49,7 @@ class UnshardedStateError(RuntimeError):
 
 
 class UnshardedLife:
-    """One group's :class:`Unsharded` state and the refresh its weights (or kept slice) hold.
-    ``names``: the group's parameter names, for an error message."""
+    """One group's :class:`Unsharded` state and refresh; ``names`` are for error messages."""
 
     def __init__(self, names: str) -> None:
         self._names = names

@@ -1,18 +1,9 @@
-"""Unsharder: one group's model weights between the optimizer's steps, and where they are registered.
+"""Unsharder: one group's model weights between optimizer steps, and where they are registered.
 
-The cycle the unit drives (:mod:`fsdp.unit.state`): :meth:`Unsharder.refresh` after the
-optimizer stepped, :meth:`~Unsharder.unshard` / :meth:`~Unsharder.wait_unshard` (all-gather on
-the all-gather stream, :mod:`fsdp.group.streams`), :meth:`~Unsharder.register_unsharded_params` /
-:meth:`~Unsharder.register_sharded_params` on the modules, :meth:`~Unsharder.reshard_after_forward`
-(a post-forward slice kept, or the forward-only tail freed) and :meth:`~Unsharder.reshard`.
-
-It owns what that cycle keeps, each once: the main weights' version (:class:`MainVersion`), the
-unsharded weights' life (:class:`~fsdp.group.unsharded_state.UnshardedLife`, whose version is
-the refresh count here), the gather in flight, the post-forward slice, the forward-only tail and
-the registrations. It runs its plan's unsharding route (``GATHER_AT_UNSHARD``: ZeRO-3 gathers at
-each use; the others are current from the refresh on) and gets everything else through its
-constructor: the weights part that makes and frees the buffers, the comms and placements of the
-gather, the streams. It never sees its group.
+It runs the cycle the unit drives (:mod:`fsdp.unit.state`): refresh, unshard, registration and
+reshard, and owns, once each, the main weights' version (:class:`MainVersion`), the unsharded
+weights' life (:class:`~fsdp.group.unsharded_state.UnshardedLife`), the gather in flight, the
+post-forward slice, the forward-only tail and the registrations. It never sees its group.
 """
 
 from __future__ import annotations
@@ -36,12 +27,9 @@ __all__ = ["MainVersion", "Unsharder"]
 
 
 class MainVersion:
-    """Which version of the main weights the model weights were last refreshed from.
-
-    ``stale``: something said the main weights changed (:meth:`Unsharder.mark_stale`); ``key``
-    the weights part's ``version_key()`` at the last refresh (an in-place update moves it);
-    ``written_key`` the key when the optimizer also wrote the model shard (the refresh then skips
-    the cast); ``refreshes`` counts the refreshes, the version the unsharded weights hold."""
+    """Which main weights the model weights were refreshed from: ``stale``
+    (:meth:`Unsharder.mark_stale`), ``key`` (``version_key()`` then), ``written_key`` (the optimizer
+    wrote the model shard: no cast), ``refreshes`` (the unsharded version)."""
 
     def __init__(self) -> None:
         self.stale = True
@@ -58,14 +46,11 @@ class MainVersion:
 
 
 class Unsharder:
-    """See the module docstring. ``weights``: the group's weights part; ``registrations`` where
-    its parameters live on the modules, ``sharded_params`` what fsdp registers between uses (the
-    list is the group's: an adopted parameter replaces its entry); ``comms``, ``replicated``: the
-    gather's collective and target placements; ``plan``: the routes it runs
-    (:meth:`replanned` hands it a new one); ``streams``: those of the device the group computes
-    on (the meta device until ``to_empty``: ``unshard`` raises FSDP2's error, a refresh waits);
-    ``forward_only``: the tail freed after
-    a forward that keeps the rest (:mod:`fsdp.group.forward_only`)."""
+    """See the module docstring. ``weights``: the group's weights part; ``registrations``: where its
+    parameters sit on the modules; ``sharded_params``: registered between uses (the group's list: an
+    adopted parameter replaces its entry); ``comms``, ``replicated``: the gather's collective and
+    target placements; ``plan``: its routes; ``streams``: its device's (meta until ``to_empty``:
+    ``unshard`` raises); ``forward_only``: the tail freed after forward."""
 
     # reshard_after_forward=n: the 1/n slice kept between forward and backward (fsdp.compose.post_forward).
     post_forward: Optional[PostForwardSlice] = None
@@ -83,52 +68,41 @@ class Unsharder:
         self.forward_only = forward_only
         self._names = names
         self.version = MainVersion()
-        self.unsharded = UnshardedLife(names)  # the unsharded weights' state and version
+        self.unsharded = UnshardedLife(names)
         self._pending: Optional[Pending] = None
         self._shared: Optional[tuple[SharedGatherPart, int]] = None  # (SharedGather, part) of the gather in flight
         self.replanned(plan, comms)
 
     def replanned(self, plan: GroupPlan, comms: Comms) -> None:
-        """Run ``plan``'s routes from now on, gathering by ``comms``: dbuffer's collectives are
-        prepared once for a gather of buffers the weights part keeps (a fresh slot drops an
-        earlier plan's); FSDP2's custom comm objects run theirs."""
+        """Run ``plan``'s routes from now on, gathering by ``comms`` (dbuffer's: prepared once)."""
         self._unsharding, self._sharing, self.comms = plan.unsharding, plan.sharing, comms
         kept_source = plan.gather_source in (GatherSource.OWN_ROW, GatherSource.MAIN, GatherSource.MODEL)
         self._gathers = PreparedSlot() if plan.config.comms is CommsKind.DBUFFER and kept_source else None
 
     def rebuilt(self, streams: CommStreams) -> None:
-        """The weights' buffers were rebuilt (``module.to``, ``to_empty``: ``streams`` are the
-        device's now): nothing is gathered, and the next use refreshes."""
+        """The buffers were rebuilt (``module.to``, ``to_empty``; new ``streams``): refresh next."""
         self.streams, self._on_meta = streams, streams.device.type == "meta"
         self.unsharded.freed()
         if self.post_forward is not None:  # follow the new gathered buffer
             self.post_forward = self.post_forward.rebuilt(self.weights.gathered_buffer())
         self.mark_stale()
 
-    # ------------------------------------------------------------------ refresh after the optimizer
-
     def mark_stale(self, model_written: bool = False) -> None:
-        """The main weights changed: refresh the model weights before the next use.
-        ``model_written``: the caller also wrote the model shard from them (:mod:`fsdp.optim`
-        does, in the optimizer's pass), so the refresh skips the cast unless the weights change
-        again before it. A gather still in flight read the weights before the change: it lands
-        now, as gathered from them, so that the next use gathers again instead of taking it (a
-        prefetch nothing consumed, an ``unshard(async_op=True)`` not yet waited for)."""
+        """The main weights changed: refresh before the next use (``model_written``: the model shard
+        was written too, so no cast). A gather in flight read the old weights: it lands now, and the
+        next use gathers again instead of taking it."""
         self.wait_unshard()
         self.version.stale = True
         self.version.written_key = self.weights.version_key() if model_written else None
 
     def is_current(self) -> bool:
-        """Whether the model weights are up to date with the main weights: no :meth:`refresh`
-        is pending (nothing marked them stale, no in-place update since the last one). A query."""
+        """Whether no :meth:`refresh` is pending (not marked stale, no in-place update since)."""
         return self.version.is_current(self.weights.version_key())
 
     @without_grad
     def refresh(self) -> None:
-        """Bring the model weights up to date with the main weights, if they changed (the
-        optimizer stepped: :meth:`mark_stale`, or an in-place update the version key sees).
-        ZeRO-3 gathers at the next :meth:`unshard`; ``optim``/``optim_grads`` keep their
-        unsharded weights, so they gather now."""
+        """Update the model weights if the main weights changed (:meth:`mark_stale`, or an in-place
+        update); ZeRO-1/2 keep unsharded weights, so they gather now, ZeRO-3 at :meth:`unshard`."""
         key = self.weights.version_key()
         if self.version.is_current(key) or self._on_meta:  # meta: nothing until to_empty
             return
@@ -146,39 +120,30 @@ class Unsharder:
                 self.unsharded.begin_gather()  # ZeRO-0: the model weights are made from main here
             self.unsharded.gathered(self.version.refreshes)
 
-    # ------------------------------------------------------------------ unshard
-
     def needs_gather(self) -> bool:
-        """Whether :meth:`unshard` would launch a gather now (call :meth:`refresh` first): ZeRO-3
-        weights not current and no gather in flight (a prefetch's source was refreshed at its
-        launch). A query."""
+        """Whether :meth:`unshard` would gather now: ZeRO-3, not current, none in flight."""
         if self._pending is not None or self._unsharding is not Unsharding.GATHER_AT_UNSHARD:
             return False
         return not (self.unsharded.is_current(self.version.refreshes) and self.weights.has_unsharded())
 
     def prepare_gather(self) -> None:
-        """Before a gather is decided: raise FSDP2's ``RuntimeError`` for a group still on the
-        meta device, and bring the model weights up to date (:meth:`refresh`)."""
+        """Before a gather: raise FSDP2's ``RuntimeError`` if on meta, else :meth:`refresh`."""
         if self._on_meta:
             raise RuntimeError(meta_error([i.fqn for i in self.registrations.infos]))
         self.refresh()
 
     def can_share_gather(self) -> bool:
-        """Whether this group's next gather may be one collective with its unit's other groups
-        (:mod:`fsdp.group.shared_gather`): its plan lets it and no post-forward slice is to be
-        gathered instead. A query."""
+        """Whether the next gather may join the unit's (the plan allows it, no slice to gather)."""
         return self._sharing is Sharing.MAY_SHARE and self.unsharded.state is not Unsharded.SLICE_KEPT
 
     def join_gather(self, pending: Pending, shared: SharedGatherPart, index: int) -> None:
-        """Take part ``index`` of a gather shared with other groups (launched by
-        :func:`fsdp.group.shared_gather.gather_together`) as this group's gather in flight."""
+        """Make part ``index`` of a shared gather (``gather_together``) the gather in flight."""
         self.unsharded.begin_gather()
         self._pending = pending
         self._shared = (shared, index)
 
     def gather_in_flight(self) -> bool:
-        """Whether a gather (its own, or a part of a shared one) is in flight: its source was
-        checked and refreshed at its launch. A query."""
+        """Whether a gather (own or shared) is in flight; its source was refreshed at launch."""
         return self._pending is not None
 
     def unshard(self, async_op: bool = False) -> None:
@@ -187,8 +152,7 @@ class Unsharder:
         self.launch_gather(async_op)
 
     def launch_gather(self, async_op: bool = False) -> None:
-        """:meth:`unshard` once :meth:`prepare_gather` ran (a unit prepares all its groups first,
-        to share one gather between them)."""
+        """:meth:`unshard` after :meth:`prepare_gather` (a unit prepares all its groups first)."""
         if not self.needs_gather():
             if self._pending is not None and not async_op:
                 self.wait_unshard()
@@ -216,13 +180,10 @@ class Unsharder:
             return self.comms.all_gather(source, self.replicated, target)
 
     def wait_unshard(self) -> None:
-        """Finish the gather in flight, if any (this group's own, or its part of one shared with
-        the unit's other groups): wait for it, let the weights part copy out, and mark the
-        unsharded weights current for this refresh."""
+        """Finish the gather in flight, if any: wait, copy out, mark the weights current."""
         if self._pending is None:
             return
-        # The launch's event first: a custom comm's wait copies its output on this stream, and one
-        # that returned no work is ordered by that event alone (FSDP2 waits in the same order).
+        # The launch's event first, as FSDP2 does (fsdp.group.streams, "Copy-out").
         self.streams.wait(self.streams.all_gather)
         self._pending.wait()
         self._pending = None
@@ -237,16 +198,13 @@ class Unsharder:
             self.post_forward.drop()
         self.unsharded.gathered(self.version.refreshes)
 
-    # ------------------------------------------------------------------ after forward, reshard
-
     def release_model_shard(self) -> None:
         """The unit keeps its unsharded weights until the next step: see
         :meth:`BufferWeights.release_model_shard <fsdp.group.weights.BufferWeights.release_model_shard>`."""
         self.weights.release_model_shard()
 
     def reshard_after_forward(self) -> None:
-        """After forward: keep this rank's ``1/n`` slice of the gathered weights if
-        ``reshard_after_forward=n`` enabled it, then free them as :meth:`reshard` does."""
+        """After forward: keep ``reshard_after_forward=n``'s ``1/n`` slice, then :meth:`reshard`."""
         post = self.post_forward
         if post is None:
             self.reshard()
@@ -260,9 +218,8 @@ class Unsharder:
             self._free_unsharded()
 
     def release_forward_only(self) -> None:
-        """After a forward that keeps the unsharded weights for backward: free the parameters
-        only forward reads (registering them sharded), if nothing took hold of them in forward
-        (:mod:`fsdp.group.forward_only`); otherwise keep everything, as FSDP2 does."""
+        """After a forward that keeps the unsharded weights: free the forward-only parameters
+        (registered sharded) unless forward took hold of them (:mod:`fsdp.group.forward_only`)."""
         tail, params = self.forward_only, self.weights.unsharded_params
         if tail is None or self.unsharded.state is not Unsharded.GATHERED or params is None:
             return
@@ -273,29 +230,26 @@ class Unsharder:
         self.register(self._forward_registration())
 
     def forward_only_modules(self) -> list[nn.Module]:
-        """The modules reading the forward-only tail (a recomputation of one in backward must
-        gather it again); [] without a tail."""
+        """Modules reading the forward-only tail (a backward recomputation regathers it), or []."""
         infos = self.registrations.infos
         start = self.forward_only.start if self.forward_only is not None else len(infos)
         return [m for info in infos[start:] for m, _ in info.registrations]
 
     def keep_forward_only(self) -> None:
-        """Stop freeing the forward-only tail: a second forward came before the backward (two
-        losses, a pipeline's micro-batches), and each would otherwise gather it again."""
+        """Stop freeing the forward-only tail: a second forward before backward would regather it."""
         self.forward_only = None
 
     def forward_only_freed(self) -> bool:
-        """Whether the parameters only forward reads are freed (backward needs no gather for them)."""
+        """Whether the parameters only forward reads are freed (backward gathers none of them)."""
         return self.unsharded.state is Unsharded.FORWARD_ONLY_FREED
 
     def _forward_registration(self) -> list[nn.Parameter]:
-        """What the modules hold once the forward-only tail is freed: unsharded before it, sharded from it."""
+        """What the modules hold once the forward-only tail is freed: sharded from its start on."""
         start = self.forward_only.start
         return self.weights.unsharded_params[:start] + self.sharded_params[start:]
 
     def reshard(self) -> None:
-        """Free the unsharded weights (ZeRO-3 only: the other strategies keep them), and a
-        post-forward slice kept for backward."""
+        """Free the unsharded weights (ZeRO-3 only) and any post-forward slice kept for backward."""
         if self._unsharding is not Unsharding.GATHER_AT_UNSHARD:
             return
         self.wait_unshard()
@@ -308,11 +262,9 @@ class Unsharder:
             self.weights.free_unsharded()
             self.unsharded.freed()
 
-    # ------------------------------------------------------------------ registration
-
     def register_unsharded_params(self) -> None:
-        """Register the unsharded (plain) parameters on their modules; see
-        :meth:`check_registered` for when that raises instead (registering nothing)."""
+        """Register the unsharded parameters on their modules; raises RuntimeError if they were
+        never gathered, or as :meth:`check_registered` does (registering nothing)."""
         params = self.weights.unsharded_params
         if params is None:
             raise RuntimeError(f"parameters {self._names} were never gathered; unshard the module first")
@@ -324,12 +276,11 @@ class Unsharder:
             self.forward_only.note_registration(params)
 
     def register_sharded_params(self) -> None:
-        """Register the sharded (DTensor) parameters on their modules (raises as
-        :meth:`check_registered` does)."""
+        """Register the sharded DTensor parameters (raises as :meth:`check_registered` does)."""
         self.register(self.sharded_params)
 
     def registered_unsharded(self) -> bool:
-        """Whether the modules hold the unsharded parameters (all of them). A query."""
+        """Whether the modules hold the unsharded parameters (all of them)."""
         return self.registered is not None and self.registered is self.weights.unsharded_params
 
     def register(self, params: list[nn.Parameter]) -> None:

@@ -1,23 +1,19 @@
 """How a group's weights move between the optimizer's shard and the modules: its ``weights`` part.
 
-A :class:`~fsdp.group.param_group.ParameterGroup` drives the same cycle for every kind of
-weights (refresh after the optimizer stepped, gather, hand the unsharded parameters to the
-modules, free them) and leaves what is moved, and how, to its weights part:
+A :class:`~fsdp.group.param_group.ParameterGroup` drives the cycle (refresh after the optimizer,
+gather, hand the unsharded parameters to the modules, free); its part decides what moves:
 
-* :class:`BufferWeights` (here, the default): the weights are DBuffers. A gather casts ``main``
-  (the group's, which the optimizer updates) straight into this rank's row of its target, as
-  FSDP2's copy-in does, and all-gathers in place: into ``unsharded`` (flat layouts) or into
-  ``gathered``, copied out into ``unsharded`` (FSDP2's chunked layout); the modules compute with
-  views of ``unsharded``. Where a gather cannot write its own row (HFSDP, host offload, ``Owned``
-  buckets) it reads ``model``, the compute-dtype shard cast from ``main``.
-* :class:`fsdp.compose.extensions.SubclassWeights`: tensor-subclass parameters (float8, NF4):
-  the shards are pieces of the subclass itself and FSDP2's ``fsdp_pre_all_gather`` /
-  ``fsdp_post_all_gather`` make what is gathered and what the modules compute with.
+* :class:`BufferWeights` (default): DBuffers. A gather casts ``main`` straight into this rank's row
+  of its target, as FSDP2's copy-in does, and all-gathers in place: into ``unsharded`` (flat
+  layouts) or into ``gathered``, copied out into ``unsharded`` (the chunked layout). Where a gather
+  cannot write its own row (HFSDP, host offload, ``Owned`` buckets) it reads ``model``, the
+  compute-dtype shard cast from ``main``.
+* :class:`fsdp.compose.extensions.SubclassWeights`: tensor subclasses (float8, NF4), through
+  FSDP2's ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather``.
 
-The part never sees its group: it is built from :class:`~fsdp.group.parts.WeightsParts` (what
-is fixed for its life) and given the main weights, dtypes and siblings at every :meth:`build`; it
-owns the buffers it creates and the unsharded parameters, so it hooks them for the unit
-(:meth:`install_grad_hooks`). The methods below are the whole contract.
+A part never sees its group: built from :class:`~fsdp.group.parts.WeightsParts` and given main
+weights, dtypes and siblings at :meth:`build`, it owns its buffers and the unsharded parameters,
+which it hooks for the unit. Its methods are the whole contract.
 """
 
 from __future__ import annotations
@@ -43,64 +39,48 @@ _VERSION = operator.attrgetter("_version")  # summed at every refresh: no Python
 
 
 class BufferWeights:
-    """Weights held in DBuffers (see the module docstring for the buffers and their moves).
-
-    ``model`` is ``main`` itself when dtype and placements agree (no copy, no cast). Otherwise a
-    gather that can casts ``main`` into its own row of the target (:attr:`casts_into_gather`) and
-    ``model`` holds no storage; else ``model`` is a cast of ``main`` kept between steps, or with
-    ``persistent_param_shard=False`` a temporary cast before each gather (:attr:`lean_model`).
-    Under HFSDP the model shard sits at other placements than ``main``
-    (:attr:`GroupPlacements.model <fsdp.group.members.GroupPlacements>`) and a refresh casts
-    ``main`` into ``cast_main`` and all-gathers that over the replicate axis."""
+    """Weights held in DBuffers: a gather casts ``main`` into this rank's row of its target, as
+    FSDP2's copy-in (:attr:`casts_into_gather`), and all-gathers in place into ``unsharded`` or, for
+    FSDP2's chunked layout, into ``gathered``, copied out. Where it cannot write its own row (HFSDP,
+    host offload, ``Owned`` buckets) it reads ``model``: ``main`` if dtype and placements agree,
+    else a cast kept between steps or, with ``persistent_param_shard=False``, per gather
+    (:attr:`lean_model`). HFSDP's refresh gathers it over the replicas (from ``cast_main``)."""
 
     dtype_fixed: Optional[str] = None  # module.to(dtype) is allowed
-    # The plan's routes, taken by build() / replanned(): a gather casts main into its own row
-    # (GatherSource.OWN_ROW); no model shard is kept between gathers (lean: nothing to refresh,
-    # the model shard is not main); the refresh casts the model shard, which fsdp.optim's step
-    # may write instead (ModelRefresh.CAST); HFSDP's refresh gathers it over the replicas; no_shard
-    # under offload uploads the unsharded weights at the refresh.
+    # The plan's routes, set by replanned() (step_writes_model: fsdp.optim's step casts model).
     casts_into_gather = False
     lean_model = False
     step_writes_model = False
     _refresh: ModelRefresh = ModelRefresh.NONE
     _uploads_at_refresh = False
-    # The model shard's storage goes while the unsharded weights stay gathered (its plan lifetime
-    # ends at a forward or a gather: release_model_shard); a lean one on the host waits for the
-    # upload that read it first.
     _frees_model_when_kept = False
     _settles_before_freeing_lean = False
-    # FSDP2's set_keep_unsharded_storage: a reshard keeps the unsharded (and gathered) storage, so
-    # their data pointers stay the same across steps (CUDA graph capture), for their memory.
+    # FSDP2's set_keep_unsharded_storage: reshard keeps the storage (fixed pointers: CUDA graphs).
     keep_unsharded_storage = False
 
     def __init__(self, parts: WeightsParts) -> None:
         self.parts = parts
-        self.main: Optional[DBuffer] = None  # the group's main weights, dtypes and siblings: from build()
+        self.main: Optional[DBuffer] = None
         self.dtypes: Optional[Dtypes] = None
         self.siblings: Optional[Siblings] = None
         self.hooks = GradHooks()
         self.model: Optional[DBuffer] = None
         self.unsharded: Optional[DBuffer] = None
-        # The all-gather's target when the layout copies out of it (else gathers land in ``unsharded``).
-        self.gathered: Optional[DBuffer] = None
+        self.gathered: Optional[DBuffer] = None  # the all-gather's target if the layout copies out
         self.cast_main: Optional[DBuffer] = None  # HFSDP: main cast to the compute dtype, gathered from
         self.unsharded_params: Optional[list[nn.Parameter]] = None
-        self._init_buffer: Optional[DBuffer] = None  # full main-dtype weights during init_weights
+        self._init_buffer: Optional[DBuffer] = None
         self._version_before_gather = 0
-        self._row: Optional[DBuffer] = None  # the gather's own row, cast from main by begin_gather
+        self._row: Optional[DBuffer] = None
         self._row_of: Optional[tuple[DBuffer, DBuffer]] = None  # (target, its own row): a view, made once
-
-    # ------------------------------------------------------------------ building
 
     def fill(self, tensors: list[torch.Tensor]) -> None:
         """Copy this rank's part of every (identically initialised) full tensor into ``main``."""
         self.parts.layout.fill(self.main, tensors)
 
     def build(self, plan: GroupPlan, main: DBuffer, dtypes: Dtypes, siblings: Siblings) -> None:
-        """``model``, ``unsharded`` and the unsharded parameters (views of it, hooked) for the
-        group's ``main`` weights in ``dtypes``, to run ``plan``'s routes; with a layout that
-        copies, also ``gathered`` (storage only while a gather lands). Their values come from
-        the next refresh / gather."""
+        """Make ``model``, ``unsharded`` (with hooked parameter views) and, for a copying layout,
+        ``gathered`` for ``main`` by ``plan``; values come at the next refresh / gather."""
         p, d, pl = self.parts, dtypes, self.parts.placements
         self.main, self.dtypes, self.siblings = main, dtypes, siblings
         self.cast_main = None
@@ -136,21 +116,15 @@ class BufferWeights:
         p = self.parts
         return [nn.Parameter(t, requires_grad=p.requires_grad) for t in p.layout.views(self.main, p.kind, tuple(p.placements.sharded[:-1]))]
 
-    # ------------------------------------------------------------------ the model shard
-
     def version_key(self) -> int:
-        """Changes when an in-place op autograd sees updates a parameter (``load_state_dict``, a
-        for-loop optimizer). Foreach ops on DTensors do not bump it, hence also the group's
-        unsharder's ``mark_stale``, called after every ``torch.optim`` optimizer step. Checked first, as at
-        every refresh: no local tensor got FSDP2's extension methods after ``fully_shard``
-        (:func:`_check_no_late_extension`)."""
+        """Bumped by in-place ops autograd sees on a parameter (not foreach DTensor ops: hence
+        ``mark_stale`` after ``torch.optim`` steps); runs :func:`_check_no_late_extension`."""
         params = self.parts.sharded_params
         _check_no_late_extension(self.parts.infos, params)
         return sum(map(_VERSION, params)) + self.main.local_buffer._version
 
     def replanned(self, plan: GroupPlan) -> None:
-        """Take the routes of ``plan`` (see the class attributes): at build, and when the
-        group compiles its plan again."""
+        """Take ``plan``'s routes (see the class attributes): at build and at every recompile."""
         self._refresh = plan.model_refresh
         self.casts_into_gather = plan.gather_source is GatherSource.OWN_ROW
         self.lean_model = plan.model_refresh is ModelRefresh.NONE and self.model is not self.main
@@ -161,10 +135,8 @@ class BufferWeights:
         self._settles_before_freeing_lean = self.lean_model and plan.config.residence is ResidenceKind.HOST
 
     def _release_lean_model(self) -> None:
-        """Free a lean model shard once its gather has landed. Under host offload it is a host
-        buffer the gather's non-blocking upload read (:mod:`fsdp.compose.offload`): that copy
-        is settled first: the host never frees or writes a host buffer a copy may still read
-        (the offload part's ordering rule; this device's allocator is not relied on for it)."""
+        """Free a lean model shard once its gather landed; under host offload, first settle the
+        upload that read it (:mod:`fsdp.compose.offload`: never free a host buffer a copy reads)."""
         if self.lean_model:
             if self._settles_before_freeing_lean:
                 self.parts.offload.settle()
@@ -177,23 +149,16 @@ class BufferWeights:
         self.main.cast(self.dtypes.model, out=self.model)
 
     def release_model_shard(self) -> None:
-        """The unsharded weights stay gathered from now until the main weights change (a unit
-        that keeps them after forward, e.g. the root; ZeRO-1/2 after their gather): nothing reads
-        the persistent model shard before the optimizer writes it again, so its storage goes now
-        (``shard numel x param_dtype size``, alive at the backward peak otherwise). Should a
-        gather come first after all (``reshard()``, micro-batches), it casts the shard again from
-        the main weights: the same values, as ``persistent_param_shard=False`` does every time.
-        Kept under HFSDP, where only a collective rebuilds it, and under offload (the plan's
-        lifetime of the model shard says which)."""
+        """While the unsharded weights stay gathered until ``main`` changes (root, ZeRO-1/2), free
+        the model shard: nothing reads it before the step rewrites it (lowers the backward peak).
+        A gather that comes anyway (``reshard()``) casts it again from ``main``: the same values."""
         if self._frees_model_when_kept and not self.model.is_storage_released():
             self.model.release_storage()
 
     @without_grad
     def refresh(self, model_current: bool) -> None:
-        """Bring the model shard up to date with the main weights: a local cast (unless
-        ``model_current``: the optimizer wrote it already, or it is ``main`` itself), or HFSDP's
-        cast and all-gather over the replicate axis; ``no_shard`` under offload uploads it
-        straight into the unsharded weights."""
+        """Update the model shard from ``main``: a local cast (unless ``model_current``: the step
+        wrote it) or HFSDP's replica gather; offloaded ``no_shard`` uploads into ``unsharded``."""
         offload, route = self.parts.offload, self._refresh
         offload.settle()  # an upload may still read model
         if route is ModelRefresh.CAST:
@@ -205,25 +170,19 @@ class BufferWeights:
         if self._uploads_at_refresh:
             offload.upload(self.model, out=self.unsharded)  # no_shard: nothing to gather
 
-    # ------------------------------------------------------------------ gather
-
     def has_unsharded(self) -> bool:
         return not self.unsharded.is_storage_released()
 
     @property
     def shares_gather(self) -> bool:
-        """Whether a unit may gather this part together with its other groups in one collective
-        (:class:`~fsdp.group.shared_gather.SharedGather`): when its gather lands in rows that
-        the layout copies out of anyway (FSDP2's chunked layout), not straight in the parameters."""
+        """Whether the unit may gather this part with its other groups in one collective
+        (:class:`~fsdp.group.shared_gather.SharedGather`): into rows the layout copies from."""
         return self.gathered is not None
 
     def begin_gather(self, kind: GatherKind = GatherKind.OWN) -> Optional[DBuffer]:
-        """Before a gather of ``kind``, on the compute stream: unless it is ``SHARED`` (one
-        collective with the unit's other groups, whose buffers it has), the target gets storage
-        and is returned: the gathered buffer if the layout copies out of it, else the unsharded
-        weights themselves. If the gather reads this rank's shard (not ``POST_FORWARD_SLICE``),
-        the main weights are cast into the target's own row (:attr:`casts_into_gather`), or a
-        released model shard is cast again."""
+        """Before a gather of ``kind``, on the compute stream: unless ``SHARED``, allocate and
+        return the target. A gather from this rank's shard (not ``POST_FORWARD_SLICE``) gets
+        ``main`` cast into its own row (:attr:`casts_into_gather`) or the model shard recast."""
         self._version_before_gather = self.unsharded.local_buffer._version
         from_shard, own_target = kind is not GatherKind.POST_FORWARD_SLICE, kind is not GatherKind.SHARED
         into_row = from_shard and own_target and self.casts_into_gather
@@ -239,17 +198,14 @@ class BufferWeights:
         return target
 
     def _own_row(self, target: DBuffer) -> DBuffer:
-        """This rank's row of ``target`` (a local scatter: a view), made at the first gather into
-        ``target``: releasing and reallocating its storage keeps the storage object the view reads."""
+        """This rank's row of ``target``: a view made once, valid across release/reallocate."""
         if self._row_of is None or self._row_of[0] is not target:
             self._row_of = (target, target.scatter(target.mesh.ndim - 1))
         return self._row_of[1]
 
     def gather_source(self) -> DBuffer:
-        """The sharded compute weights a gather reads: the target's own row that
-        :meth:`begin_gather` cast the main weights into (the gather runs in place), else
-        ``model``, or under offload its copy on the compute device (uploaded now, on the current
-        stream: the gather's)."""
+        """The sharded weights a gather reads: the own row :meth:`begin_gather` cast into (an
+        in-place gather), else ``model``, under offload uploaded now on the gather's stream."""
         row, self._row = self._row, None
         if row is not None:
             return row
@@ -261,14 +217,10 @@ class BufferWeights:
 
     @without_grad
     def end_gather(self, refill: bool, rows: Optional[torch.Tensor] = None) -> None:
-        """After the gather has landed: free the temporaries it read, and let a layout that
-        copies move the gathered pieces (from ``rows``, where a gather shared with other groups
-        landed, else from ``gathered``) into the unsharded parameters, which get their storage
-        only now (as FSDP2's copy-out allocates them: a gather in flight, a prefetch, holds the
-        gathered buffer alone, not both). ``refill``: the gather restored weights freed at
-        reshard (ZeRO-3), values autograd may have saved in forward: not a modification, so the
-        version counter is put back (DBuffer's refill guard covers the collective, this the
-        copy-out)."""
+        """After the gather landed: free what it read; copy ``rows`` (a shared gather's) or
+        ``gathered`` out into ``unsharded``, allocated only now so a prefetch holds one buffer
+        (FSDP2's order). ``refill`` (weights freed at reshard, which autograd may have saved): not a
+        modification, so restore the version counter."""
         layout = self.parts.layout
         self.parts.offload.release_upload()
         self._release_lean_model()  # after the upload from it settled, under host offload
@@ -283,35 +235,27 @@ class BufferWeights:
             torch._C._autograd._unsafe_set_version_counter((self.unsharded.local_buffer,), (self._version_before_gather,))
 
     def free_unsharded(self) -> None:
-        """After a reshard: release the unsharded storage (the next gather allocates it again),
-        unless :attr:`keep_unsharded_storage`, when the next gather refills it in place."""
+        """After a reshard: release the unsharded storage unless :attr:`keep_unsharded_storage`."""
         if not self.keep_unsharded_storage and not self.unsharded.is_storage_released():
             self.unsharded.release_storage()
 
     def release_unsharded_tail(self, tail: ForwardOnlyTail) -> bool:
-        """Free the unsharded storage from ``tail``'s first parameter on (the rest stays, for
-        backward: :mod:`fsdp.group.forward_only`); False, freeing nothing, where the storage is
-        kept between gathers (``keep_unsharded_storage``)."""
+        """Free the unsharded storage from ``tail``'s first parameter on (the rest is for backward:
+        :mod:`fsdp.group.forward_only`); False, freeing nothing, if ``keep_unsharded_storage``."""
         if self.keep_unsharded_storage or self.unsharded_params is None or not self.has_unsharded():
             return False
         return tail.release(self.unsharded.local_buffer, self.unsharded_params)
 
     def keep_slice(self, post: PostForwardSlice) -> None:
-        """Let ``post`` (:mod:`fsdp.compose.post_forward`) keep its slice of the gathered
-        weights: copied out of the gathered buffer (flat), or rebuilt from the unsharded
-        parameters (a layout that copies has freed it)."""
+        """Let ``post`` (:mod:`fsdp.compose.post_forward`) keep its slice of the gathered weights."""
         if self.gathered is None:
             post.keep()
         else:
             fill = self.parts.layout.fill_slice
             post.keep(fill=lambda out, start, end: fill(self.unsharded, out, start, end))
 
-    # ------------------------------------------------------------------ init_weights
-
     def init_params(self) -> list[nn.Parameter]:
-        """Full plain parameters in the main dtype for an init function to fill: the main
-        weights themselves when they are replicated (``no_shard``), otherwise a temporary
-        replicated buffer of this group only, never of the whole model."""
+        """Full main-dtype parameters to initialise: ``main`` if replicated, else a temporary."""
         p, main = self.parts, self.main
         if p.strategy.shard_optim:
             self._init_buffer = p.layout.unsharded_buffer(main, p.placements.replicated, self.dtypes.main, main.device, True)
@@ -320,16 +264,14 @@ class BufferWeights:
 
     @without_grad
     def commit_init(self, commit: bool) -> None:
-        """Keep this rank's part of the initialised full weights (a local copy, no
-        communication) and drop the temporary buffer; ``commit=False`` only drops it."""
+        """Keep this rank's part of the initialised weights (if ``commit``), drop the temporary."""
         buf, self._init_buffer = self._init_buffer, None
         if commit and buf is not None:
             self.fill([buf.get_local_tensor(k) for k in range(len(self.parts.infos))])
 
 
 class GradHooks:
-    """The unit's gradient hook of each unsharded parameter (``hook_for(k)``), registered on
-    the parameters a weights part makes, now and whenever it makes them again."""
+    """The unit's gradient hook of each unsharded parameter (``hook_for(k)``), on remade ones too."""
 
     def __init__(self) -> None:
         self.hook_for: Optional[Callable[[int], Callable[[torch.Tensor], None]]] = None
@@ -348,11 +290,10 @@ class GradHooks:
 
 
 def _check_no_late_extension(infos: list, sharded_params: list[nn.Parameter]) -> None:
-    """A plain parameter whose local tensor was given FSDP2's ``fsdp_pre_all_gather`` (or
-    ``fsdp_post_all_gather``) after ``fully_shard``: its shard is the row-atomic layout's rows,
-    not the padded ``torch.chunk`` piece the protocol assumes, so raise (before any gather)
-    rather than silently gather plain values. Tensor subclasses get the protocol: see
-    :mod:`fsdp.compose.extensions`. Checked at every refresh (a few attribute lookups per parameter)."""
+    """Raise TypeError before any gather if a plain parameter's local tensor got FSDP2's
+    ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather`` after ``fully_shard``: its shard is
+    row-atomic, not the padded ``torch.chunk`` piece the protocol assumes
+    (:mod:`fsdp.compose.extensions`)."""
     for info, p in zip(infos, sharded_params):
         local = getattr(p, "_local_tensor", p)
         if hasattr(local, "fsdp_pre_all_gather") or hasattr(local, "fsdp_post_all_gather"):

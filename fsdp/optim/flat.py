@@ -1,28 +1,11 @@
 """Optimizer steps over the flat shards (Megatron's distributed optimizer), opt-in.
 
-Why: ``torch.optim`` steps the sharded DTensor parameters one by one, and when the main grads are
-in another dtype than the main weights (``MixedPrecisionPolicy(main_grads_dtype=torch.bfloat16)``)
-it needs ``param.grad`` in the parameter's dtype, so a full-size FP32 copy of every gradient shard
-exists at the step and the BF16 main grads save nothing there. :class:`FlatOptimizer` steps each
-:class:`~fsdp.group.param_group.ParameterGroup` as one flat tensor instead:
-
-* the FP32 main weights are the group's local buffer, updated in place by torch's own functional
-  kernels (``torch.optim.adam.adam``, ``torch.optim.sgd.sgd``), so the arithmetic per element is
-  torch's;
-* BF16 main grads are upcast ``chunk_numel`` elements at a time into one FP32 workspace (no FP32
-  copy of the shard; ``param.grad`` stays None for such groups);
-* a kept compute-dtype model shard (host offload, ``Owned`` buckets: where a gather cannot cast
-  into its own row) is written from each updated chunk in the same pass;
-* the state is one flat tensor per state name and group, laid out like the main weights, in the
-  main weights' dtype or in ``state_dtype`` (BF16: Megatron's precision-aware optimizer, half the
-  state's memory; each chunk upcast into FP32 workspaces, stepped, rounded back); under
-  ``fsdp.OptimizerStateOffloadPolicy`` a host tensor, streamed through the device (or the
-  weights and grads through the host) chunk by chunk (:mod:`fsdp.optim.offloaded`).
-
-Per-parameter step counts are kept (a parameter without a gradient is skipped, as in torch), so
-runs of parameters with equal counts are stepped together. Limits (checked): param groups hold
-whole fsdp groups; ``state_dict()`` holds this rank's flat shard (same world size and layout
-only). User guide: fsdp/README.md, "Mixed precision and memory".
+Why: ``torch.optim`` steps the sharded parameters one by one and needs ``param.grad`` in the
+parameter's dtype, so with BF16 main grads a full-size FP32 copy of every gradient shard exists at
+the step. :class:`FlatOptimizer` steps each group's FP32 main weights as one flat tensor with
+torch's functional kernels, ``chunk_numel`` elements at a time, upcasting BF16 grads into one FP32
+workspace and writing a kept model shard in the same pass; the state is one flat tensor per name and
+group (host-side: :mod:`fsdp.optim.offloaded`). Guide: fsdp/README.md, "Mixed precision and memory".
 """
 
 from __future__ import annotations
@@ -42,7 +25,6 @@ from fsdp.optim.offloaded import flat_offloaded_step, rehome_flat
 __all__ = ["FlatAdam", "FlatAdamW", "FlatOptimizer", "FlatSGD", "flat_optimizer"]
 
 
-
 @dataclass(frozen=True)
 class _Run:
     """Contiguous parameters with the same step count: one kernel call per chunk."""
@@ -54,43 +36,28 @@ class _Run:
 
 
 class FlatOptimizer(torch.optim.Optimizer):
-    """``optimizer_class`` (``torch.optim.AdamW``, ``Adam`` or ``SGD``) stepping every fsdp group
-    of ``params`` as one flat tensor; see the module docstring for what that saves.
+    """``optimizer_class`` (``torch.optim.AdamW``, ``Adam`` or ``SGD``) stepping every fsdp group of
+    ``params`` as one flat tensor (module docstring).
 
-    ``params``: a sharded module, its parameters, or param-group dicts (``{"params": [...],
-    "lr": ...}``) each holding whole fsdp groups; frozen parameters are skipped. ``options``
-    (``lr``, ``betas``, ``weight_decay``, ``foreach``, ...) are ``optimizer_class``'s, validated and
-    defaulted by it. ``chunk_numel``: elements per kernel call, which bounds the temporaries of a
-    step (the upcast gradient and the kernel's own, e.g. Adam's denominator); default: the largest
-    local piece of one parameter, so they never exceed what torch.optim's per-parameter step makes;
-    under ``fsdp.OptimizerStateOffloadPolicy`` also the piece of state (or of weights and grads)
-    streamed between host and device at a time.
-    ``state_dtype``: the dtype the state tensors (Adam's moments, SGD's momentum) are kept in;
-    None (default): the main weights' dtype, as torch.optim. ``torch.bfloat16`` halves the state's
-    memory: each chunk is upcast into FP32 workspaces, stepped by the same kernel, and rounded
-    back to nearest (Megatron's ``exp_avg_dtype``/``exp_avg_sq_dtype``; the results then differ
-    from torch.optim by that rounding).
-    ``param_groups`` are one per dict, with ``params`` the groups' flat main-weight buffers, so LR
-    schedulers work unchanged. Build it after ``fully_shard`` and after any ``module.to(dtype)``.
+    ``params``: a sharded module, its parameters, or param-group dicts each holding whole fsdp
+    groups (frozen parameters skipped); one param group per dict, so LR schedulers work unchanged.
+    ``options``: ``optimizer_class``'s, validated by it; ``fused``/``foreach`` unset: fused on CUDA
+    (:func:`~fsdp.optim.flat_kernels.fused_by_default`). ``chunk_numel``: elements per kernel call
+    (and per host copy when offloaded), bounding the temporaries; default: one parameter's largest
+    local piece, as torch.optim. ``state_dtype``: None (the main weights' dtype), float32, or
+    ``torch.bfloat16`` (half the state's memory; chunks are upcast, stepped and rounded back to
+    nearest). Build it after ``fully_shard`` and any ``module.to(dtype)``; ``state_dict()`` holds
+    this rank's flat shard (same world size and layout only).
 
-    Raises ``TypeError`` for another ``optimizer_class``, a single tensor, a parameter not sharded
-    by fsdp that requires grad, or an unsharded (gathered) parameter; ``ValueError`` for no
-    trainable sharded parameter, a ``chunk_numel`` that is not a positive int, a ``state_dtype``
-    other than None, float32 or bfloat16 (or with ``fsdp.OptimizerStateOffloadPolicy``), or an
-    fsdp group split across param groups or passed in part (put such parameters in their own
-    :class:`fsdp.Bucket`).
+    Raises ``TypeError`` for another ``optimizer_class``, a single tensor, a trainable parameter not
+    sharded by fsdp, or an unsharded (gathered) one; ``ValueError`` for no trainable sharded
+    parameter, a ``chunk_numel`` that is not a positive int, a ``state_dtype`` other than None,
+    float32 or bfloat16 (or with offloaded state), or an fsdp group split across param groups or
+    passed in part (give it its own :class:`fsdp.Bucket`).
 
-    ``fused``/``foreach`` left unset: on CUDA torch's fused kernel, one call per run of parameters
-    (no chunks where nothing is upcast), since the step is bandwidth-bound there
-    (:func:`~fsdp.optim.flat_kernels.fused_by_default`); elsewhere torch.optim's own choice.
-
-    Guarantees: with the same implementation as ``torch.optim`` (on the CPU by default), every
-    element sees the sequence of torch ops ``torch.optim`` applies to the sharded parameters, so
-    results equal ``torch.optim`` on the same model bit for bit wherever the kernels round the
-    same regardless of an element's position (tested: CPU, fp32, AdamW, Adam with
-    amsgrad, SGD with Nesterov momentum), and to rounding otherwise; no FP32 tensor the size of a
-    gradient shard is made for BF16 main grads. ``clip_grad_norm_`` clips what it steps;
-    ``zero_grad()`` drops the main grads of groups whose ``param.grad`` stays None.
+    With torch.optim's implementation (the CPU default) and state dtype, results match it bit for
+    bit where the kernels round independently of position, else to rounding. ``clip_grad_norm_``
+    clips what it steps; ``zero_grad()`` drops the main grads of groups whose ``param.grad`` is None.
     """
 
     def __init__(
@@ -162,12 +129,9 @@ class FlatOptimizer(torch.optim.Optimizer):
         elif state_dtype is not None:
             self.register_load_state_dict_post_hook(FlatOptimizer._recast_loaded)
 
-    # ------------------------------------------------------------------ step
-
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None):
-        """One optimizer step over every group's flat shard (``closure``: re-evaluates the loss,
-        as in torch.optim); returns the closure's loss, or None."""
+        """One step over every group's flat shard; returns the ``closure``'s loss, or None."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -180,9 +144,7 @@ class FlatOptimizer(torch.optim.Optimizer):
                 continue
             state = self._state_for(flat, group, opts)
             grads = group.grads.main_grad.local_buffer
-            # the model shard, written in this pass, unless it aliases main, is cast per gather or
-            # was released after its last gather (then the next refresh casts it whole: this pass
-            # may skip parameters without gradients, whose old values are gone)
+            # a released model shard is not written: the next refresh casts it whole
             model = None
             weights = group.weights
             if weights.step_writes_model and not weights.model.is_storage_released():
@@ -260,16 +222,15 @@ class FlatOptimizer(torch.optim.Optimizer):
                     self._state_for(flat, self._groups[id(flat)], opts)
 
     def _recast_loaded(self) -> None:
-        """After ``load_state_dict`` (which casts state to the parameters' dtype, torch's rule):
-        the state back in ``state_dtype``."""
+        """After ``load_state_dict`` (which casts to the parameters' dtype): to ``state_dtype``."""
         for state in self.state.values():
             for name, value in state.items():
                 if torch.is_tensor(value) and value.is_floating_point() and value.dtype != self._state_dtype:
                     state[name] = value.to(self._state_dtype)
 
     def _implementation(self, opts: dict, device: torch.device, on_device: bool) -> dict:
-        """``opts`` with torch's fused kernel chosen where the user left the choice to torch.optim
-        (``fused`` and ``foreach`` None) and :func:`fused_by_default` picks it for ``device``."""
+        """``opts``, fused where ``fused``/``foreach`` are None and :func:`fused_by_default`
+        agrees."""
         if (self._kernel.fusable and on_device and opts.get("fused") is None and opts.get("foreach") is None
                 and fused_by_default(device)):
             return {**opts, "fused": True}
@@ -292,11 +253,7 @@ class FlatOptimizer(torch.optim.Optimizer):
             t.copy_(states[name])  # rounded to nearest
 
     def bytes_per_step(self) -> int:
-        """The bytes a step with every parameter's gradient must read and write at least, on this
-        rank: each group's main weights read and written, its reduced gradients read (in their
-        own dtype: BF16 main grads are half of FP32's), its state read and written, a kept model
-        shard written. The floor of the step's memory traffic, to set a measured step time
-        against (bandwidth)."""
+        """The least bytes a full step reads and writes on this rank (its memory-traffic floor)."""
         total = 0
         for opts in self.param_groups:
             names = self._kernel.state_names(opts)
@@ -310,16 +267,11 @@ class FlatOptimizer(torch.optim.Optimizer):
                 total += numel * (2 * flat.element_size() + grad + 2 * len(names) * state + shard)
         return total
 
-    # ------------------------------------------------------------------ gradients
-
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> torch.Tensor:
-        """``torch.nn.utils.clip_grad_norm_`` over the gradients this optimizer steps, read where
-        the reduction left them (BF16 main grads upcast chunk by chunk; ``param.grad`` may be None
-        here, so torch's function would see nothing). Returns the total norm (a plain tensor, the
-        same on every rank). ``norm_type``: 2.0 or ``inf``. The pieces of every group are summed
-        (max for ``inf``) across its mesh's shard axis through DTensor: one small reduction per
-        group."""
+        """``torch.nn.utils.clip_grad_norm_`` over the gradients this optimizer steps
+        (``param.grad`` may be None); ``norm_type``: 2.0 or ``inf``. Returns the total norm, equal
+        on every rank."""
         if norm_type not in (2.0, float("inf")):
             raise ValueError(f"FlatOptimizer.clip_grad_norm_: norm_type must be 2.0 or inf, got {norm_type!r}")
         inf = norm_type == float("inf")
@@ -357,46 +309,35 @@ class FlatOptimizer(torch.optim.Optimizer):
                 group.grads.zero_grad_buffer()
 
 
-
 def flat_optimizer(params, optimizer_class: type = torch.optim.AdamW, **options: Any) -> FlatOptimizer:
     """``FlatOptimizer(params, optimizer_class, **options)``: the flat step of ``optimizer_class``
-    (``torch.optim.AdamW``, ``Adam`` or ``SGD``) over the fsdp groups of ``params`` (a sharded
-    module, its parameters or param-group dicts), with ``options`` for ``optimizer_class``.
-    Raises what :class:`FlatOptimizer` raises; guarantees what it guarantees."""
+    (``torch.optim.AdamW``, ``Adam`` or ``SGD``) over the fsdp groups of ``params``, with
+    ``options`` for it. Raises what :class:`FlatOptimizer` raises; guarantees what it guarantees."""
     return FlatOptimizer(params, optimizer_class, **options)
 
 
 class FlatAdamW(FlatOptimizer):
-    """:class:`FlatOptimizer` with ``torch.optim.AdamW``: ``FlatAdamW(model, lr=3e-4, weight_decay=0.1)``.
-
-    ``params``: a sharded module, its parameters, or param-group dicts each holding whole fsdp
-    groups; ``options``: ``torch.optim.AdamW``'s (validated by it). Raises and guarantees as
-    :class:`FlatOptimizer`: in fp32 the weights equal ``torch.optim.AdamW`` on the same model
-    bit for bit; ``state_dict()`` round-trips at the same world size and layout only."""
+    """:class:`FlatOptimizer` with ``torch.optim.AdamW``, e.g. ``FlatAdamW(model, lr=3e-4)``:
+    ``params`` and what it raises as there; ``options``: ``torch.optim.AdamW``'s. In fp32 the
+    weights equal ``torch.optim.AdamW``'s bit for bit."""
 
     def __init__(self, params, **options: Any) -> None:
         super().__init__(params, torch.optim.AdamW, **options)
 
 
 class FlatAdam(FlatOptimizer):
-    """:class:`FlatOptimizer` with ``torch.optim.Adam``.
-
-    ``params``: a sharded module, its parameters, or param-group dicts each holding whole fsdp
-    groups; ``options``: ``torch.optim.Adam``'s (validated by it). Raises and guarantees as
-    :class:`FlatOptimizer`: in fp32 the weights equal ``torch.optim.Adam`` on the same model
-    bit for bit; ``state_dict()`` round-trips at the same world size and layout only."""
+    """:class:`FlatOptimizer` with ``torch.optim.Adam``: ``params`` and what it raises as there;
+    ``options``: ``torch.optim.Adam``'s (validated by it). In fp32 the weights equal
+    ``torch.optim.Adam``'s bit for bit."""
 
     def __init__(self, params, **options: Any) -> None:
         super().__init__(params, torch.optim.Adam, **options)
 
 
 class FlatSGD(FlatOptimizer):
-    """:class:`FlatOptimizer` with ``torch.optim.SGD``.
-
-    ``params``: a sharded module, its parameters, or param-group dicts each holding whole fsdp
-    groups; ``options``: ``torch.optim.SGD``'s (validated by it). Raises and guarantees as
-    :class:`FlatOptimizer`: in fp32 the weights equal ``torch.optim.SGD`` on the same model
-    bit for bit; ``state_dict()`` round-trips at the same world size and layout only."""
+    """:class:`FlatOptimizer` with ``torch.optim.SGD``: ``params`` and what it raises as there;
+    ``options``: ``torch.optim.SGD``'s (validated by it). In fp32 the weights equal
+    ``torch.optim.SGD``'s bit for bit."""
 
     def __init__(self, params, **options: Any) -> None:
         super().__init__(params, torch.optim.SGD, **options)

@@ -1,10 +1,4 @@
-"""Which fsdp groups a :class:`fsdp.FlatOptimizer` steps, and where each parameter lies in them.
-
-:func:`param_specs` turns the optimizer's ``params`` (a module, parameters, param-group dicts)
-into whole fsdp groups per param group, refusing anything the flat step cannot update (with the
-fix); :func:`spans` finds each parameter's range in its group's flat buffers from the DTensor
-views fsdp registered; :func:`reduce_over_mesh` combines a per-rank partial norm.
-"""
+"""Which fsdp groups a :class:`fsdp.FlatOptimizer` steps, and where each parameter lies in them."""
 
 from __future__ import annotations
 
@@ -23,12 +17,12 @@ __all__ = ["Span", "param_specs", "reduce_over_mesh", "spans"]
 
 @dataclass(frozen=True)
 class Span:
-    """Parameter ``k``'s elements in the group's local buffers."""
+    """Parameter ``k``'s elements: ``start`` in main (and model), ``grad_start`` in main_grad."""
 
     k: int
-    start: int  # in main (and model) local buffers
+    start: int
     numel: int
-    grad_start: int  # in main_grad's local buffer
+    grad_start: int
 
 
 def param_specs(params) -> list[tuple[dict, list[ParameterGroup]]]:
@@ -94,9 +88,7 @@ def param_specs(params) -> list[tuple[dict, list[ParameterGroup]]]:
 
 
 def reduce_over_mesh(local: torch.Tensor, group: ParameterGroup, op: str) -> torch.Tensor:
-    """``local`` (this rank's share) combined over the axes where ``group``'s main weights are
-    sharded (replicated axes hold copies: counted once), as DTensor does for a Partial; on
-    ``local``'s device."""
+    """``local`` combined over the axes where ``group``'s main weights are sharded."""
     from torch.distributed.tensor import Partial, Replicate
 
     placements = [Replicate() if isinstance(p, Replicate) else Partial(op) for p in group.main.placements]
@@ -111,8 +103,7 @@ def _group_of(p: torch.Tensor) -> Optional[ParameterGroup]:
 
 
 def spans(group: ParameterGroup) -> list[Span]:
-    """Each parameter's range in the main (model) and main-grad local buffers, found from the
-    DTensor views fsdp registered (so every layout, chunked or owned, is handled alike)."""
+    """Each parameter's range in the main and main-grad buffers, read from its DTensor views."""
     if not isinstance(group.weights, BufferWeights):
         raise ValueError(
             f"FlatOptimizer: parameters {group.names()} are tensor subclasses (all-gather extensions), "

@@ -1,6 +1,4 @@
-"""What :class:`fsdp.optim.flat.FlatOptimizer` runs on each chunk of a flat shard: torch's own
-functional kernels (``torch.optim.adam.adam``, ``torch.optim.sgd.sgd``), the workspaces that
-upcast a chunk for them, and the one device decision of the step (:func:`fused_by_default`)."""
+"""What :class:`fsdp.optim.flat.FlatOptimizer` runs per chunk: torch's functional kernels."""
 
 from __future__ import annotations
 
@@ -11,8 +9,7 @@ from torch.optim.sgd import sgd as _sgd
 
 
 class Workspace:
-    """One buffer per upcast tensor (the gradient chunk, each state chunk under ``state_dtype``),
-    no longer than a chunk, alive for one step, allocated by its first upcast."""
+    """One chunk-sized buffer per upcast tensor for one step, allocated by its first upcast."""
 
     def __init__(self, numel: int) -> None:
         self.numel = numel
@@ -28,15 +25,9 @@ class Workspace:
 
 
 def fused_by_default(device: torch.device) -> bool:
-    """Whether a flat step on ``device`` that the user left to torch.optim's choice (``fused`` and
-    ``foreach`` None) runs torch's fused kernel: on CUDA, where the step is bandwidth-bound and
-    one kernel per run reads and writes each byte once (the for-loop and foreach paths launch
-    about ten passes over every chunk); elsewhere torch.optim's own default, so that the weights
-    equal ``torch.optim`` bit for bit. The one device decision of the step: a test drives it."""
+    """Whether a flat step on ``device`` left to torch.optim's choice is fused: on CUDA, where it is
+    bandwidth-bound; elsewhere torch.optim's default, equal bit for bit. A test drives it."""
     return device.type == "cuda"
-
-
-# ---------------------------------------------------------------------- kernels
 
 
 class _AdamKernel:
@@ -81,8 +72,7 @@ class _AdamKernel:
 
 
 class _SGDKernel:
-    """torch.optim.SGD through ``torch.optim.sgd.sgd``; the momentum buffer starts as the first
-    gradient (torch's rule), so a parameter's first step passes None and keeps what torch made."""
+    """torch.optim.SGD; a parameter's first step passes None, then copies the buffer torch made."""
 
     fusable = False  # torch.optim's own choice stands
 

@@ -1,42 +1,22 @@
 """Muon for 2-D weights, AdamW for the rest, on whole tensors or on dbuffer ``Owned()`` pieces.
 
-Muon (Jordan et al., 2024) keeps a momentum buffer per weight matrix and steps along the
-momentum's approximate orthogonalisation: a few Newton–Schulz iterations push every singular
-value of the (normalised) matrix towards 1. That needs the *whole* matrix, which a row-sharded
-(ZeRO / FSDP ``Shard(0)``) parameter does not have on any rank. Under dbuffer's ``Owned()``
-placement each matrix lives whole on one rank, its owner: the owner steps it alone, with no
-communication, and the other ranks hold 0 rows of it and skip it. Gradients reach the owner by
-the usual reduce-scatter (``Partial -> Owned``) and weights return to every rank by the usual
-all-gather (``Owned -> Replicate``), exactly the traffic of ZeRO-3.
+Muon (Jordan et al., 2024) steps along the approximate orthogonalisation of each weight matrix's
+momentum, which needs the *whole* matrix: no rank has it under ``Shard(0)``. Under dbuffer's
+``Owned()`` each matrix lives whole on its owner, which steps it alone; the others hold 0 rows and
+skip it, and the traffic is ZeRO-3's. :class:`Muon` touches ``_local_tensor`` only, so it never
+communicates; its state is laid out like each parameter, so it checkpoints with DCP like them, and
+an Owned run equals a single-device run bit for bit (tests/fsdp/test_muon.py).
 
-:class:`Muon` works on
+Updates, for ``W`` of shape ``(rows, cols)`` with gradient ``G``:
 
-* plain tensors (one device, or replicated data parallelism);
-* DTensor parameters whose local piece is the whole tensor or nothing (views from
-  :meth:`dbuffer.DBuffer.get_dtensor` of an ``Owned()`` buffer, or replicated DTensors), with
-  DTensor gradients laid out the same way. It reads and writes ``_local_tensor`` only, so it
-  never communicates; the AdamW part is elementwise and also accepts any row-sharded piece.
-
-State is laid out like each parameter on every rank (DTensors for DTensor parameters, with 0
-rows on the ranks that do not own the tensor), so it checkpoints and reshards with DCP like the
-parameters. Step math is per tensor and the same on both kinds, so an Owned run equals a
-single-device run bit for bit whenever the gradients do (tests/fsdp/test_muon.py).
-
-Update rules, for a weight ``W`` of shape ``(rows, cols)`` with gradient ``G``:
-
-* Muon: ``B <- lerp(B, G, 1 - momentum)`` (an exponential average; Newton–Schulz normalises
-  away its scale), ``U = lerp(G, B, momentum)`` with ``nesterov`` else ``B``,
-  ``O = NS(U)`` (:func:`newton_schulz`: ``ns_steps`` quintic iterations in ``ns_dtype``, fp32 by
-  default), ``W <- W * (1 - lr * weight_decay) - lr * scale * O`` with ``scale =
-  sqrt(max(1, rows / cols))`` (``adjust_lr="original"``, Keller Jordan's scaling and torch's
-  default) or ``0.2 * sqrt(max(rows, cols))`` (``"match_rms_adamw"``, Moonshot's: the update's
-  RMS matches AdamW's, so AdamW's lr and weight decay carry over).
-* AdamW (Loshchilov & Hutter), for every parameter that is not 2-D (or a group with
-  ``use_muon=False``), with ``adamw_lr`` scaled by ``lr / base_lr`` (``base_lr``: the group's
-  lr when it was added), so that an lr scheduler moves both parts together and ``lr=0`` freezes
-  the whole group: ``W <- W * (1 - adamw_lr * adamw_weight_decay)``, ``m <- lerp(m, G,
-  1 - beta1)``, ``v <- beta2 v + (1 - beta2) G^2``, ``W <- W - adamw_lr / (1 - beta1^t) * m /
-  (sqrt(v) / sqrt(1 - beta2^t) + adamw_eps)``.
+* Muon: ``B <- lerp(B, G, 1 - momentum)``, ``U = lerp(G, B, momentum)`` if ``nesterov`` else ``B``,
+  ``W <- W * (1 - lr * weight_decay) - lr * scale * NS(U)`` (:func:`newton_schulz`), ``scale =
+  sqrt(max(1, rows / cols))`` (``adjust_lr="original"``) or ``0.2 * sqrt(max(rows, cols))``
+  (``"match_rms_adamw"``, Moonshot's: AdamW's lr and weight decay carry over).
+* AdamW for the rest, ``adamw_lr`` scaled by ``lr / base_lr`` (the group's lr when added) so an lr
+  scheduler moves both parts: ``m <- lerp(m, G, 1 - beta1)``, ``v <- beta2 v + (1 - beta2) G^2``,
+  ``W <- W * (1 - adamw_lr * adamw_weight_decay) - adamw_lr / (1 - beta1^t) * m / (sqrt(v) /
+  sqrt(1 - beta2^t) + adamw_eps)``.
 """
 
 from __future__ import annotations
@@ -49,9 +29,8 @@ from torch.distributed.tensor import DTensor, Partial
 
 __all__ = ["NS_COEFFICIENTS", "Muon", "newton_schulz"]
 
-# (a, b, c) of the quintic X <- a X + b (X X^T) X + c (X X^T)^2 X used by public Muon
-# implementations: the slope at 0 is large (fast growth of small singular values) at the price of
-# singular values ending near, not at, 1 (roughly 0.7 to 1.2 after 5 steps).
+# (a, b, c) of the quintic X <- a X + b (X X^T) X + c (X X^T)^2 X of public Muon implementations:
+# a large slope at 0 grows small singular values fast, at the price of ending near 1, not at it.
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 
 _ADJUST_LR = ("original", "match_rms_adamw")
@@ -65,13 +44,9 @@ def newton_schulz(
     eps: float = 1e-7,
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """The approximate orthogonalisation of the matrix ``m``, as a new ``dtype`` tensor.
-
-    ``m`` is divided by its Frobenius norm (at least ``eps``), so every singular value lies in
-    [0, 1], then ``steps`` quintic iterations map each singular value ``s`` to ``a s + b s^3 +
-    c s^5`` while keeping the singular vectors. A wide orientation is used (rows <= cols, tall
-    matrices are transposed and back), so the Gram matrix ``X X^T`` is the smaller one.
-    """
+    """The approximate orthogonalisation of the matrix ``m``, as a new ``dtype`` tensor: ``m`` over
+    its norm (at least ``eps``), then ``steps`` quintic iterations ``s -> a s + b s^3 + c s^5`` of
+    each singular value; tall matrices are transposed."""
     if m.dim() != 2:
         raise ValueError(f"newton_schulz needs a 2-D matrix, got shape {tuple(m.shape)}")
     a, b, c = coefficients
@@ -88,25 +63,21 @@ def newton_schulz(
 
 
 class Muon(torch.optim.Optimizer):
-    """Muon for 2-D parameters, AdamW for the others (see the module docstring for the math).
+    """Muon for 2-D parameters, AdamW for the others (the math: module docstring).
 
     Args:
-        params: tensors or param groups. A group may set any option below, and ``use_muon``:
-            ``None`` (default) picks Muon for 2-D parameters and AdamW for the rest; ``True``
-            forces Muon (every parameter of the group must be 2-D); ``False`` forces AdamW
-            (e.g. for embeddings and output heads).
-        lr, momentum, nesterov, ns_steps, weight_decay: Muon's step size, momentum coefficient
-            in [0, 1), Nesterov look-ahead, Newton–Schulz iterations and decoupled weight decay.
+        params: tensors (plain, or DTensors whose local piece is all or none of the tensor) or
+            param groups, which may set any option below and ``use_muon``: ``None`` (default) picks
+            Muon for 2-D parameters, ``True`` forces Muon (all 2-D), ``False`` AdamW (embeddings).
+        lr, momentum, nesterov, ns_steps, weight_decay: Muon's step size, momentum in [0, 1),
+            Nesterov look-ahead, Newton–Schulz iterations and decoupled weight decay.
         adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: the AdamW part's hyperparameters.
-        ns_coefficients, ns_eps: the quintic's (a, b, c) and the norm's floor.
-        ns_dtype: dtype of the Newton–Schulz iteration (fp32 default; bf16 as in the public
-            GPU implementations, faster on GPUs and less exact).
-        adjust_lr: ``"original"`` or ``"match_rms_adamw"`` (the update's scale, module docstring).
+        ns_coefficients, ns_eps, ns_dtype: the quintic's (a, b, c), the norm's floor and the
+            iteration's dtype (fp32 default; bf16 is faster and less exact).
+        adjust_lr: ``"original"`` or ``"match_rms_adamw"`` (the update's scale).
 
-    Parameters may be DTensors whose local piece is all of the tensor or none of it (dbuffer
-    ``Owned()`` views): Muon steps a matrix on its owner only. A matrix split across ranks
-    (``Shard(0)`` of a packed layout) raises: Newton–Schulz of a piece is not a piece of
-    Newton–Schulz.
+    Raises ``ValueError`` for invalid options and a matrix split across ranks (``Shard(0)``):
+    Newton–Schulz of a piece is not a piece of Newton–Schulz.
     """
 
     def __init__(
@@ -211,8 +182,7 @@ class Muon(torch.optim.Optimizer):
         if local.numel() == 0:
             return  # another rank holds this tensor (or it is empty)
         t = state["step"]
-        # AdamW's lr follows the group's lr: an lr scheduler (which sets "lr") scales both parts,
-        # and lr=0 (how torch.distributed.checkpoint initialises optimizer state) steps neither.
+        # follows the group's lr (module docstring); lr=0 is how DCP initialises optimizer state
         base = group["base_lr"]
         lr = group["adamw_lr"] * (group["lr"] / base) if base else group["adamw_lr"]
         beta1, beta2 = group["adamw_betas"]
@@ -226,9 +196,7 @@ class Muon(torch.optim.Optimizer):
 
 
 def _state_like(state: dict, p: torch.Tensor, keys: tuple[str, ...]) -> dict:
-    """Create the zero state ``keys`` laid out like ``p`` on every rank, owners or not: for a
-    DTensor parameter they are DTensors (fsdp gives them the parameter's exact rows after the
-    step), so the optimizer state checkpoints and reshards with DCP like the parameters."""
+    """Zero state ``keys`` laid out like ``p`` on every rank, so DCP checkpoints it like ``p``."""
     for key in keys:
         if key not in state:
             state[key] = torch.zeros_like(p, memory_format=torch.contiguous_format).detach()
@@ -240,8 +208,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def _local_pieces(p: torch.Tensor, where: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(this rank's piece of ``p``, of its gradient): the tensors themselves for plain tensors,
-    the local tensors for DTensors (which must then agree in kind, shape and placements)."""
+    """This rank's pieces of ``p`` and its gradient, which must agree in kind, shape, placements."""
     grad = p.grad
     if not isinstance(p, DTensor):
         if isinstance(grad, DTensor):
@@ -268,8 +235,7 @@ def _local_pieces(p: torch.Tensor, where: str) -> tuple[torch.Tensor, torch.Tens
 
 
 def _dtype_name(dtype: Any) -> Any:
-    """Param groups keep the Newton–Schulz dtype by name: checkpoint writers (DCP) store plain
-    values, not ``torch.dtype``."""
+    """Param groups keep the dtype by name: checkpoint writers (DCP) store plain values."""
     return str(dtype).removeprefix("torch.") if isinstance(dtype, torch.dtype) else dtype
 
 

@@ -1,25 +1,13 @@
 """Optimizer steps over state kept on the host (``fsdp.OptimizerStateOffloadPolicy``).
 
-A group whose ``offload.optim_state`` is set (an :class:`~fsdp.group.residence.OptimStateHome`)
-keeps its optimizer state in host memory; its main weights and grads are on the device. Two
-optimizers use it:
-
-* :class:`fsdp.FlatOptimizer` (:func:`flat_offloaded_step`): the group's flat state tensors are
-  host tensors; a step is one pass over the chunks it would step anyway, the home's
-  ``device_pass`` (states streamed in and out around each chunk's kernel on the device) or
-  ``host_pass`` (weights and grads streamed out, the kernel on the host, weights back).
-* any ``torch.optim`` optimizer (:class:`TorchStateOffload`, driven by the global step hooks of
-  :mod:`fsdp.optim.step_hooks`): its state tensors shaped like a parameter (``exp_avg`` ...) are
-  DTensor views of one host buffer per state name and group, laid out like ``main``. For a device
-  step the hooks upload a group's buffers whole (the state entries then point at device views),
-  step and download them: one group at a time for torch's own per-parameter optimizers (the
-  pre-hook runs the optimizer's step without hooks on param groups holding only that group's
-  parameters, and leaves the real step the rest), all groups around the real step otherwise; for
-  a host step they download the group's main weights
-  and gradients into host buffers, give the optimizer host parameters (views of them) in place
-  of the device ones for the step, and upload the weights after. State the optimizer creates or
-  a ``load_state_dict`` puts in is copied into the host buffers (its tensors dropped) after the
-  step or the load.
+A group with ``offload.optim_state`` (an :class:`~fsdp.group.residence.OptimStateHome`) keeps its
+optimizer state on the host, its main weights and grads on the device. :func:`flat_offloaded_step`
+streams :class:`fsdp.FlatOptimizer`'s flat state through the device chunk by chunk, or the weights
+and grads to a kernel on the host. :class:`TorchStateOffload`, driven by
+:mod:`fsdp.optim.step_hooks`, makes a ``torch.optim`` optimizer's parameter-shaped state DTensor
+views of host buffers, uploaded whole around a device step (one group at a time for torch's
+per-parameter optimizers), or steps host copies of the parameters and uploads the weights. State a
+step or ``load_state_dict`` creates is moved into the host buffers after it.
 
 Both end every step with the homes' ``settle``: when ``step()`` returns no copy is in flight.
 """
@@ -38,13 +26,8 @@ from fsdp.group.residence import Chunk, OptimStateHome
 __all__ = ["TorchStateOffload", "after_load_state_dict", "flat_offloaded_step", "rehome_flat"]
 
 
-# ---------------------------------------------------------------------- FlatOptimizer
-
-
 def rehome_flat(home: OptimStateHome, state: dict, names, flat: torch.Tensor, homes: dict) -> None:
-    """Make every state tensor ``names`` of ``flat``'s state its host tensor (``homes[name]``,
-    zeroed when made): the values of any other tensor there (a loaded state dict's, possibly on
-    the device) are copied in first."""
+    """Make ``homes[name]`` each state tensor ``names`` of ``flat``, copying in any loaded one."""
     for name in names:
         have, ours = state.get(name), homes.get(name)
         dtype = flat.dtype if have is None else have.dtype
@@ -61,9 +44,7 @@ def flat_offloaded_step(
     home: OptimStateHome, names, flat: torch.Tensor, grads: torch.Tensor, model: Optional[torch.Tensor],
     state: dict, chunks: list[Chunk], kernel: Callable,
 ) -> bool:
-    """Step ``flat`` (device) over ``chunks`` with its state on the host: ``kernel(weights, grad,
-    states, chunk)`` is the optimizer's step of one chunk. ``model`` (a kept model shard on the
-    device) is written from each stepped chunk on a device step; returns whether it was."""
+    """Step ``flat`` with its state on the host; returns whether ``model`` was written."""
     host_states = [state[n] for n in names]
     if home.step_on == "device":
 
@@ -77,9 +58,6 @@ def flat_offloaded_step(
         return model is not None
     home.host_pass(flat, grads, host_states, chunks, lambda c, w, g, views: kernel(w, g, dict(zip(names, views)), c))
     return False
-
-
-# ---------------------------------------------------------------------- torch.optim
 
 
 def _like(v: Any, p: torch.Tensor) -> bool:
@@ -113,9 +91,7 @@ class _Entry:
 
 
 class TorchStateOffload:
-    """What fsdp's global step hooks do for one ``torch.optim`` optimizer whose parameters include
-    groups with offloaded state (see the module docstring). Built by :meth:`of`; holds no
-    reference to the optimizer (each call passes it)."""
+    """What the step hooks do for one optimizer with offloaded groups; holds no reference to it."""
 
     def __init__(self, entries: list[_Entry]) -> None:
         self.entries = entries
@@ -143,11 +119,8 @@ class TorchStateOffload:
         _watch_loads(optimizer)
         return TorchStateOffload(list(entries.values()))
 
-    # ------------------------------------------------------------------ the hooks
-
     def before_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
-        """Bring the state to where the step runs (see the module docstring); for torch's own
-        per-parameter optimizers step the device groups here, one at a time (:meth:`_step_alone`)."""
+        """Move state to where the step runs; step per-parameter optimizers' device groups here."""
         self.restore(optimizer)  # a step that raised left the host parameters in place
         on_host = [e for e in self.entries if e.home.step_on == "host"]
         if on_host:
@@ -169,9 +142,7 @@ class TorchStateOffload:
             self._step_alone(optimizer, on_device, lambda: inner(*args, **kwargs))
 
     def _step_alone(self, optimizer: torch.optim.Optimizer, entries: list[_Entry], inner: Callable[[], Any]) -> None:
-        """Step each group of ``entries`` by itself, with only its state on the device (the param
-        groups hold only its parameters meanwhile), then leave the optimizer's own step the
-        other parameters (their lists restored by :meth:`restore`)."""
+        """Step each group alone with only its state on the device; the real step does the rest."""
         self._lists = [param_group["params"] for param_group in optimizer.param_groups]
         for e in entries:
             mine = {(i, pos) for _, i, pos, _ in e.members}
@@ -194,8 +165,7 @@ class TorchStateOffload:
                 if p in optimizer.state:
                     state = optimizer.state[shadow] = optimizer.state.pop(p)
                     for name, v in state.items():
-                        # A step count, which a fused kernel keeps by its parameter: a
-                        # ``load_state_dict`` put it by the device one; this step runs on the host.
+                        # a fused kernel's step count, loaded by the device parameter: to the host
                         if isinstance(v, torch.Tensor) and not _like(v, p):
                             state[name] = v.to(shadow.device)
                 self._swapped.append((i, pos, p, shadow))
@@ -224,8 +194,7 @@ class TorchStateOffload:
         e.device.clear()
 
     def restore(self, optimizer: torch.optim.Optimizer) -> None:
-        """Give ``optimizer`` its own parameter lists back, the device parameters in place of the
-        host ones."""
+        """Give ``optimizer`` its own parameter lists and device parameters back."""
         lists, self._lists = self._lists, None
         if lists is not None:
             for param_group, params in zip(optimizer.param_groups, lists):
@@ -242,8 +211,6 @@ class TorchStateOffload:
         for e in self.entries:
             e.home.settle()
             self._rehome(optimizer, e)
-
-    # ------------------------------------------------------------------ moves
 
     @torch.no_grad()
     def _rehome(self, optimizer: torch.optim.Optimizer, e: _Entry) -> None:
@@ -314,8 +281,8 @@ def _check_host_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict
             )
 
 
-# torch.optim's optimizers whose step treats each parameter alone (all but LBFGS), exactly these
-# classes (a subclass may add a step over all parameters): stepped one fsdp group at a time.
+# torch.optim's optimizers stepping each parameter alone (not subclasses, which may step across
+# parameters): stepped one fsdp group at a time.
 _PER_PARAMETER = {
     getattr(torch.optim, name) for name in (
         "Adadelta", "Adafactor", "Adagrad", "Adam", "Adamax", "AdamW", "ASGD", "NAdam", "RAdam", "RMSprop",
@@ -336,8 +303,7 @@ def _watch_loads(optimizer: torch.optim.Optimizer) -> None:
 
 
 def after_load_state_dict(optimizer: torch.optim.Optimizer) -> None:
-    """A loaded state dict's tensors (on the parameters' device: torch moves them there) are
-    copied into the host buffers at once, not at the next step."""
+    """Copy a loaded state dict's tensors into the host buffers at once, not at the next step."""
     plan = PLANS.get(optimizer)
     if plan is not None:
         plan.rehome_all(optimizer)

@@ -1,18 +1,8 @@
 """torch.optim step hooks that keep fsdp's weights right whatever optimizer the user builds.
 
-Two global hooks (``register_optimizer_step_pre_hook`` / ``_post_hook``): after any
-``torch.optim`` step the groups whose parameters it updated refresh their compute weights
-before the next gather; before an optimizer's first step (and again whenever fsdp registered
-new parameters since) it must not hold parameters fsdp no longer trains, which would make its
-steps silently change nothing the model uses. For groups whose optimizer state is offloaded
-(``fsdp.OptimizerStateOffloadPolicy``) they also bring the state to where the step runs and back
-(:mod:`fsdp.optim.offloaded`); with the hooks off such state stays where torch puts it.
-
-They are installed by intent, not as a side effect of importing a module: ``import fsdp`` (the
-package's entry point) calls :func:`optimizer_step_hooks` once, so any optimizer works
-unchanged. ``fsdp.optimizer_step_hooks(False)`` removes them (and ``True`` puts them back); a
-program that turns them off must call ``group.unsharder.mark_stale()`` on the groups an optimizer updated
-(``fsdp.FlatOptimizer`` does it itself).
+:func:`optimizer_step_hooks` describes them; they also move offloaded state
+(:mod:`fsdp.optim.offloaded`). ``import fsdp`` installs them by intent, not as an import side
+effect.
 """
 
 from __future__ import annotations
@@ -29,10 +19,8 @@ __all__ = ["optimizer_step_hooks"]
 
 
 def _after_optimizer_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
-    """Send offloaded state back to the host (:mod:`fsdp.optim.offloaded`), then mark the groups
-    whose parameters a torch.optim optimizer just updated as stale. (State it made like a
-    row-sharded parameter, ``exp_avg = zeros_like(p)``, already carries the parameter's true rows:
-    see :mod:`dbuffer.row_sharded`.)"""
+    """Send offloaded state back to the host, then mark stale the groups whose parameters the
+    optimizer updated (state made like them already has their rows: :mod:`dbuffer.row_sharded`)."""
     plan = PLANS.get(optimizer)
     if plan is not None:
         plan.after_step(optimizer)
@@ -43,7 +31,7 @@ def _after_optimizer_step(optimizer: torch.optim.Optimizer, args, kwargs) -> Non
             group = ref() if ref is not None else None
             if group is not None:
                 groups[id(group)] = group
-    for group in groups.values():  # each group once, however many of its parameters the optimizer holds
+    for group in groups.values():  # once per group, however many of its parameters it holds
         group.unsharder.mark_stale()
 
 
@@ -52,12 +40,8 @@ _CHECKED: "weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple]" = weakref.We
 
 
 def _before_optimizer_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
-    """Refuse to step an optimizer that holds parameters fsdp does not train: the originals
-    ``fully_shard`` replaced (an optimizer built before it), or the unsharded views registered
-    between a forward and the end of its backward. Its steps would change nothing the model
-    uses, silently. Checked once per optimizer (again if its param groups change size or a
-    module is sharded since), not on every step; the optimizer's offloaded groups are found
-    then too, and their state brought to where the step runs."""
+    """Refuse an optimizer holding parameters fsdp does not train (its steps would change nothing):
+    checked once per optimizer, again when its param-group sizes or fsdp's registrations change."""
     key = (registrations(), tuple(len(g["params"]) for g in optimizer.param_groups))
     if _CHECKED.get(optimizer) != key:
         _check(optimizer)
@@ -95,15 +79,15 @@ _HANDLES: list = []  # the installed hooks' removable handles; empty: not instal
 
 
 def optimizer_step_hooks(enabled: bool = True) -> bool:
-    """Install (``enabled=True``) or remove (``enabled=False``) fsdp's global ``torch.optim``
-    step hooks; ``import fsdp`` installs them. Idempotent and process-wide; returns whether they
-    were installed before the call. ``TypeError`` for a non-bool.
+    """Install (``enabled=True``) or remove (``enabled=False``) fsdp's global ``torch.optim`` step
+    hooks; ``import fsdp`` installs them. Idempotent and process-wide; returns whether they were
+    installed before the call. Raises ``TypeError`` for a non-bool.
 
-    While installed: after any ``torch.optim`` optimizer's step, the groups whose parameters it
-    updated refresh their compute weights before the next gather; before an optimizer's first step
-    it is checked once not to hold parameters fsdp replaced or unsharded views (``RuntimeError``
-    naming the fix: build it after ``fully_shard``). Without them, call ``group.unsharder.mark_stale()``
-    after updating the weights yourself (:class:`fsdp.FlatOptimizer` does)."""
+    While installed: after any optimizer's step, the groups it updated refresh their compute weights
+    before the next gather; before its first step (and after fsdp registers new parameters) an
+    optimizer holding parameters fsdp replaced or unsharded views raises ``RuntimeError`` naming the
+    fix. Without them, call ``group.unsharder.mark_stale()`` on the groups you update
+    (:class:`fsdp.FlatOptimizer` does); offloaded state stays where torch puts it."""
     if not isinstance(enabled, bool):
         raise TypeError(f"optimizer_step_hooks(enabled): pass True or False, got {enabled!r}")
     was = bool(_HANDLES)

@@ -1,9 +1,7 @@
 """The mixed-precision policy's casts of a unit's forward inputs (``param_dtype``, with
-``cast_forward_inputs``) and outputs (``output_dtype``), as FSDP2 applies them.
-
-Every unit casts its inputs at every forward. The usual block call passes a few tensors already
-in the compute dtype, and a pytree map over them would cost more than the rest of the unit's
-forward hook: flat inputs are cast one by one, and returned as they are when nothing needs it.
+``cast_forward_inputs``) and outputs (``output_dtype``), as FSDP2 applies them. Flat inputs, the
+usual case, are cast one by one, or returned as they are: a pytree map at every unit's forward
+would cost more than the rest of its forward hook.
 """
 
 from __future__ import annotations
@@ -25,9 +23,8 @@ def cast_floats(tree: T, dtype: torch.dtype) -> T:
 
 
 def cast_inputs(args: tuple, kwargs: dict, dtype: torch.dtype) -> tuple[tuple, dict]:
-    """A forward's ``args`` and ``kwargs`` with their floating-point tensors in ``dtype``: cast
-    in place of a tree walk when they are flat (tensors and scalars), the same objects when
-    nothing needed a cast."""
+    """``args`` and ``kwargs`` with their floating-point tensors in ``dtype``, without a tree walk
+    when flat (tensors and scalars); the same objects when nothing needed a cast."""
     values = (*args, *kwargs.values())
     if not all(isinstance(x, _LEAVES) for x in values):  # a container, or a type pytree may know
         return cast_floats((args, kwargs), dtype)

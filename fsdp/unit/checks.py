@@ -1,6 +1,5 @@
-"""fully_shard's argument checks: each raises a clear error naming the argument and the fix,
-locally and alike on every rank, before any buffer is built or any collective runs; then the one
-collective that proves every rank shards the same thing (:mod:`dbuffer.agreement`)."""
+"""fully_shard's argument checks, raising alike on every rank before any buffer or collective,
+then the one collective proving that ranks agree (:mod:`dbuffer.agreement`)."""
 
 from __future__ import annotations
 
@@ -9,7 +8,6 @@ from typing import Optional, Union
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import Shard
 
 from dbuffer import CallLabel
 from dbuffer.agreement import check_agreement, value_digest, values_comparable
@@ -26,20 +24,16 @@ __all__ = [
 
 
 class MeshDimNamesError(ValueError, AssertionError):
-    """A 2-D mesh without dim names. A ``ValueError``; also an ``AssertionError``, which is what
-    torch FSDP2 raises for it."""
+    """A 2-D mesh without dim names; also an ``AssertionError``, which FSDP2 raises for it."""
 
 
 class NonContiguousParameterError(ValueError, NotImplementedError):
-    """A non-contiguous parameter (e.g. channels_last). A ``ValueError``; also a
-    ``NotImplementedError``, which is what torch FSDP2 raises for it."""
+    """A non-contiguous parameter; also a ``NotImplementedError``, which FSDP2 raises for it."""
 
 
 def check_ranks_agree(mesh: DeviceMesh, infos: list[ParamInfo], specs: list[GroupSpec], config) -> None:
-    """Every rank must shard the same unit (names, shapes, dtypes, arguments) of the same values:
-    one digest exchange on the unit's mesh, plus one per other bucket mesh for the values there
-    (expert weights may differ across an expert-parallel axis, never within their group's mesh).
-    A mismatch raises :class:`dbuffer.agreement.RankMismatchError` on every rank."""
+    """Raise :class:`dbuffer.agreement.RankMismatchError` unless every rank shards the same unit of
+    the same values: one digest exchange per mesh, values compared within their bucket's mesh."""
     fix = (
         "Every rank must build the same model with the same values (same code and seed) and call "
         "fully_shard with the same arguments; or load one checkpoint on every rank."
@@ -154,5 +148,3 @@ def check_offloadable(infos: list[ParamInfo], policy: str = "CPUOffloadPolicy") 
                 f"parallelism or an all-gather extension), which fsdp does not offload yet; shard the "
                 f"modules holding such parameters without offload_policy (in their own fully_shard call)"
             )
-
-

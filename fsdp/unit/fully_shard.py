@@ -1,14 +1,10 @@
 """fully_shard: turn modules into one unit of sharded parameters, shaped like torch FSDP2's.
 
-``fully_shard(module)`` groups the parameters the module owns (everything below it that no
-nested unit owns) into :class:`~fsdp.group.param_group.ParameterGroup` s, registers sharded DTensor
-parameters in their place, and swaps the module's class to ``FSDP<Orig>`` so the FSDP2 methods
-(``unshard``, ``reshard``, ``set_requires_gradient_sync``, ...) are available on it. Like FSDP2,
-shard nested modules first (bottom-up), the root last.
-
-Every check of the arguments runs before any buffer is built or any collective runs, so a
-misuse raises the same error on every rank. Then one small collective checks that every rank
-shards the same parameters with the same values (:mod:`dbuffer.agreement`).
+The module's parameters (those no nested unit owns) go into
+:class:`~fsdp.group.param_group.ParameterGroup` s, sharded DTensors take their place and the class
+becomes ``FSDP<Orig>``. Every argument check runs before any buffer or collective, so a misuse
+raises the same error on every rank; then one collective checks that every rank shards the same
+parameters with the same values (:mod:`dbuffer.agreement`).
 """
 
 from __future__ import annotations
@@ -57,9 +53,8 @@ __all__ = ["fully_shard"]
 
 log = logging.getLogger("fsdp")
 
-# Attribute naming the unit that owns a parameter (set on the original and the sharded one).
-_OWNER = "_fsdp_owner"
-_IS_SHARD = "_fsdp_is_shard"  # on the sharded parameters fsdp registers (not on the originals)
+_OWNER = "_fsdp_owner"  # the owning unit, on the original and the sharded parameter
+_IS_SHARD = "_fsdp_is_shard"  # on the sharded parameters fsdp registers, not the originals
 
 
 def fully_shard(
@@ -77,85 +72,44 @@ def fully_shard(
     dp_mesh_dims: Optional[DataParallelMeshDims] = None,
     outer_dp_sharding_strategy: str = "no_shard",
 ):
-    """Shard ``module`` (or a list of modules forming one unit) over ``mesh``.
+    """Shard ``module`` (or a list of modules forming one unit) over ``mesh``; returns it, its class
+    swapped to ``FSDP<Orig>``. Nested units must be sharded first.
 
-    ``sharding_strategy`` (Megatron-FSDP's names): ``"optim_grads_params"`` (ZeRO-3, default:
-    weights gathered before each use and freed after), ``"optim_grads"`` (ZeRO-2: main weights,
-    optimizer state and gradients sharded, compute weights kept whole), ``"optim"`` (ZeRO-1:
-    gradients whole too) or ``"no_shard"`` (ZeRO-0: DDP-like), or an ``fsdp.Strategy``.
-    ``mp_policy``: an :class:`fsdp.MixedPrecisionPolicy` (FSDP2's ``param_dtype``,
-    ``reduce_dtype``, ``output_dtype``, ``cast_forward_inputs``, plus Megatron's
-    ``main_params_dtype`` (FP32-or-wider main weights by default), ``main_grads_dtype`` and
-    ``persistent_param_shard``) or torch's ``MixedPrecisionPolicy`` (converted field by field);
-    anything else raises ``TypeError``. With neither, a parameter computes in the dtype it was
-    built in (as FSDP2) from FP32-or-wider main weights. ``ignored_params``:
-    parameters left as they are (not sharded, not gathered, not reduced), as in FSDP2.
+    ``sharding_strategy`` (Megatron-FSDP's, or an ``fsdp.Strategy``): ``"optim_grads_params"``
+    (ZeRO-3, default), ``"optim_grads"`` (ZeRO-2), ``"optim"`` (ZeRO-1) or ``"no_shard"`` (DDP).
+    ``mp_policy``: an :class:`fsdp.MixedPrecisionPolicy` or torch's (converted), else ``TypeError``;
+    by default a parameter computes in its own dtype from FP32-or-wider main weights.
+    ``ignored_params``: left alone, as in FSDP2. ``mesh``: 1-D, or 2-D ``(replicate, shard)`` for
+    HSDP (gathered and reduce-scattered within the inner axis, all-reduced across the outer).
+    ``buckets``: explicit groups of parameters by name with their own mesh, placement, strategy and
+    policy (:class:`fsdp.Bucket`); ``bucket_size``: split the other groups at this many bytes of
+    main weights.
 
-    ``reshard_after_forward``: as in FSDP2, whether a unit frees its gathered weights after
-    forward (and gathers again in backward). ``None`` (default): True, except for the root (the
-    first unit run), whose backward starts right after its forward. After forward a unit that
-    reshards has its sharded DTensor parameters registered, one that does not its unsharded
-    plain ones, until the end of backward or :meth:`FSDPModule.reshard`. An ``int`` ``n`` (FSDP2's
-    resharding to a smaller group) must divide the shard group's size ``W``: 1 means False, ``W``
-    True; in between, each rank keeps ``1/n`` of the gathered weights after forward and backward
-    gathers them within groups of ``n`` consecutive ranks (:mod:`fsdp.compose.post_forward`; ZeRO-3
-    groups of plain parameters on a 1-D mesh without offload, not in an ``Owned()`` bucket; the
-    other groups reshard fully, like True).
+    ``reshard_after_forward`` (FSDP2's): free the gathered weights after forward, else keep the
+    unsharded parameters registered until the end of backward or :meth:`FSDPModule.reshard`;
+    ``None`` (default): all units but the root, whose backward starts right after. An ``int`` ``n``
+    dividing the shard group's size ``W`` (1: False, ``W``: True) keeps ``1/n`` of the weights per
+    rank for backward to gather within groups of ``n`` ranks (:mod:`fsdp.compose.post_forward`, for
+    ZeRO-3 plain groups on a 1-D mesh without offload; other groups reshard fully).
 
-    ``mesh``: 1-D (the data-parallel ranks) or 2-D ``(replicate, shard)`` for HSDP: parameters
-    are sharded and gathered within the inner axis, gradients are reduce-scattered within it and
-    all-reduced across the outer one, in one ``redistribute``. ``buckets``: explicit groups of
-    parameters by name, each with its own mesh, placement, strategy and policy (see
-    :class:`fsdp.Bucket`); ``bucket_size``: split the remaining default groups at this many bytes
-    of main weights. Returns the module, its class swapped to ``FSDP<Orig>``. Nested units must be
-    sharded first.
+    Layout: by default FSDP2's ``torch.chunk(full, W, 0)[rank]`` shards as ``Shard(0)`` DTensors
+    (:class:`fsdp.group.layouts.ChunkedLayout`); ``fsdp.layout_policy("auto" | "row" | "ragged")``
+    around the call opts into Megatron-FSDP's flat layouts, whose gathered buffer *is* the unsharded
+    parameters (:mod:`fsdp.group.layout_choice`), which ``no_shard``, HFSDP and explicit buckets
+    always use. ``shard_placement_fn`` (FSDP2's), per parameter: ``Shard(dim)`` chunks on ``dim``,
+    ``None`` keeps the default, ``ShardPlacementResult(placement, mesh_info)`` gives it a group on
+    ``mesh_info.mesh``; another return value raises ``TypeError``, a dim the parameter lacks
+    ``ValueError``. DTensor (TP, EP) parameters are sharded as in FSDP2
+    (:mod:`fsdp.compose.tensor_parallel`).
 
-    Layout. By default every parameter's local shard is FSDP2's: exactly
-    ``torch.chunk(full, W, 0)[rank]`` over the ``W`` shard ranks (empty where torch.chunk gives
-    fewer pieces), registered as a plain DTensor with placement ``Shard(0)``, gathered and reduced
-    in flat groups with FSDP2's copy after each gather and before each reduction (see
-    :class:`fsdp.group.layouts.ChunkedLayout`). ``fsdp.layout_policy("auto" | "row" | "ragged")`` around the call opts
-    into Megatron-FSDP's flat layouts instead, whose gathered buffer *is* the unsharded
-    parameters (no copies), with row pieces handed out as exact DTensor subclasses (see
-    :mod:`fsdp.group.layout_choice`); ``no_shard``, HFSDP and explicit buckets always use those.
-
-    ``shard_placement_fn`` (FSDP2's): called once per parameter; ``Shard(dim)`` (``dim`` may be
-    negative) makes its local shard ``torch.chunk(full, W, dim)[rank]``, placement ``Shard(dim)``;
-    ``None`` leaves it to the default above; torch 2.15's ``ShardPlacementResult(placement,
-    mesh_info)`` (also ``fsdp.ShardPlacementResult``) puts the parameter in a group of its own on
-    ``mesh_info.mesh`` (1-D, or 2-D ``(replicate, shard)``). Any other return value raises ``TypeError``, a dim
-    the parameter lacks ``ValueError``, naming the parameter. With ``no_shard`` nothing is sharded
-    and the function's answers have no effect.
-
-    Parameters that are already DTensors (tensor or expert parallelism on other axes of the same
-    root mesh, e.g. ``parallelize_module(m, mesh["tp"], plan)`` then ``mesh=mesh["dp"]``) are
-    sharded as FSDP2 does: their TP-local tensors in torch.chunk pieces over ``mesh`` (dim 0, or
-    ``shard_placement_fn``'s), registered as DTensors on the joint ``(dp, tp)`` mesh; see
-    :mod:`fsdp.compose.tensor_parallel`.
-
-    ``offload_policy`` (FSDP2's classes, also exported by fsdp): ``CPUOffloadPolicy(pin_memory=)``
-    keeps the main weights, gradients and optimizer state on the host and steps the optimizer
-    there; each gather uploads the shard, each reduction downloads its result (see
-    :mod:`fsdp.compose.offload`). Parameters may then be on the CPU or the mesh's device; every strategy
-    works. ``pin_memory`` on a CPU mesh has nothing to speed up and is ignored.
-    :class:`fsdp.OptimizerStateOffloadPolicy` (fsdp's) keeps only the optimizer state on the host,
-    the main weights and gradients on the device, the step on the device (states streamed in and
-    out) or on the host (see :mod:`fsdp.compose.optim_state`); a :class:`fsdp.Bucket` may set
-    its own ``offload_policy``. Anything else raises ``TypeError`` naming the fix.
-
-    ``dp_mesh_dims`` (FSDP2's :class:`DataParallelMeshDims`): ``mesh`` is the full named mesh and
-    these of its dims are the data-parallel ones (``shard``, optionally ``replicate`` for HSDP;
-    several names are flattened into one dim), the others another parallelism's (tensor
-    parallelism). As in FSDP2, parameters that are DTensors on that mesh, ``Replicate()`` on the
-    dp dims, become sharded DTensors on it (``Shard`` on the dp shard dim); plain parameters are
-    sharded over the dp dims only; see :func:`fsdp.unit.surface.data_parallel_mesh`.
-
-    ``outer_dp_sharding_strategy`` (Megatron-FSDP's name; not in FSDP2): on a 2-D mesh,
-    ``"no_shard"`` (default) is HSDP; ``"optim"`` (HFSDP) also shards the main weights, main
-    grads and optimizer state across the replicate axis (``1/(R*S)`` per rank) while weights are
-    still gathered on the shard axis only; see :mod:`fsdp.compose.outer_shard`.
-
-    ``fully_shard.state(module)`` returns the unit's state, or None for a module not sharded.
+    ``offload_policy``: FSDP2's ``CPUOffloadPolicy`` keeps main weights, gradients and optimizer
+    state on the host and steps there (:mod:`fsdp.compose.offload`), an
+    :class:`fsdp.OptimizerStateOffloadPolicy` only the optimizer state; a :class:`fsdp.Bucket` may
+    set its own; anything else raises ``TypeError``. ``dp_mesh_dims`` (FSDP2's
+    :class:`DataParallelMeshDims`): ``mesh`` is the full named mesh and these its data-parallel dims
+    (:func:`fsdp.unit.surface.data_parallel_mesh`). ``outer_dp_sharding_strategy``: on a 2-D mesh
+    ``"no_shard"`` (default) is HSDP, ``"optim"`` (HFSDP) also shards the main state across replicas
+    (:mod:`fsdp.compose.outer_shard`). ``fully_shard.state(module)``: the unit's state, or None.
     """
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
     plan = _plan_unit(
@@ -170,12 +124,8 @@ fully_shard.state = state_of_module  # type: ignore[attr-defined]  # as FSDP2's 
 
 @dataclass(frozen=True)
 class UnitPlan:
-    """What ``fully_shard`` decided for one unit, every argument checked (and the one agreement
-    collective run): its parameters (``infos``, in registration order) and the ties another unit
-    owns (``shared_with_other_units``: raised at lazy init, as FSDP2 does), the shard mesh, one
-    :class:`~fsdp.group.bucket.GroupSpec` per group with its offload policy, whether the main
-    state is sharded across replicas too (HFSDP: ``outer``), the post-forward slice's ranks, the
-    unit's ``reshard_after_forward``, the policy, and the dp dims of a DataParallelMeshDims mesh."""
+    """What ``fully_shard`` decided for one unit, all arguments checked and agreed; the ties another
+    unit owns are raised at lazy init, as FSDP2 does."""
 
     infos: list[ParamInfo]
     shared_with_other_units: list[str]
@@ -193,9 +143,8 @@ def _plan_unit(
     modules: list[nn.Module], mesh, reshard_after_forward, mp_policy, sharding_strategy, ignored_params, buckets,
     bucket_size, shard_placement_fn, offload_policy, dp_mesh_dims, outer_dp_sharding_strategy,
 ) -> UnitPlan:
-    """Check ``fully_shard``'s arguments (raising, identically on every rank, before any
-    collective), plan the unit's groups, then check that every rank plans the same (one
-    collective)."""
+    """Check ``fully_shard``'s arguments (raising identically on every rank, before any
+    collective), plan the unit's groups, then check with one collective that all ranks agree."""
     strategy = parse_strategy(sharding_strategy)
     offload = check_offload_policy(offload_policy)
     mesh, spmd = surface.data_parallel_mesh(mesh, dp_mesh_dims)
@@ -247,7 +196,6 @@ def _plan_unit(
     outer = check_outer_sharding(
         outer_dp_sharding_strategy, mesh, specs, [i.param for i in infos], next((p for p in offloads if p), None)
     )
-    # The arguments are valid here; now the one collective: do all ranks shard the same thing?
     check_ranks_agree(mesh, infos, specs, config)
     return UnitPlan(
         infos, shared_with_other_units, mesh, specs, offloads, outer, slice_ranks, reshard_after_forward, mp_policy, spmd
@@ -255,9 +203,7 @@ def _plan_unit(
 
 
 def _build_unit(module, modules: list[nn.Module], plan: UnitPlan):
-    """Build the unit ``plan`` describes: its groups (the modules' classes swapped to
-    ``FSDP<Orig>`` first, and back if anything raises), its state, the sharded parameters
-    registered and owned, its hooks. Returns ``module``."""
+    """Build the unit ``plan`` describes (classes swapped first, back if anything raises)."""
     classes = [type(m) for m in modules]
     try:
         for m in modules:
@@ -278,7 +224,7 @@ def _build_unit(module, modules: list[nn.Module], plan: UnitPlan):
         setattr(info.param, _OWNER, owner)  # a tied registration elsewhere still refers to it
         setattr(group_param, _OWNER, owner)
         setattr(group_param, _IS_SHARD, True)
-        info.param = None  # the full tensor is no longer needed
+        info.param = None
     state.install_hooks()
     for m in modules:
         m._fsdp_state = state
@@ -286,11 +232,8 @@ def _build_unit(module, modules: list[nn.Module], plan: UnitPlan):
 
 
 def _collect_params(modules: list[nn.Module], ignored: set[int]) -> tuple[list[ParamInfo], list[str]]:
-    """Parameters registered below ``modules`` outside nested units, in registration order,
-    each with all of its registrations (tied parameters appear once); and the error messages
-    for parameters another unit already owns (a tie split across units). Like FSDP2, such a
-    unit is still built (from the tensor the other registration keeps) and the error is raised
-    at lazy initialisation, the first forward, before any collective (``FSDPState._lazy_init``)."""
+    """Parameters below ``modules`` outside nested units, in registration order, ties once; and
+    the errors for ties another unit owns, raised at lazy init (as FSDP2), before any collective."""
     infos: dict[int, ParamInfo] = {}
     shared: list[str] = []
     seen_modules: set[int] = set()
@@ -329,8 +272,7 @@ def _collect_params(modules: list[nn.Module], ignored: set[int]) -> tuple[list[P
 
 
 def _build_groups(plan: UnitPlan) -> list[ParameterGroup]:
-    """One group per spec (tensor-subclass members, with the plain ones that can join them, in
-    a group of their own)."""
+    """One group per spec (tensor-subclass members in a group of their own)."""
     groups = []
     for whole, policy in zip(plan.specs, plan.offloads):
         subclass, rest = split_extension_members(whole, [i.param for i in plan.infos])
@@ -351,11 +293,9 @@ def _build_groups(plan: UnitPlan) -> list[ParameterGroup]:
 def _build_group(
     members: list[ParamInfo], spec: GroupSpec, policy: Optional[AnyOffload], is_subclass: bool, plan: UnitPlan
 ) -> ParameterGroup:
-    """One group, every part chosen here and handed to it: its parameter kind (plain,
-    tensor-parallel or tensor subclass) and weights part (DBuffers, or the subclass pieces of
-    :mod:`fsdp.compose.extensions`), its layout (torch.chunk pieces where the spec has dims,
-    else flat at the spec's placement), its placements and mesh (HFSDP:
-    :mod:`fsdp.compose.outer_shard`), its offload part and its forward-only tail."""
+    """One group, every part chosen here: kind and weights (:mod:`fsdp.compose.extensions` for
+    subclasses), layout, mesh and placements (HFSDP: :mod:`fsdp.compose.outer_shard`), offload and
+    forward-only tail."""
     first, mesh = members[0].param, spec.mesh
     kind, weights, placements = PLAIN, BufferWeights, None
     if is_subclass:  # validated by check_extension_params: dim 0, a sharded strategy
@@ -371,9 +311,9 @@ def _build_group(
         shard = spec.placement
         if plan.outer:  # HFSDP, validated by check_outer_sharding
             mesh, placements = outer_sharded(mesh, spec.placement)
-    if isinstance(policy, CPUOffloadPolicy):  # everything on the host
+    if isinstance(policy, CPUOffloadPolicy):
         offload = HostOffload(policy, mesh_device(mesh))
-    elif policy is not None:  # the optimizer state only
+    elif policy is not None:
         offload = OptimStateOffload(policy, mesh_device(mesh))
     else:
         offload = None
@@ -388,8 +328,7 @@ def _build_group(
 
 
 def _forward_only_tail(members: list[ParamInfo], spec: GroupSpec, kind: ParamKind) -> Optional[ForwardOnlyTail]:
-    """The part that frees the group's forward-only tail after forward (ZeRO-3 groups of plain
-    parameters; None where the group has no such tail)."""
+    """What frees a ZeRO-3 plain group's forward-only tail after forward; None without one."""
     if not spec.strategy.shard_params or kind is not PLAIN:
         return None
     start = len(members)
@@ -399,7 +338,7 @@ def _forward_only_tail(members: list[ParamInfo], spec: GroupSpec, kind: ParamKin
 
 
 def _offload_of(spec: GroupSpec, offload: Optional[AnyOffload]) -> Optional[AnyOffload]:
-    """The offload policy of a spec's groups: its bucket's (checked by fully_shard), else the unit's."""
+    """A spec's offload policy: its bucket's, else the unit's."""
     return offload if spec.offload_policy is None else check_offload_policy(spec.offload_policy)
 
 

@@ -17,22 +17,14 @@ __all__ = ["init_weights"]
 
 @torch.no_grad()
 def init_weights(module: nn.Module, init_fn: Optional[Callable[[nn.Module], None]] = None) -> None:
-    """Initialise the sharded weights of every unit below ``module`` without ever holding more
-    than the units being initialised (e.g. after building under ``torch.device("meta")``).
+    """Initialise the sharded weights of every unit below ``module``, holding in full only the
+    units being initialised (e.g. after building under ``torch.device("meta")``).
 
-    Visits ``module.modules()`` in order and calls ``init_fn(m)`` on each (default:
-    ``m.reset_parameters()`` for modules that define it and hold parameters or buffers of their
-    own). While a unit's modules are visited its parameters are full plain tensors in the main
-    dtype; when its last module is done each rank keeps its own rows and the full copy is freed.
-    Visiting in module order keeps the random stream of an eager build: with the same seed the
-    weights equal those of the module built on a real device. No communication except the
-    ``optim``/``optim_grads`` refresh of the unsharded copy.
-
-    ``module``: a sharded module (units below it are initialised; other modules are visited too);
-    ``init_fn``: called as ``init_fn(m)`` per module, in place of ``reset_parameters()``. Whatever
-    ``init_fn`` raises propagates, and the units being initialised get their sharded parameters
-    back with the values they had (nothing half-initialised is kept). Every rank must call it (the
-    same calls and seed on every rank give every rank its rows of the same weights).
+    Calls ``init_fn(m)`` (default: ``m.reset_parameters()`` where defined, on modules with their
+    own parameters or buffers) on each of ``module.modules()`` in order, keeping an eager build's
+    random stream: same seed, same weights. Meanwhile a unit's parameters are full tensors in the
+    main dtype; after its last module each rank keeps its rows. Every rank must call it. Whatever
+    ``init_fn`` raises propagates, the units being initialised keeping their sharded values.
     """
     order = list(module.modules())
     owner: dict[int, FSDPState] = {}
@@ -76,5 +68,3 @@ def _own_modules(state: FSDPState) -> list[nn.Module]:
         out.append(m)
         stack.extend(c for c in reversed(list(m.children())) if not isinstance(c, FSDPModule))
     return out
-
-

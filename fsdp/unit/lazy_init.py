@@ -1,12 +1,9 @@
 """Lazy initialisation: the first unit to run forward finds the tree of units below it.
 
-As in FSDP2, the unit whose forward runs first becomes the root of every unit below it: it
-collects them (in ``named_modules`` order), checks what must hold before any gather (no unit
-below it ran forward first, no parameter tied across two units, nothing left on the meta device;
-the same errors as FSDP2's), adopts parameters assigned since ``fully_shard``, and builds the
-tree's :class:`~fsdp.unit.root.RootContext` from the knobs set on units before now. During the
-root's first forward it watches which units' parameters another unit's forward reads after theirs
-(:mod:`fsdp.unit.read_watch`): those units keep their weights for that reader from then on.
+As in FSDP2, that unit becomes their root: it collects them (``named_modules`` order), checks what
+must hold before any gather, adopts parameters assigned since ``fully_shard`` and builds the tree's
+:class:`~fsdp.unit.root.RootContext`. In its first forward :mod:`fsdp.unit.read_watch` finds units
+whose parameters a later unit's forward reads: they keep their weights for that reader.
 """
 
 from __future__ import annotations
@@ -24,14 +21,13 @@ logger = logging.getLogger("fsdp")
 
 
 def find_tree(root: Unit) -> None:
-    """Make ``root`` (an :class:`~fsdp.unit.state.FSDPState` whose module ran forward first) the
-    root of every unit below its module. Raises ``RuntimeError`` for a unit below it that ran
-    forward first, for parameters still on the meta device, or for manual backward finalization
-    set on a unit below the root; ``ValueError`` for a parameter tied across two units."""
+    """Make ``root`` the root of every unit below its module. Raises ``RuntimeError`` for a unit
+    below it that ran forward first, parameters still on the meta device, or manual backward
+    finalization set below the root; ``ValueError`` for a parameter tied across two units."""
     unit_type = type(root)
     units: dict[Unit, str] = {}
     for name, m in root.modules[0].named_modules():
-        state = getattr(m, "_fsdp_state", None)  # set by fully_shard on every unit's module
+        state = getattr(m, "_fsdp_state", None)
         if not isinstance(state, unit_type) or state in units:
             continue
         if state is not root and state.root is not None:
@@ -51,8 +47,7 @@ def find_tree(root: Unit) -> None:
         on_meta = [p for g in state.groups if g.is_meta for p in g.sharded_params]
         if on_meta:
             raise RuntimeError(meta_error([names.get(id(p), "?") for p in on_meta]))
-    # Knobs set on units before now (root_knobs): the root's stay; the largest bound on
-    # reductions in flight any unit asked for applies (FSDP2 takes the most aggressive cap).
+    # Knobs set early (root_knobs): the root's stay; the largest reduction bound asked for wins.
     early = [state.root_ctx for state in units if state.root_ctx is not None]
     if any(state is not root and state.root_ctx is not None and state.root_ctx.manual_finalization for state in units):
         raise RuntimeError("set_manual_backward_finalization must be called on the root FSDP module")

@@ -1,10 +1,7 @@
 """FSDPModule: the methods a sharded module gains, shaped like torch FSDP2's.
 
-``fully_shard`` (:mod:`fsdp.unit.fully_shard`) swaps a module's class to ``FSDP<Orig>``, a
-subclass of :class:`FSDPModule` and the original class, so FSDP2's methods (``unshard``,
-``reshard``, ``set_requires_gradient_sync``, ...) are available on it; the rest of FSDP2's setters
-are in :mod:`fsdp.unit.surface`. Each method acts through the unit's
-:class:`~fsdp.unit.state.FSDPState`.
+``fully_shard`` swaps a module's class to ``FSDP<Orig>(FSDPModule, Orig)``; more setters are in
+:mod:`fsdp.unit.surface`. Each method acts through the unit's :class:`~fsdp.unit.state.FSDPState`.
 """
 
 from __future__ import annotations
@@ -31,21 +28,16 @@ _CLASS_CACHE: dict[type, type] = {}
 
 
 class UnshardHandle:
-    """Returned by ``unshard(async_op=True)``, as FSDP2's: ``wait()`` finishes the unit's
-    all-gathers and registers the unsharded parameters on the modules.
-
-    ``state``: the unit's :class:`~fsdp.unit.state.FSDPState` (None: nothing to wait for), set by
-    :meth:`FSDPModule.unshard`; users never build one. ``wait()`` is idempotent (a second call
-    returns at once) and raises whatever the collective raised (a backend error, or dbuffer's
-    ``CollectiveMismatchError`` in debug mode).
-    """
+    """Returned by ``unshard(async_op=True)``, as FSDP2's; built from the unit's ``state``
+    (:class:`~fsdp.unit.state.FSDPState`; None: nothing to wait for), never by users. ``wait()``
+    finishes the all-gathers and registers the unsharded parameters; idempotent, it raises
+    whatever the collective raised (e.g. dbuffer's ``CollectiveMismatchError`` in debug mode)."""
 
     def __init__(self, state: Optional[FSDPState]) -> None:
         self._state = state
 
     def wait(self) -> None:
-        """Finish the all-gathers started by ``unshard(async_op=True)`` and register the unsharded
-        parameters; a no-op after the first call."""
+        """Finish the all-gathers, register the unsharded parameters; then a no-op."""
         if self._state is not None:
             self._state.wait_unshard()
             self._state.register_unsharded_params()
@@ -53,22 +45,17 @@ class UnshardHandle:
 
 
 class GradientReductionHandle:
-    """Returned by ``finalize_backward(async_op=True)``, as torch 2.15's: ``wait()`` waits for the
-    gradient reductions the finalization launched and attaches ``.grad``: the end of the backward
-    iteration. Until then the gradients must not be read and no forward of the tree may run
-    (it raises).
-
-    ``state``: the root's :class:`~fsdp.unit.state.FSDPState` (None: nothing to wait for, e.g.
-    a finalization before the first forward), set by :meth:`FSDPModule.finalize_backward`; users
-    never build one. ``wait()`` is idempotent; it raises ``RuntimeError`` if ``reset_iter_state``
-    dropped the iteration since, and whatever a collective raised."""
+    """Returned by ``finalize_backward(async_op=True)``, as torch 2.15's; built from the root's
+    ``state`` (None: nothing to wait for). ``wait()`` waits for the reductions and attaches
+    ``.grad``, ending the iteration (until then gradients must not be read, a forward raises).
+    Idempotent; raises ``RuntimeError`` if ``reset_iter_state`` dropped the iteration, or what a
+    collective raised."""
 
     def __init__(self, state: Optional[FSDPState]) -> None:
         self._state = state
 
     def wait(self) -> None:
-        """Wait for gradient reduction and release its retained buffers (a no-op after the
-        first call)."""
+        """Wait for gradient reduction and release its retained buffers; then a no-op."""
         state, self._state = self._state, None
         if state is not None:
             finish_finalized(state)
@@ -77,21 +64,11 @@ class GradientReductionHandle:
 class FSDPModule:
     """Mixin of every sharded module: ``fully_shard`` swaps a module's class to
     ``FSDP<Orig>(FSDPModule, Orig)``, so ``isinstance(m, fsdp.FSDPModule)`` tells a unit's top
-    module, and the module gains torch FSDP2's methods (``unshard``, ``reshard``,
-    ``set_requires_gradient_sync``, ``set_reshard_after_forward``, ``set_is_last_backward``, the
-    prefetch setters, the rest of FSDP2's setters from :mod:`fsdp.unit.surface`) and
-    Megatron-FSDP's (``zero_grad_buffer``, ``finish_grad_sync``). Never built directly.
-
-    Methods act on this unit (``recurse=False``) or every unit below (``recurse=True``); none runs
-    a collective unless it says so (``unshard``, ``finish_grad_sync``), so a setter called on some
-    ranks only cannot hang, but a setting that changes what is communicated must be made on every
-    rank. Misuse raises FSDP2's exception types (e.g. ``set_reshard_after_forward(2)``:
-    ``ValueError``; a prefetch list holding a module that is not sharded: ``TypeError``).
-    """
+    module. Methods act on this unit (``recurse=False``) or every unit below (``recurse=True``);
+    none runs a collective unless it says so. Misuse raises FSDP2's exception types (``ValueError``
+    for ``set_reshard_after_forward(2)``, ``TypeError`` for a prefetch of a module not sharded)."""
 
     _fsdp_state: FSDPState
-
-    # ---------------------------------------------------------------- FSDP2 surface
 
     def unshard(self, async_op: bool = False) -> Optional[UnshardHandle]:
         """All-gather this unit's parameters now (e.g. to overlap with other work)."""
@@ -107,20 +84,18 @@ class FSDPModule:
         self._fsdp_state.reshard()
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
-        """False: keep accumulating unsharded gradients locally (no communication) until a
-        backward with sync on, or :meth:`finish_grad_sync`."""
+        """False: accumulate gradients locally (no communication) until a backward with sync on,
+        or :meth:`finish_grad_sync`."""
         for state in self._states(recurse):
             state.requires_grad_sync = requires_gradient_sync
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
-        """False: keep the gathered weights after the unit's backward (FSDP2's knob, e.g. for
-        several backwards per step); they are freed at the next reshard."""
+        """False: keep the weights gathered after backward (until the next reshard)."""
         for state in self._states(recurse):
             state.reshard_after_backward = reshard_after_backward
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
-        """Explicit from now on (the root's default of not resharding no longer applies). A bool
-        only, as in FSDP2 (whose error, ``ValueError``, this also is)."""
+        """Explicit from now on (the root's default no longer applies): a bool, else ValueError."""
         if not isinstance(reshard_after_forward, bool):
             raise ArgumentTypeError(
                 f"reshard_after_forward should be a bool, got {type(reshard_after_forward)}; pass True or False"
@@ -129,18 +104,15 @@ class FSDPModule:
             state.reshard_after_forward = reshard_after_forward
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
-        """False: the end of backward leaves reductions in flight and ``.grad`` unattached; a
-        later last backward or :meth:`finish_grad_sync` completes them. Read by the root (set it
-        there; on another unit of an initialised tree it reaches the root too, as in FSDP2)."""
+        """False: backward's end leaves reductions in flight and ``.grad`` unattached until a last
+        backward or :meth:`finish_grad_sync`; the root's knob, set from any initialised unit."""
         self._fsdp_state.root_knobs().is_last_backward = is_last_backward
 
     def set_manual_backward_finalization(self, enabled: bool) -> None:
-        """True: the end of each backward leaves reductions, reshards and ``.grad`` to
-        :meth:`finalize_backward`, called once after all the backwards of a step (torch 2.15's; a
-        pipeline schedule does it; it supersedes :meth:`set_is_last_backward`). Call it on the
-        root, before backward. Raises ``RuntimeError`` on a unit below an initialised root (and
-        at the first forward for one set below the root), during backward, or while a backward
-        waits for its finalization."""
+        """True: each backward's end leaves reductions, reshards and ``.grad`` to
+        :meth:`finalize_backward`, once per step (torch 2.15's, for pipeline schedules). Set it on
+        the root before backward: ``RuntimeError`` below the root (at the first forward if not yet
+        initialised), during backward or while a backward waits for its finalization."""
         state = self._fsdp_state
         if state.root is not None and state.root is not state:
             raise RuntimeError("set_manual_backward_finalization must be called on the root FSDP module")
@@ -153,12 +125,10 @@ class FSDPModule:
         ctx.manual_finalization = bool(enabled)
 
     def finalize_backward(self, *, async_op: bool = False) -> Optional[GradientReductionHandle]:
-        """End the backward iteration under manual finalization: reduce what each unit holds
-        (if it syncs), reshard (free where ``reshard_after_backward``), wait for the reductions
-        and attach ``.grad``; with ``async_op=True`` return a :class:`GradientReductionHandle`
-        whose ``wait()`` does the waiting and attaching. Before the root's first forward it does
-        nothing. Raises ``RuntimeError`` (FSDP2's) without manual finalization, on a unit that
-        is not the root, inside backward, or before a previous handle was waited for."""
+        """End the backward iteration under manual finalization: reduce, reshard, wait and attach
+        ``.grad`` (``async_op``: the returned :class:`GradientReductionHandle` waits and attaches);
+        a no-op before the first forward. Raises ``RuntimeError`` without manual finalization, off
+        the root, inside backward, or while a previous handle is not waited for."""
         state = self._fsdp_state
         if state.root is None:
             return GradientReductionHandle(None) if async_op else None
@@ -170,9 +140,8 @@ class FSDPModule:
         return None
 
     def set_keep_unsharded_storage(self, keep: bool, *, recurse: bool = True) -> None:
-        """True: a reshard keeps the unsharded parameters' storage (and the gathered buffer),
-        so their data pointers stay the same across reshard and unshard (CUDA graph capture), at
-        the cost of that memory between uses; the next gather refills it in place."""
+        """True: a reshard keeps the unsharded storage, so data pointers survive reshard/unshard
+        (CUDA graph capture), at the cost of that memory; the next gather refills it in place."""
         for state in self._states(recurse):
             for group in state.groups:
                 group.weights.keep_unsharded_storage = bool(keep)
@@ -189,14 +158,9 @@ class FSDPModule:
         self._fsdp_state.backward_prefetch = [_state_of(m) for m in modules]
 
     def to_empty(self, *, device, recurse: bool = True):
-        """``nn.Module.to_empty``, as in FSDP2: a unit built under ``torch.device("meta")`` keeps
-        its sharded parameters on meta until now; here each rank allocates only its shards on
-        ``device`` (the parameter objects keep their identity). Then initialise them on the
-        sharded model (``reset_parameters()`` of each module, ``module.apply(init_fn)``, or
-        :func:`init_weights`, which matches an unsharded build under the same seed) or load a
-        checkpoint. ``device`` must be of the mesh's device type (under CPU offload, the host or
-        the mesh's device: the shards go to the host either way). Buffers and ignored
-        parameters go through ``nn.Module.to_empty``."""
+        """``nn.Module.to_empty``, as in FSDP2: a unit built on meta allocates only its shards on
+        ``device``, keeping the parameter objects, to initialise (:func:`init_weights`) or load;
+        ``device`` must be of the mesh's type (the host too, under CPU offload), else ValueError."""
         device = torch.device(device)
         if device.type != "meta":
             for state in self._states(recurse):
@@ -214,22 +178,16 @@ class FSDPModule:
         return super().to_empty(device=device, recurse=recurse)  # type: ignore[misc]  # via _apply
 
     def _apply(self, fn, recurse: bool = True):
-        """What ``nn.Module.to`` / ``double`` / ``float`` / ``half`` / ``cpu`` / ``cuda`` /
-        ``to_empty`` run. The sharded parameters of every unit below follow the new dtype (see
-        :func:`fsdp.group.convert.convert`: their buffers
-        are rebuilt from the current values, the parameter objects keep their identity, explicit
-        policy dtypes stay); everything else (buffers, ignored parameters) goes through
-        ``nn.Module._apply``. The shards stay on the mesh's device: ``.to`` that device is a no-op,
-        ``.to`` another one raises before anything changes. As in FSDP2, the unit is resharded
-        first; call it between steps, not between forward and backward.
-        """
+        """What ``nn.Module.to``, ``float``, ``cuda``, ... run: sharded parameters of every unit
+        below follow the new dtype (:func:`fsdp.group.convert.convert`), after a reshard (call it
+        between steps); a device other than the mesh's raises before anything changes."""
         states = self._states(recurse)
         targets = {id(g): _conversion_target(fn, g) for state in states for g in state.groups}
         for state in states:  # every unit below is checked before any changes
             for group in state.groups:
                 check_convert(group, *targets[id(group)])
         state = self._fsdp_state
-        state.reshard()  # the sharded parameters registered (the unsharded ones are rebuilt)
+        state.reshard()  # the unsharded parameters are rebuilt
         for group in state.groups:
             convert(group, *targets[id(group)])
         hidden = []  # nested units hide their own when nn.Module._apply reaches them
@@ -243,8 +201,6 @@ class FSDPModule:
         finally:
             for module, name, param in reversed(hidden):
                 module._parameters[name] = param
-
-    # ---------------------------------------------------------------- FSDP2 knobs (fsdp/unit/surface.py)
 
     set_requires_all_reduce = surface.set_requires_all_reduce
     set_all_reduce_hook = surface.set_all_reduce_hook
@@ -265,8 +221,6 @@ class FSDPModule:
     def _get_fsdp_state(self) -> FSDPState:
         """This unit's state (what ``fully_shard.state(self)`` returns)."""
         return self._fsdp_state
-
-    # ---------------------------------------------------------------- Megatron surface
 
     def zero_grad_buffer(self) -> None:
         """Zero the main-grad buffers of every unit below (``param.grad`` views stay attached)."""
@@ -290,8 +244,7 @@ class FSDPModule:
 
 
 def _conversion_target(fn: Callable[[torch.Tensor], torch.Tensor], group: ParameterGroup):
-    """(dtype, device) that ``fn`` (an ``nn.Module._apply`` function) turns the group's main
-    weights into, found by applying it to an empty tensor like them."""
+    """(dtype, device) ``fn`` turns the group's main weights into, probed on an empty tensor."""
     probe = torch.empty(0, dtype=group.dtypes.main, device=group.main.device)
     try:
         out = fn(probe)
@@ -310,13 +263,10 @@ def _state_of(module: nn.Module) -> FSDPState:
 
 
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
-    """Run the unit's forward hooks around ``module.<method_name>`` too (e.g. ``generate``),
-    as torch FSDP2's function of the same name does: the weights are gathered before the method
-    and resharded after it, like around ``forward``.
-
-    ``module``: a module returned by ``fully_shard`` (else ``TypeError``); ``method_name``: the
-    name of one of its methods (else ``AttributeError``). The method is replaced on this module
-    object only; no collective runs until the method is called."""
+    """Run the unit's forward hooks (gather before, reshard after) around ``module.<method_name>``
+    too, e.g. ``generate``, as FSDP2's function does. ``module``: one returned by ``fully_shard``
+    (else ``TypeError``); ``method_name``: one of its methods (else ``AttributeError``), replaced
+    on this module object only. No collective runs until it is called."""
     state = _state_of(module)
     method = getattr(module, method_name)
 
@@ -329,8 +279,8 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
 
 
 def state_of_module(module: nn.Module) -> Optional[FSDPState]:
-    """``fully_shard.state(module)``: the state of the unit ``module`` is a top module of (every
-    module of a ``fully_shard([a, b])`` unit gives the same one), None if it is not one."""
+    """``fully_shard.state(module)``: the state of the unit ``module`` is a top module of (the same
+    for each module of a ``fully_shard([a, b])``), else None."""
     return module.__dict__.get("_fsdp_state") if isinstance(module, FSDPModule) else None
 
 
@@ -338,5 +288,3 @@ def fsdp_class(cls: type) -> type:
     if cls not in _CLASS_CACHE:
         _CLASS_CACHE[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
     return _CLASS_CACHE[cls]
-
-

@@ -1,20 +1,11 @@
 """FSDP2's private state as ``torch.distributed.pipelining`` of torch 2.11 to 2.14 reads it.
 
-Before torch 2.15's ``finalize_backward``, a pipeline stage whose module is an ``FSDPModule``
-ends the step's backward (its ``REDUCE_GRAD`` action, ``perform_reduce_grad``) by reaching into
-FSDP2's internals::
-
-    state = fully_shard.state(stage_module)
-    for unit in state._state_ctx.all_states:
-        for group in unit._fsdp_param_groups:      # torch 2.11: unit._fsdp_param_group
-            group.post_backward()
-    state._root_post_backward_final_callback()
-
-fsdp's :class:`~fsdp.unit.state.FSDPState` answers those names with the small views below, so the
-same schedule drives fsdp stages: a unit's "post-backward" takes the gradients the schedule
-accumulated (through autograd, or assigned by a weight-gradient step), reduces them if the unit
-syncs and reshards if it is set to; the final callback is the root's end of backward. Nothing
-else of FSDP2's internals is offered: torch 2.15 and later go through the public methods.
+Before torch 2.15's ``finalize_backward``, a pipeline stage whose module is an ``FSDPModule`` ends
+the step's backward (``perform_reduce_grad``) through FSDP2's internals: on
+``fully_shard.state(stage_module)`` it calls ``post_backward()`` on each group of each unit's
+``_fsdp_param_groups`` (torch 2.11: ``_fsdp_param_group``) in ``_state_ctx.all_states``, then
+``_root_post_backward_final_callback()``. :class:`~fsdp.unit.state.FSDPState` answers those names,
+and no others, with the views below.
 """
 
 from __future__ import annotations
@@ -28,8 +19,7 @@ __all__ = ["FSDP2Names", "PostBackward", "TreeView"]
 
 
 class TreeView:
-    """``state._state_ctx``: the tree's units as ``all_states`` (the unit alone before lazy
-    initialisation)."""
+    """``state._state_ctx``: the tree's units as ``all_states`` (just the unit before lazy init)."""
 
     def __init__(self, unit: Unit) -> None:
         self._unit = unit
@@ -41,8 +31,7 @@ class TreeView:
 
 
 class PostBackward:
-    """One unit as FSDP2's ``FSDPParamGroup`` is called by a pipeline schedule: its
-    :meth:`post_backward`."""
+    """One unit as a schedule calls FSDP2's ``FSDPParamGroup``: its :meth:`post_backward`."""
 
     def __init__(self, unit: Unit) -> None:
         self._unit = unit
@@ -62,9 +51,8 @@ class PostBackward:
 
 
 class FSDP2Names:
-    """The names a pipeline schedule of torch 2.11 to 2.14 reads on a stage's FSDP2 state, for
-    :class:`~fsdp.unit.state.FSDPState` to inherit (it has ``groups``, ``root`` and
-    ``_final_callback``: a :class:`~fsdp.unit.root.Unit`, its methods' self type)."""
+    """The names these schedules read on a stage's FSDP2 state, for
+    :class:`~fsdp.unit.state.FSDPState` to inherit (``self``: a :class:`~fsdp.unit.root.Unit`)."""
 
     @property
     def _state_ctx(self: Unit) -> TreeView:

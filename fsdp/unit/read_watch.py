@@ -1,40 +1,21 @@
-"""ReadWatch: which units' parameters another unit's forward reads after theirs, found at the first forward.
+"""ReadWatch: finds, at the first forward, which units' parameters a later unit's forward reads.
 
-A parameter may belong to one unit and be read by another unit's forward after the owner's
-forward ended. megatron-core ties its output layer to the embedding this way (the default,
-``share_embeddings_and_output_weights=True``): the embedding unit owns
-``embedding.word_embeddings.weight``, and the root's forward hands it to the output layer
-(``GPTModel.shared_embedding_or_output_weight()``, ``output_layer(hidden, weight=...)``). Resharded
-after its forward, the owner has its sharded DTensor registered there by then: the reader would
-compute with it (FSDP2 fails there, ``aten.mm.default got mixed torch.Tensor and DTensor``), and
-its backward would read the freed weights.
+megatron-core's tied output layer reads ``embedding.word_embeddings.weight`` after the embedding
+unit's forward ended, when a resharded unit has its sharded DTensor registered: the reader would
+compute with it (FSDP2 fails there) and its backward would read freed weights.
 
-Nothing before the first forward says who reads what, so the root watches during its first
-forward only. When a unit's forward ends there, each module holding one of its parameters gets a
-``_parameters`` dict that sees reads by name (``module.weight`` goes through
-``nn.Module.__getattr__`` to it; registration, iteration, state dicts and fsdp's own checks do
-not). A read of the unit's sharded parameter then, in forward, makes the unit keep its weights
-for the reader (its ``read_after_forward`` names what was read and by whom): it gathers them
-back for this read (every rank runs the same code, so every rank makes the same collective at
-the same read) and from then on keeps them gathered and registered after its forward until its
-backward ends, as ``reshard_after_forward=False`` does. When the root's first forward returns,
-each module gets its own dict object back, holding what is registered then: the decision is data
-on the unit, the hot path watches nothing, and what a compiled forward saw (and guards on) before
-is what it sees after.
+So during the root's first forward only, each module holding a parameter of a unit whose forward
+ended gets a ``_parameters`` dict that sees reads by name (not iteration, state dicts or fsdp's
+checks). A forward read makes the unit gather back (every rank runs the same code) and from then on
+keep its weights until backward ends, as ``reshard_after_forward=False``; then the modules get their
+own dicts back, so the hot path watches nothing. The owner keeps the weight rather than the reader
+gathering again: it is needed from the reader to the owner's backward anyway, so this adds it only
+to forward's lower-memory part, with no second gather or buffer per reader.
 
-Why the owner keeps them rather than the reader gathering them again: the reader runs at the end
-of forward (the output layer) and its backward first, so the weight is needed from there to the
-owner's backward either way, which is the step's memory peak (all activations live); keeping it
-from the owner's forward adds it only to the earlier, lower part of the forward, and costs no
-second gather or a place to gather into per reader.
-
-What the watch does not see, and what then happens: a read before the owner's forward in that
-step (nothing is gathered yet; the reader gets the sharded DTensor as before: its metadata is
-right, computing with it raises DTensor's error, as in FSDP2); a read outside the root's forward
-(a loss computed after it); a read made only for metadata (``weight.dtype``) after the owner's
-forward still keeps the owner gathered. A parameter *registered* on modules of two units is
-refused at lazy initialisation, as in FSDP2 (``fully_shard``'s "already managed by another FSDP
-unit"), naming the way out this watch allows: register it on one module and hand it to the other.
+Not seen: a read before the owner's forward (the reader gets the sharded DTensor and raises, as in
+FSDP2) or outside the root's forward (a loss); a metadata-only read still keeps the owner gathered.
+A parameter *registered* in two units is refused at lazy init (as FSDP2), naming this way out:
+register it on one module and hand it to the other.
 """
 
 from __future__ import annotations
@@ -56,8 +37,7 @@ logger = logging.getLogger("fsdp")
 
 
 def _eager(fn):
-    """``fn`` called as it is by torch.compile, never traced: it gathers and registers (as fsdp's
-    own hooks are marked, :func:`fsdp.unit.state._run_eagerly`)."""
+    """``fn`` called, never traced, by torch.compile (as :func:`fsdp.unit.state._run_eagerly`)."""
     return torch.compiler.disable(fn, recursive=True, reason="fsdp's read watch gathers and registers parameters")
 
 
@@ -71,10 +51,8 @@ class _WatchedParameters(dict):
 
 
 class ReadWatch:
-    """Watches, during the root's first forward, reads of the parameters of the units below it
-    (see the module docstring), each unit's from the end of its forward (a forward hook after
-    fsdp's, which has registered the sharded parameters by then); stops itself when that forward
-    returns."""
+    """Watches, during the root's first forward, reads of the parameters of the units below it,
+    each unit's from the end of its forward (a hook after fsdp's); stops when it returns."""
 
     def __init__(self, root: Unit, units: list[Unit]) -> None:
         self.root = root
@@ -110,8 +88,7 @@ class ReadWatch:
         return watch
 
     def _read(self, parameters: dict, name: str) -> Optional[nn.Parameter]:
-        """``parameters[name]``, after gathering its unit back if another unit's forward reads
-        it after the unit's forward ended."""
+        """``parameters[name]``, its unit gathered back first if read after the unit's forward."""
         value = dict.__getitem__(parameters, name)
         owner = self.owners.get(id(value))
         if owner is None or in_backward():
@@ -125,13 +102,12 @@ class ReadWatch:
         if read not in unit.read_after_forward:  # from now on its post-forward keeps its weights
             unit.read_after_forward.append(read)
             logger.debug("%s keeps its weights after forward: %s", unit.name(), read)
-        unit.unshard()  # this once (the first forward): back for the reader, as a kept unit has them
+        unit.unshard()  # once: back for the reader, as a kept unit has them
         unit.register_unsharded_params()
         return dict.__getitem__(parameters, name)
 
     def _stop(self, module: nn.Module, args: tuple, output: object) -> None:
-        """The root's first forward returned: every watched module gets its own dict back,
-        holding what is registered now."""
+        """The root's first forward returned: give each watched module its own dict back."""
         for holder, original in self.originals.items():
             watched = holder.__dict__["_parameters"]
             original.clear()

@@ -1,34 +1,11 @@
 """RootContext: what only a root unit holds, for the whole tree of units below it.
 
-The first unit to run forward becomes the root of every unit below it (``FSDPState._lazy_init``),
-and some things exist once per tree, not once per unit (FSDP2 keeps them in the root's
-``FSDPStateContext`` and ``FSDPCommContext``): the tree's units, the order they ran forward in
-(prefetching follows it), the gradient reductions in flight and their bound, the end-of-backward
-callback (queued once per backward), whether that end waits for the reductions
-(``set_is_last_backward``), the post-optimizer event, and the comm streams (one set per device,
-shared by every unit on it: :mod:`fsdp.group.streams`). A unit below a root holds none of it:
-its ``root_ctx`` is None and its hooks report to ``state.root.root_ctx``.
-
-How a backward iteration ends is the tree's too (the functions at the end of this module). By
-default the root's end-of-backward callback (:func:`end_of_backward`, queued by
-:mod:`fsdp.unit.state`) ends each backward: reductions launched, units resharded, gradients
-waited for and attached (:func:`finish_grad_sync`). A pipeline schedule runs several backwards
-per step (one per micro-batch, some split into an input-gradient and a weight-gradient part) and
-wants one end, after all of them, as a step of its own: torch 2.15's
-``set_manual_backward_finalization(True)`` and ``finalize_backward(async_op=...)``. Then each
-backward's callback only closes the backward (:func:`end_backward`), and
-:func:`finalize_backward` does the rest once, leaving the reductions in flight until
-:func:`finish_finalized` (a :class:`~fsdp.unit.module.GradientReductionHandle`'s ``wait()`` when
-asynchronous); :class:`Finalization` is where the iteration stands, and its moves are checked.
-After a forward or backward that raised, :func:`reset_iter_state` returns the tree to the start
-of an iteration.
-
-Knobs that only a root reads (``set_is_last_backward``, ``set_post_optim_event``,
-``set_reduce_scatter_max_input_buffers``, ``set_manual_backward_finalization``) may be set before the first forward, when no unit
-knows yet whether it is a root: they create the unit's context then. Lazy initialisation keeps
-the root's and drops those of units below it: as in FSDP2, such a knob has an effect only on the
-root. A unit not yet initialised whose gradients arrive anyway (parameters used after
-``unshard()`` outside any forward) acts as the root of itself.
+The first unit to run forward becomes the root of the units below it (``FSDPState._lazy_init``),
+holding what exists once per tree, as FSDP2's root contexts do; other units' ``root_ctx`` is None.
+Root-only knobs set before then create a unit's context, of which lazy initialisation keeps only
+the root's; a unit whose gradients arrive before then acts as its own root. Each backward ends in
+the root's callback (:func:`end_of_backward`); under manual finalization a pipeline schedule ends
+its several backwards once (:func:`finalize_backward`), in the order :class:`Finalization` checks.
 """
 
 from __future__ import annotations
@@ -54,9 +31,8 @@ __all__ = [
     "finalize_backward", "finish_finalized", "finish_grad_sync", "reset_iter_state",
 ]
 
-# One reduction in flight while the next unit computes its gradients: a unit's backward takes far
-# longer than reducing its shard, so a second one in flight buys no overlap and costs a whole
-# unsharded gradient buffer at the step's memory peak (tools/mem_timeline.py shows where).
+# One reduction in flight while the next unit computes its gradients: a unit's backward outlasts
+# its reduction, so a second buys no overlap and costs an unsharded gradient buffer at the peak.
 MAX_REDUCTIONS_IN_FLIGHT = 1
 
 
@@ -64,7 +40,7 @@ class Finalization(enum.Enum):
     """Where the tree's backward iteration stands under manual finalization."""
 
     OPEN = "open"  # no backward waits for finalize_backward()
-    BACKWARD = "backward"  # a backward ended under manual finalization: finalize_backward() ends the iteration
+    BACKWARD = "backward"  # a backward ended: finalize_backward() ends the iteration
     REDUCING = "reducing"  # finalize_backward(async_op=True) returned: the handle's wait() ends it
 
 
@@ -77,14 +53,11 @@ _FINALIZATION_MOVES = {
 
 
 class Unit(Protocol):
-    """A unit as the tree's code reads it (here, :mod:`~fsdp.unit.lazy_init`,
-    :mod:`~fsdp.unit.read_watch`, :mod:`~fsdp.unit.pipelining`):
-    an :class:`~fsdp.unit.state.FSDPState`, named by this Protocol because that module imports
-    these ones."""
+    """An :class:`~fsdp.unit.state.FSDPState`, typed here because that module imports this one."""
 
     modules: list[nn.Module]
     groups: list[ParameterGroup]
-    root: Optional[Self]  # the tree's root, set by lazy initialisation
+    root: Optional[Self]
     root_ctx: Optional[RootContext]  # roots only
     fqn: Optional[str]
     training_state: TrainingState
@@ -110,7 +83,7 @@ class Unit(Protocol):
         """Free the unsharded weights and register the sharded parameters again."""
 
     def settle_after_backward(self) -> None:
-        """The end of the unit's backward: reshard, or keep the gathered weights (``reshard_after_backward``)."""
+        """End the unit's backward: reshard, or keep the weights (``reshard_after_backward``)."""
 
     def _final_callback(self) -> None:
         """The root's end of backward."""
@@ -121,23 +94,21 @@ class RootContext:
     """The tree's shared state, held by its root (see the module docstring)."""
 
     units: list[Unit]  # every unit of the tree, the root first (named_modules order)
-    forward_order: list[Unit] = field(default_factory=list)  # units in the order their forward began
-    post_forward_order: list[Unit] = field(default_factory=list)  # ... and in the order it ended
-    # The order is complete (prefetching may follow it) from the root's second grad-enabled
-    # forward on: the first one, or a no_grad one before it, records it.
+    forward_order: list[Unit] = field(default_factory=list)
+    post_forward_order: list[Unit] = field(default_factory=list)
+    # From the root's second grad-enabled forward (the first, or a no_grad one before, records it).
     order_complete: bool = False
-    reductions_in_flight: list[GradReducer] = field(default_factory=list)  # oldest first
+    reductions_in_flight: list[GradReducer] = field(default_factory=list)
     max_reductions_in_flight: int = MAX_REDUCTIONS_IN_FLIGHT
-    post_optim_event: Optional[DeviceEvent] = None  # waited for before the next gathers, then dropped
-    final_callback_queued: bool = False  # once per backward, on the autograd engine
+    post_optim_event: Optional[DeviceEvent] = None
+    final_callback_queued: bool = False
     is_last_backward: bool = True  # False: the end of backward leaves reductions in flight
-    streams: list[CommStreams] = field(default_factory=list)  # one per device of the tree's groups
-    manual_finalization: bool = False  # set_manual_backward_finalization: finalize_backward() ends a backward
+    streams: list[CommStreams] = field(default_factory=list)
+    manual_finalization: bool = False
     finalization: Finalization = Finalization.OPEN
 
     def finalize_move(self, target: Finalization, what: str) -> None:
-        """Move the backward iteration to ``target``, or raise ``RuntimeError`` (FSDP2's words)
-        saying what must come first; ``what`` names the caller's action."""
+        """Enter ``target``, or raise ``RuntimeError`` (the last reduction is not waited for yet)."""
         if target not in _FINALIZATION_MOVES[self.finalization]:
             raise RuntimeError(f"The previous gradient reduction must be waited on before {what}")
         self.finalization = target
@@ -147,8 +118,6 @@ class RootContext:
         self.units = units
         streams = {id(g.streams): g.streams for unit in units for g in unit.groups}
         self.streams = list(streams.values())
-
-    # ------------------------------------------------------------------ forward order
 
     def root_forward_begins(self, grad_enabled: bool) -> bool:
         """The root's forward begins; True if the forward order has just become complete."""
@@ -166,11 +135,9 @@ class RootContext:
             self.post_forward_order.append(unit)
 
     def neighbour(self, unit: Unit, step: int) -> list[Unit]:
-        """The unit to prefetch after ``unit``, once the order is complete (none before): in
-        forward (``step`` +1) the next in the order forwards began; in backward (-1) the next in
-        the *reverse* order forwards ended, as FSDP2 does. The backward order matters when a unit
-        ends its forward after the ones it calls (a root holding the head): it comes first in
-        backward, and once its gradients are reduced no unit gathers it again."""
+        """The unit to prefetch after ``unit`` once the order is complete: the next to begin forward
+        (``step`` +1) or, as FSDP2, the next in *reverse* order of forward ends (-1), since a unit
+        ending after the ones it calls (a root holding the head) runs first in backward."""
         if not self.order_complete:
             return []
         order = self.forward_order if step > 0 else self.post_forward_order[::-1]
@@ -179,12 +146,9 @@ class RootContext:
         k = order.index(unit) + 1
         return [order[k]] if k < len(order) else []
 
-    # ------------------------------------------------------------------ reductions
-
     def launched(self, grads: GradReducer) -> None:
-        """A group's reducer launched its reduction. Finishing the oldest ones beyond the bound
-        frees their unsharded gradient buffers during backward, instead of all of them living to
-        its end."""
+        """A group's reducer launched its reduction; finishing the oldest beyond the bound frees
+        their unsharded gradient buffers during backward, not at its end."""
         self.reductions_in_flight.append(grads)
         self.finish_reductions(keep=self.max_reductions_in_flight)
 
@@ -192,8 +156,6 @@ class RootContext:
         """Finish the oldest reductions in flight until at most ``keep`` remain."""
         while len(self.reductions_in_flight) > keep:
             self.reductions_in_flight.pop(0).finish_reduce()
-
-    # ------------------------------------------------------------------ post-optimizer event
 
     def wait_post_optim_event(self) -> None:
         """The next gathers start after the post-optimizer event, if one was set (used once)."""
@@ -204,9 +166,6 @@ class RootContext:
             event.synchronize()
         for streams in self.streams:
             streams.gathers_wait(event)
-
-
-# ---------------------------------------------------------------------------------- the end of a backward iteration
 
 
 def finish_grad_sync(units: list[Unit], launch: bool) -> None:
@@ -223,10 +182,8 @@ def finish_grad_sync(units: list[Unit], launch: bool) -> None:
 
 
 def end_of_backward(ctx: RootContext) -> None:
-    """The root's callback at the end of a backward (queued once per backward on the autograd
-    engine): every unit IDLE, the gradients still held reduced (units that sync), every unit
-    resharded and, on the last backward, every reduction waited for and ``.grad`` attached.
-    Under manual finalization only :func:`end_backward`."""
+    """The root's callback at a backward's end: units IDLE, held gradients reduced, units resharded
+    and, on the last backward, ``.grad`` attached (manual finalization: :func:`end_backward`)."""
     with label("fsdp::root_post_backward"):
         ctx.final_callback_queued = False
         if ctx.manual_finalization:
@@ -239,9 +196,7 @@ def end_of_backward(ctx: RootContext) -> None:
                 for group in unit.groups:
                     if group.grads is not None and group.grads.has_local_grads():
                         group.grads.launch_reduce()
-            # Not the last backward and weights kept: they stay registered too, so a pipeline's
-            # weight-gradient step differentiates the parameters its input-gradient step saw
-            # (as FSDP2 leaves them).
+            # Kept weights stay registered (as FSDP2) for a pipeline's weight-gradient step.
             if unit.reshard_after_backward or ctx.is_last_backward:
                 unit.settle_after_backward()
             for group in unit.groups:
@@ -249,16 +204,14 @@ def end_of_backward(ctx: RootContext) -> None:
                     group.grads.end_backward()
         if ctx.is_last_backward:
             finish_grad_sync(ctx.units, launch=False)
-        # Idle collective scratch would otherwise stay through the next forward, the peak of a
-        # step; the next backward's first reduction allocates it again.
+        # Free idle collective scratch: it would stay through the next forward, the step's peak.
         release_workspaces()
 
 
 def reset_iter_state(unit: Unit) -> None:
-    """Recover after a forward or backward raised (FSDP2's ``reset_iter_state``): wait for
-    gathers, drop every gradient not yet reduced into the main grads (the failed iteration's,
-    and those of microbatches accumulated without sync), reshard every unit of ``unit``'s tree
-    and return it to IDLE. Only the root may do it: it owns the end of backward."""
+    """Recover after a forward or backward raised (FSDP2's ``reset_iter_state``): wait for gathers,
+    drop unreduced gradients (unsynced microbatches' too), reshard ``unit``'s tree and return it to
+    IDLE. Raises ``RuntimeError`` on a non-root: the root owns the end of backward."""
     if unit.root is not None and unit.root is not unit:  # never run: nothing to reset but itself
         raise RuntimeError(
             "reset_iter_state must be called on the root FSDP module (the one whose forward ran "
@@ -281,12 +234,8 @@ def reset_iter_state(unit: Unit) -> None:
 
 
 def end_backward(ctx: RootContext) -> None:
-    """A backward under manual finalization ends: every unit is IDLE and its held gradients are
-    packed; launching the reductions of units that sync, resharding, waiting and attaching are
-    :func:`finalize_backward`'s. A unit that neither syncs nor keeps its weights
-    (``set_reshard_after_backward(True)``) frees them now, as FSDP2's post-backward does; one
-    that keeps them also keeps them registered, so a pipeline's weight-gradient step
-    (zero-bubble schedules) differentiates the parameters its input-gradient step saw."""
+    """End a backward under manual finalization: units IDLE, held gradients packed, the rest left to
+    :func:`finalize_backward`. A unit that neither syncs nor keeps its weights frees them now."""
     ctx.finalize_move(Finalization.BACKWARD, "backward")
     for unit in ctx.units:
         unit._enter(TrainingState.IDLE)
@@ -299,13 +248,10 @@ def end_backward(ctx: RootContext) -> None:
 
 
 def finalize_backward(root: Unit) -> None:
-    """Close the backward iteration of ``root``'s tree: each unit, the last in forward order
-    first, reduces what it holds if it syncs (gradients a pipeline step assigned to the unsharded
-    parameters included) and reshards (frees if ``reshard_after_backward``); the reductions stay
-    in flight for :func:`finish_finalized`. Raises ``RuntimeError`` (FSDP2's messages), changing
-    nothing, on a unit that is not the root, with manual finalization off, inside a backward,
-    before the previous asynchronous finalization was waited for, or where an HSDP unit defers
-    its all-reduce (``set_requires_all_reduce(False)``)."""
+    """Close ``root``'s backward iteration: each unit, last in forward order first, reduces what it
+    holds if it syncs (pipeline-assigned gradients too) and settles; :func:`finish_finalized` waits.
+    Raises ``RuntimeError`` (FSDP2's), changing nothing, on a non-root, with manual finalization
+    off, in a backward, before the previous one was waited for, or if HSDP defers an all-reduce."""
     ctx = root.root_ctx
     if root.root is not root or ctx is None:
         raise RuntimeError("finalize_backward must be called on the root FSDP module")

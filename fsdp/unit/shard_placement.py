@@ -1,12 +1,8 @@
 """``shard_placement_fn``'s answers: a dim per parameter, and (torch 2.15) a mesh of its own.
 
-FSDP2's ``shard_placement_fn(param)`` returns ``Shard(dim)`` (shard the parameter in
-``torch.chunk`` pieces along ``dim``), ``None`` (the default layout), or since torch 2.15 a
-``ShardPlacementResult(placement, mesh_info)``: that placement on another data-parallel mesh
-than the unit's, e.g. expert weights on an expert-data-parallel mesh. fsdp builds such
-parameters into groups of their own on that mesh (as an explicit :class:`fsdp.Bucket` with a
-mesh would be). :class:`ShardPlacementResult` is torch's class where torch has it, else one with
-the same fields, so code written for torch 2.15 runs on older torch too.
+A :class:`ShardPlacementResult` places a parameter on another data-parallel mesh than the unit's
+(e.g. expert weights); fsdp builds such parameters into groups of their own, as for a
+:class:`fsdp.Bucket` with a mesh. Before torch 2.15 the class is a stand-in with the same fields.
 """
 
 from __future__ import annotations
@@ -27,9 +23,7 @@ except ImportError:  # older torch: the same fields
     class ShardPlacementResult:  # type: ignore[no-redef]
         """What ``shard_placement_fn`` may return for a parameter (torch 2.15's class): its
         ``placement`` (``Shard(dim)``, or None for the default) on the data-parallel mesh of
-        ``mesh_info`` (an ``FSDPMeshInfo`` / ``HSDPMeshInfo``: its ``mesh``, ``shard_mesh_dim``
-        and ``replicate_mesh_dim``). fsdp raises ``ValueError`` at ``fully_shard`` for a mesh
-        layout it cannot shard on (see :func:`resolve`)."""
+        ``mesh_info``; ``fully_shard`` raises ``ValueError`` for one it cannot shard on."""
 
         placement: Optional[Shard]
         mesh_info: object
@@ -39,16 +33,14 @@ __all__ = ["ShardPlacementError", "ShardPlacementResult", "resolve"]
 
 
 class ShardPlacementError(ValueError, AssertionError):
-    """``shard_placement_fn`` returned ``Shard(dim)`` for a dim the parameter lacks. A
-    ``ValueError``; also an ``AssertionError``, which is what torch FSDP2 raises for it."""
+    """A ``Shard(dim)`` for a dim the parameter lacks; also an ``AssertionError``, as in FSDP2."""
 
 
 def resolve(infos: list[ParamInfo], fn) -> tuple[Optional[list[Optional[int]]], Optional[list[Optional[DeviceMesh]]]]:
-    """``shard_placement_fn``'s answer for every parameter: a dim (normalised) or None, and a
-    mesh of its own or None; ``(None, None)`` without a function. Raises ``TypeError`` for a
-    non-callable or an answer of another type, :class:`ShardPlacementError` for a dim the
-    parameter lacks, ``ValueError`` for a ``mesh_info`` fsdp cannot shard on: a mesh of one or
-    two dims (``(replicate, shard)`` for HSDP) is needed, without ``dp_mesh_dims``."""
+    """``fn``'s answer per parameter: a dim or None, and a mesh or None (``(None, None)`` without
+    ``fn``). Raises ``TypeError`` for a non-callable or a wrong answer type,
+    :class:`ShardPlacementError` for a dim the parameter lacks, ``ValueError`` for a ``mesh_info``
+    fsdp cannot shard on."""
     if fn is None:
         return None, None
     if not callable(fn):

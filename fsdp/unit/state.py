@@ -1,39 +1,24 @@
 """FSDPState: one unit's hooks around forward and backward, prefetching, and the end of backward.
 
-Life of a step, per unit (ZeRO-3 shown; the other strategies skip the gathers and frees), with
-the unit's :class:`~fsdp.unit.training_state.TrainingState` after each hook:
+A ZeRO-3 step per unit (other strategies skip gathers and frees), with the
+:class:`~fsdp.unit.training_state.TrainingState` each hook leaves:
 
-1. forward pre-hook (FORWARD): refresh model weights if the optimizer stepped, all-gather (or
-   wait for a prefetched gather), register the unsharded parameters, start gathering the next unit;
-2. forward post-hook (IDLE): with ``reshard_after_forward`` (default: every unit but the root,
-   whose backward comes next, and but one whose weights a later unit's forward reads,
-   :mod:`fsdp.unit.read_watch`), register the sharded parameters again and free the unsharded
-   storage; otherwise the unsharded parameters stay registered (as in FSDP2, under ``no_grad``
-   too) until step 5 or ``reshard()``. Hook the outputs so that their gradient triggers step 3;
-3. pre-backward (PRE_BACKWARD; first output gradient): gather again, start gathering the unit
-   before it;
-4. each parameter's post-accumulate-grad hook takes its gradient from autograd; the group's
-   first one finishes the reduction still in flight; when a group has all of them they are
-   copied into its ``grad_in`` (allocated only then, as FSDP2 allocates its reduce-scatter
-   input), its reduction starts (async; at most one in flight) and its unsharded storage is
-   freed (POST_BACKWARD);
-5. the root's final callback (queued on the autograd engine; IDLE) reduces whatever is left,
-   reshards every unit, waits for every reduction and attaches ``param.grad``. Under manual
-   backward finalization (torch 2.15's, for pipeline schedules) it leaves that to
-   :meth:`FSDPState.finalize_backward`, called once after all the backwards of a step.
+1. forward pre-hook (FORWARD): refresh stale weights, gather, register the unsharded parameters,
+   prefetch the next unit;
+2. post-hook (IDLE): units that reshard (not the root, whose backward is next, nor one whose
+   weights a later forward reads, :mod:`fsdp.unit.read_watch`) register the sharded parameters and
+   free the unsharded storage; others keep them (under ``no_grad`` too) until step 5 or
+   ``reshard()``. Outputs are hooked for step 3;
+3. pre-backward (PRE_BACKWARD; first output gradient): gather again, prefetch the unit before;
+4. gradient hooks: a group's first finishes the reduction in flight, its last copies them into
+   ``grad_in`` (allocated only then, as FSDP2), launches its reduction (at most one in flight) and
+   frees the unsharded storage (POST_BACKWARD);
+5. the root's final autograd callback (IDLE) reduces what is left, reshards, waits for every
+   reduction and attaches ``param.grad`` (manual finalization: :meth:`FSDPState.finalize_backward`).
 
-What only the root holds for its tree (units, forward order, reductions in flight, the final
-callback, ...) is its :class:`~fsdp.unit.root.RootContext`; every move between training states is
-checked (:mod:`fsdp.unit.training_state`). Each phase is labelled for ``torch.profiler``
-(:data:`LABELS`, followed by the unit's name below the root, as FSDP2 labels its own), and lazy
-initialisation logs the tree and its forward order to the ``fsdp`` logger at debug level.
-
-Activation checkpointing: step 3 also registers the unsharded parameters, for a recomputation
-that runs outside the unit's hooks (``checkpoint_wrapper`` applied before ``fully_shard``,
-transformers 5); a forward whose hooks run inside backward (``checkpoint(layer.__call__)``,
-transformers 4) is a recomputation: it gathers if needed and registers (PRE_BACKWARD), and its
-post-hook leaves the weights for the backward that follows. Every hook is registered through
-:func:`_run_eagerly` so that ``torch.compile`` of a unit's module calls it instead of tracing it.
+Tree-wide state is the root's :class:`~fsdp.unit.root.RootContext`. Activation checkpointing:
+step 3 also registers the unsharded parameters for a recomputation outside the hooks; hooks run
+inside backward are a recomputation, which gathers if needed and leaves the weights to backward.
 """
 
 from __future__ import annotations
@@ -65,34 +50,26 @@ __all__ = ["LABELS", "FSDPState", "MAX_REDUCTIONS_IN_FLIGHT", "finish_grad_sync"
 
 logger = logging.getLogger("fsdp")
 
-#: The profiler labels of a unit's phases (``torch.profiler.record_function``). A unit other than
-#: the root appends its name: ``fsdp::pre_forward (blocks.0)``.
+#: Profiler labels of a unit's phases; a unit below the root appends its name: ``... (blocks.0)``.
 LABELS = (
-    "fsdp::lazy_init",  # the first forward: the root finds its tree
-    "fsdp::pre_forward",  # forward pre-hook: gather (or wait for the prefetch), prefetch the next
+    "fsdp::lazy_init",
+    "fsdp::pre_forward",
     "fsdp::root_pre_forward",  # inside the root's: post-optimizer event, dropped main grads
-    "fsdp::post_forward",  # forward post-hook: reshard, hook the outputs
-    "fsdp::pre_backward",  # the first output gradient, or a recomputation: gather, prefetch
+    "fsdp::post_forward",
+    "fsdp::pre_backward",
     "fsdp::wait_reductions",  # a group's first gradient: finish the reductions still in flight
-    "fsdp::post_backward",  # a group's gradients complete: launch its reduction, reshard
-    "fsdp::root_post_backward",  # the root's end-of-backward callback
-    "fsdp::finish_grad_sync",  # wait for every reduction, attach .grad
-    "fsdp::finalize_backward",  # manual finalization: reduce what is left and reshard, then finish
-    "fsdp::reset_iter_state",  # recovery after a failed forward or backward
+    "fsdp::post_backward",
+    "fsdp::root_post_backward",
+    "fsdp::finish_grad_sync",
+    "fsdp::finalize_backward",
+    "fsdp::reset_iter_state",
 )
 
 
 def _run_eagerly(hook: MethodType) -> MethodType:
-    """``hook`` (a bound method) marked so that torch.compile calls it as it is instead of
-    tracing it.
-
-    ``module.compile()`` compiles ``nn.Module._call_impl``, which runs the forward hooks: traced,
-    every gather, wait, storage resize and parameter registration in them would break the graph
-    (FSDP2 marks its hooks the same way). The marked function is registered as the hook itself,
-    so dynamo finds no frame of ours to trace around it: it skips ``_call_impl``'s frames, calls
-    the hooks eagerly and compiles the module's ``forward`` into one graph between them. It stays
-    a method of the state (one marked function per method), so ``copy.deepcopy`` of a sharded
-    module copies the state its hooks call, as it did for plain bound methods."""
+    """``hook`` marked so that torch.compile calls it rather than tracing it (as FSDP2 marks its
+    hooks): traced, its gathers and registrations would break the graph around ``forward``. Still a
+    bound method of the state, so ``copy.deepcopy`` copies the state its hooks call."""
     return MethodType(_disabled(hook.__func__), hook.__self__)
 
 
@@ -106,21 +83,19 @@ class FSDPState(pipelining.FSDP2Names):
                  reshard_after_forward: Optional[bool]) -> None:
         self.modules = modules
         self.groups = groups
-        self.unsharders = [g.unsharder for g in groups]  # each group's weights' cycle, driven here
+        self.unsharders = [g.unsharder for g in groups]
         self.policy = policy
-        # The unit's knobs (FSDPModule's setters).
         self.reshard_after_forward = reshard_after_forward  # None: all but the root
         self.reshard_after_backward = True
         self.requires_grad_sync = True
         self.unshard_in_backward = True  # False: backward never reads the weights (FSDP2's setter)
         self.forward_prefetch: Optional[list[FSDPState]] = None  # None: the next unit run
         self.backward_prefetch: Optional[list[FSDPState]] = None  # None: the previous unit run
-        # Where it stands.
         self.root: Optional[FSDPState] = None  # set by the root's lazy initialisation
         self.root_ctx: Optional[RootContext] = None  # roots only (see fsdp.unit.root)
         self.fqn: Optional[str] = None  # its name below the root ("" for the root), from lazy init
         self.training_state = TrainingState.IDLE
-        self.registered_unsharded = False  # the unsharded parameters are the modules' ones
+        self.registered_unsharded = False
         self.shared_with_other_units: list[str] = []  # tied parameters another unit owns: lazy init raises
         self.read_after_forward: list[str] = []  # who reads its weights after its forward (fsdp.unit.read_watch)
         self.shared_gathers: dict = {}  # the unit's groups gathered together (fsdp.group.shared_gather)
@@ -137,8 +112,7 @@ class FSDPState(pipelining.FSDP2Names):
         for module in self.modules:
             module.register_forward_pre_hook(_run_eagerly(self._pre_forward), prepend=True, with_kwargs=True)
             module.register_forward_hook(_run_eagerly(self._post_forward))
-        # Like FSDP2: state dicts see (and load into) the sharded parameters even when a forward
-        # left the unsharded ones registered.
+        # As in FSDP2, state dicts see the sharded parameters even if forward left unsharded ones.
         holders = {id(m): m for m in self.modules}
         for group in self.groups:
             for info in group.infos:
@@ -154,8 +128,7 @@ class FSDPState(pipelining.FSDP2Names):
 
     def _adopt_hook(self, module: nn.Module, incompatible_keys) -> None:
         """``load_state_dict(sharded_sd, assign=True)`` put the caller's DTensors on the modules:
-        they become this unit's sharded parameters now (see :func:`fsdp.group.meta_init.adopt_assigned`),
-        so the model right after the load already holds fsdp's layout."""
+        adopt them as sharded parameters (:func:`fsdp.group.meta_init.adopt_assigned`)."""
         for group in self.groups:
             adopt_assigned(group)
 
@@ -176,17 +149,16 @@ class FSDPState(pipelining.FSDP2Names):
         self.training_state = target
 
     def _owner(self) -> "FSDPState":
-        """The unit whose context this one's backward reports to: its root; itself before lazy
-        initialisation (gradients of parameters used after ``unshard()`` outside any forward)."""
+        """The unit whose context this one's backward reports to: its root, or itself before lazy
+        init (gradients of parameters used after ``unshard()`` outside any forward)."""
         owner = self.root if self.root is not None else self
         if owner.root_ctx is None:
             owner.root_ctx = RootContext([owner])
         return owner
 
     def root_knobs(self) -> RootContext:
-        """Where a knob only the root reads goes (``set_is_last_backward``, ...): the root's
-        context once initialised (every unit of a tree shares it, as in FSDP2); before, this
-        unit's own, kept by lazy initialisation only if the unit becomes a root."""
+        """Where a knob only the root reads goes: the root's context once initialised (shared by the
+        tree, as in FSDP2); before, this unit's own, kept only if the unit becomes a root."""
         return self._owner().root_ctx
 
     def _tree(self) -> list["FSDPState"]:
@@ -195,12 +167,10 @@ class FSDPState(pipelining.FSDP2Names):
     # ------------------------------------------------------------------ setup
 
     def _lazy_init(self) -> None:
-        """The first unit to run forward is the root of every unit below it. As in FSDP2 (same
-        errors): the root must be one module; no unit below it may have run forward first (it
-        would have become a root of its own, with its own end-of-backward); no parameter may be
-        tied across two units (each would train its own copy); parameters assigned
-        since ``fully_shard`` (``load_state_dict(..., assign=True)`` of sharded DTensors) are
-        adopted now, and parameters still on the meta device raise."""
+        """The first unit to run forward becomes the root of every unit below. As in FSDP2 (same
+        errors), the root must be one module, no unit below may have run forward first, no parameter
+        may be tied across units; parameters assigned since ``fully_shard`` are adopted, ones on
+        meta raise."""
         if self.root is not None:
             return
         if len(self.modules) > 1:
@@ -244,22 +214,19 @@ class FSDPState(pipelining.FSDP2Names):
         self.register_sharded_params()
 
     def release_after_forward(self) -> None:
-        """As :meth:`reshard`, but groups with ``reshard_after_forward=n`` keep their ``1/n``
-        slice for backward."""
+        """As :meth:`reshard`, but ``reshard_after_forward=n`` groups keep their ``1/n`` slice."""
         for unsharder in self.unsharders:
             unsharder.reshard_after_forward()
         self.register_sharded_params()
 
     def settle_after_backward(self) -> None:
-        """The end of this unit's backward: :meth:`reshard` if it reshards after backward, else
-        keep the gathered weights (the next unshard skips the gather unless the optimizer stepped)
-        and register the sharded parameters."""
+        """The end of this unit's backward: :meth:`reshard`, or without ``reshard_after_backward``
+        keep the gathered weights and register the sharded parameters."""
         if self.reshard_after_backward:
             self.reshard()
         else:
-            # A backward prefetch whose unit got no gradient in this backward lands now, marked
-            # with the weights it gathered: left in flight, the next forward would take it as
-            # current after an optimizer step (FSDP2's finalize_backward waits for it too).
+            # Land a prefetch whose unit got no gradient: in flight, the next forward would take it
+            # as current after an optimizer step (FSDP2's finalize_backward waits too).
             self.wait_unshard()
             self.register_sharded_params()
 
@@ -302,9 +269,8 @@ class FSDPState(pipelining.FSDP2Names):
             return self._cast_inputs(args, kwargs)
 
     def _root_pre_forward(self, ctx: RootContext) -> None:
-        """Once per forward, before any gather of the tree: wait for the post-optimizer event, fix
-        the forward order, and free every unit's main grads the optimizer dropped (zero_grad,
-        set_to_none) before anything of the step is allocated, not each unit at its own forward."""
+        """Once per forward, before any gather: wait for the post-optimizer event, fix the forward
+        order, free the main grads the optimizer dropped (all units, before the step allocates)."""
         with label("fsdp::root_pre_forward"):
             ctx.wait_post_optim_event()
             if ctx.root_forward_begins(torch.is_grad_enabled()) and logger.isEnabledFor(logging.DEBUG):
@@ -343,18 +309,13 @@ class FSDPState(pipelining.FSDP2Names):
             resharded = self.reshards_after_forward()
             if resharded:
                 self.release_after_forward()
-            # Gathered until backward ends, the model shard is not read before the next step.
-            # Resharded with a backward to come, it is not read before that backward's gather,
-            # which casts it again (once per step instead of keeping it through the activations'
-            # peak, the start of backward).
+            # The model shard is not read before the next step or backward's gather (which recasts).
             root_default = not resharded and self.root is self and self.reshard_after_forward is None
             if not resharded or grad:
                 for unsharder in self.unsharders:
                     unsharder.release_model_shard()
                     if grad and root_default and self.reshard_after_backward:
                         unsharder.release_forward_only()  # False (or a later reader) keeps all, as asked
-            # Otherwise the unsharded parameters stay registered and gathered (with or without
-            # grad, as in FSDP2) until the end of backward or reshard().
             if grad:
                 for t in tree_flatten(output)[0]:
                     if isinstance(t, torch.Tensor) and t.requires_grad:
@@ -362,8 +323,7 @@ class FSDPState(pipelining.FSDP2Names):
             return self._cast_output(output)
 
     def _forward_only_pre_forward(self, module: nn.Module, args: tuple) -> None:
-        """A module whose weight the unit freed after forward runs inside backward (activation
-        checkpointing recomputes it): gather the unit's groups again for it."""
+        """A module whose weight was freed after forward is recomputed in backward: gather again."""
         if in_backward() and any(u.forward_only_freed() for u in self.unsharders):
             self.unshard()
             self.register_unsharded_params()
@@ -387,21 +347,15 @@ class FSDPState(pipelining.FSDP2Names):
         self._prepare_backward(recompute=False)
 
     def _prepare_backward(self, recompute: bool) -> None:
-        """Gather and register the unsharded parameters for this unit's backward, and start
-        gathering the unit before it (once per backward: PRE_BACKWARD until its gradients are
-        reduced and its weights resharded).
-
-        Registering matters for activation checkpointing: a recomputation reads the module's
-        parameters, which must be the unsharded ones its backward differentiates (not the
-        sharded DTensors). A recomputation (``recompute``: this unit's forward hooks run inside
-        backward) always gathers again if the weights were freed since, e.g. a unit resharding
-        after forward, or recomputed twice."""
+        """Gather and register the unsharded parameters for this unit's backward (which a
+        recomputation must read) and prefetch the unit before it, once per backward; a
+        recomputation (``recompute``) gathers again if the weights were freed since."""
         prepared = self.training_state is TrainingState.PRE_BACKWARD
         if prepared and not recompute:
             return
         with label("fsdp::pre_backward", self.fqn):
             self._enter(TrainingState.PRE_BACKWARD)
-            if self.unshard_in_backward or recompute:  # set_unshard_in_backward(False): not needed
+            if self.unshard_in_backward or recompute:
                 self.unshard() if recompute else self.unshard_for_backward()
                 self.register_unsharded_params()
             if prepared:
@@ -410,10 +364,8 @@ class FSDPState(pipelining.FSDP2Names):
                 prev.unshard_for_backward(async_op=True)
 
     def _grad_hook(self, group_ref: weakref.ref, k: int) -> Callable[[torch.Tensor], None]:
-        """The post-accumulate-grad hook of parameter ``k`` of a group: it lives in autograd's
-        C++ hook table, which the garbage collector cannot see, so it holds the unit and the
-        group weakly (strongly, they would close a cycle through the parameter and a sharded
-        module would never be freed), and does nothing once they are gone."""
+        """Parameter ``k``'s post-accumulate-grad hook. Unseen by the GC in autograd's C++ table, it
+        holds unit and group weakly (else a cycle is never freed); a no-op once they are gone."""
         unit_ref = weakref.ref(self)
 
         def hook(p: torch.Tensor) -> None:
@@ -424,9 +376,8 @@ class FSDPState(pipelining.FSDP2Names):
         return hook
 
     def _on_grad(self, group: ParameterGroup, k: int, p: torch.Tensor) -> None:
-        """Autograd accumulated parameter ``k``'s gradient: the group's reducer takes it. The
-        group's first gradient of a round, and its gradient buffer's allocation, first finish
-        the reductions in flight; once the group has them all, it is reduced."""
+        """Parameter ``k``'s gradient is ready: the group's reducer takes it; the group's first of
+        a round finishes the reductions in flight, its last launches the group's reduction."""
         grad, p.grad = p.grad, None
         if grad is None:
             return
@@ -437,11 +388,9 @@ class FSDPState(pipelining.FSDP2Names):
             self._on_group_grads_done(group)
 
     def _finish_reductions_in_flight(self) -> None:
-        """A group got its first gradient of this backward, or is about to allocate its gradient
-        buffer (:class:`~fsdp.group.grads.GradReducer`): finish the reductions still in flight
-        (they have had a whole unit's backward to run), whose buffers would otherwise live
-        through this unit's backward beside the new ones. Idempotent: the second call of a round
-        finds only reductions launched since."""
+        """Before a group's first gradient or buffer (:class:`~fsdp.group.grads.GradReducer`),
+        finish the reductions in flight (they had a unit's backward to run), so their buffers do
+        not coexist with the new ones; a second call in a round finds only those launched since."""
         ctx = self._owner().root_ctx
         if ctx.reductions_in_flight:
             with label("fsdp::wait_reductions", self.fqn):
@@ -450,8 +399,7 @@ class FSDPState(pipelining.FSDP2Names):
     def _on_group_grads_done(self, group: ParameterGroup) -> None:
         with label("fsdp::post_backward", self.fqn):
             if self.reshard_after_backward:
-                # A later pre-backward of this unit in the same backward (it ran forward twice
-                # and its gradients came in two rounds) must gather again.
+                # A later pre-backward in this backward (forward ran twice) must gather again.
                 self._enter(TrainingState.POST_BACKWARD)
             owner = self._owner()
             owner._queue_final_callback()
@@ -474,7 +422,7 @@ class FSDPState(pipelining.FSDP2Names):
 
     def finish_grad_sync(self, launch: bool = True) -> None:
         """Wait for every reduction of this tree and attach the gradients; with ``launch``, first
-        reduce gradients still held locally (after ``set_requires_gradient_sync(False)``)."""
+        reduce gradients still held locally (``set_requires_gradient_sync(False)``)."""
         finish_grad_sync(self._tree(), launch)
 
     def reset_iter_state(self) -> None:

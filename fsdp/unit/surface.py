@@ -1,24 +1,9 @@
-"""The rest of torch FSDP2's public surface: ``FSDPModule``'s knobs, ``share_comm_ctx`` and
-``dp_mesh_dims`` (``offload_policy``: :mod:`fsdp.compose.offload`), with FSDP2's semantics where fsdp has the mechanism, and
-a documented no-op or a clear error where FSDP2 tunes an internal fsdp does not have.
+"""The rest of FSDP2's surface: ``FSDPModule``'s setters, ``share_comm_ctx``, ``dp_mesh_dims``;
+FSDP2's semantics where fsdp has the mechanism, else a documented no-op or a clear error.
 
-The setters below become methods of :class:`fsdp.FSDPModule` (``self`` is the sharded module).
-Like FSDP2's, each runs locally (no collective), so calling it on some ranks only cannot hang,
-but a setting that changes what is communicated (divide factor, all-reduce) must be made on
-every rank, as in FSDP2. Settings that change the gradient buffer's reduce op apply between
-steps: while gradients wait to be reduced they raise, changing nothing.
-
-Real (same effect as FSDP2): ``set_all_reduce_hook``, ``set_gradient_divide_factor`` (and its
-deprecated alias), ``set_force_sum_reduction_for_comms``, ``set_requires_all_reduce``,
-``set_unshard_in_backward``, ``set_post_optim_event``, ``set_reduce_scatter_max_input_buffers``,
-``reset_iter_state``, ``set_reduce_scatter_unused_params`` (every parameter gets its reduced
-gradient), ``set_custom_all_gather`` / ``set_custom_reduce_scatter`` (FSDP2's comm objects
-called on fsdp's flat buffers, :mod:`fsdp.compose.custom_comm`), and the comm-memory setters on CUDA
-meshes (fsdp's comm objects allocating from the process group or symmetric memory). Accepted,
-no effect (fsdp already behaves so, or has no such internal): ``set_separate_reduce_scatter_group``
-(dbuffer owns the process groups), ``share_comm_ctx`` (units on one device always share their
-streams, :mod:`fsdp.group.streams`), ``set_allocate_memory_from_process_group_for_comm`` on gloo
-(no allocator of its own, as in FSDP2). ``set_symm_mem_for_comm`` off CUDA raises ``RuntimeError``, as FSDP2's does.
+The setters become :class:`fsdp.FSDPModule` methods. As in FSDP2 each runs locally, so calling it
+on some ranks only cannot hang, but one changing what is communicated must be made on every rank.
+Reduce-op settings raise, changing nothing, while gradients wait to be reduced.
 """
 
 from __future__ import annotations
@@ -47,14 +32,12 @@ __all__ = [
 ]
 
 
-# FSDP2's class (torch 2.12+); on an older torch a stand-in whose constructor raises, naming the
-# torch it needs (dbuffer.compat).
+# FSDP2's class; before torch 2.12 a stand-in whose constructor raises (dbuffer.compat).
 DataParallelMeshDims = compat.data_parallel_mesh_dims()
 
 
 class ArgumentTypeError(TypeError, ValueError):
-    """An argument of the wrong type. A ``TypeError``; also a ``ValueError``, which is what
-    torch FSDP2 raises in the same places (e.g. ``set_reshard_after_forward(2)``)."""
+    """An argument of the wrong type: a ``TypeError``, also FSDP2's ``ValueError`` there."""
 
 
 def _units(module: nn.Module, recurse: bool) -> list["FSDPState"]:
@@ -67,17 +50,10 @@ def _set_reduction(module: nn.Module, recurse: bool, **changes: object) -> None:
         group.set_reduction(**changes)  # raises, changing nothing, mid-reduction
 
 
-# ---------------------------------------------------------------- gradient reduction
-
-
 def set_requires_all_reduce(self: nn.Module, requires_all_reduce: bool, *, recurse: bool = True) -> None:
-    """HSDP: False reduce-scatters each backward's gradients within the shard group but defers
-    the all-reduce across replicas; the reduce-scattered sums accumulate and are all-reduced by
-    the next reduction with it on (e.g. the last microbatch). ``param.grad`` is not updated by
-    a backward that defers. No effect on a 1-D mesh. Needs a strategy that reduce-scatters
-    gradients (``optim_grads``, ``optim_grads_params``). Under HFSDP
-    (``outer_dp_sharding_strategy="optim"``) the deferred step is the reduce-scatter across
-    replicas."""
+    """HSDP: False defers the all-reduce across replicas (HFSDP: the reduce-scatter) to the next
+    reduction with it on, ``param.grad`` unchanged meanwhile. No effect on 1-D meshes; raises
+    ``ValueError`` for a strategy that does not reduce-scatter gradients."""
     if not isinstance(requires_all_reduce, bool):
         raise ArgumentTypeError(f"requires_all_reduce must be a bool, got {requires_all_reduce!r}")
     groups = [g for state in _units(self, recurse) for g in state.groups if g.requires_grad and g.mesh.ndim == 2]
@@ -95,11 +71,9 @@ def set_requires_all_reduce(self: nn.Module, requires_all_reduce: bool, *, recur
 def set_all_reduce_hook(
     self: nn.Module, hook: Callable[[torch.Tensor], None], *, stream: Optional[DeviceStream] = None
 ) -> None:
-    """Call ``hook(reduced)`` on this unit's reduced gradient shard of each reduction (not
-    recursive): after the reduce-scatter on a 1-D mesh (e.g. to all-reduce across groups you
-    manage yourself), after the all-reduce across replicas on an HSDP mesh. ``reduced`` is this
-    rank's flat shard (padding included) in the reduce dtype; change it in place. ``stream``
-    (1-D meshes only, as in FSDP2): run the hook on that stream. See :mod:`fsdp.group.reduction`."""
+    """Call ``hook(reduced)`` on this unit's reduced gradient shard (flat, padded, reduce dtype;
+    modify in place) after each reduction (not recursive): the reduce-scatter on 1-D, the
+    all-reduce across replicas on HSDP. ``stream`` (1-D only, as FSDP2): run the hook there."""
     if not callable(hook):
         raise ArgumentTypeError(f"hook must be a callable (torch.Tensor) -> None, got {hook!r}")
     groups = [g for g in self._fsdp_state.groups if g.requires_grad]
@@ -111,7 +85,7 @@ def set_all_reduce_hook(
 
 def set_gradient_divide_factor(self: nn.Module, factor: float) -> None:
     """Divide this unit's summed gradients by ``factor`` instead of averaging them over the
-    data-parallel ranks (not recursive). The gradient buffer then reduces with ``sum``."""
+    data-parallel ranks (not recursive); the gradient buffer then reduces with ``sum``."""
     factor = check_divide_factor(factor)
     _set_reduction(self, False, divide_factor=factor)
 
@@ -123,8 +97,7 @@ def set_reduce_scatter_divide_factor(self: nn.Module, factor: float) -> None:
 
 def set_force_sum_reduction_for_comms(self: nn.Module, enable: bool) -> None:
     """True: this unit's collectives only sum (not recursive); the division by the divide factor
-    (default: the number of data-parallel ranks) runs after, and after the all-reduce hook, as
-    in FSDP2. The gradients are the same either way, up to rounding."""
+    runs after them and after the all-reduce hook, as in FSDP2. Same gradients up to rounding."""
     if not isinstance(enable, bool):
         raise ArgumentTypeError(f"enable must be a bool, got {enable!r}")
     _set_reduction(self, False, force_sum=enable)
@@ -133,24 +106,18 @@ def set_force_sum_reduction_for_comms(self: nn.Module, enable: bool) -> None:
 def set_reduce_scatter_unused_params(
     self: nn.Module, reduce_scatter_unused_params: bool, *, recurse: bool = True
 ) -> None:
-    """A parameter without a gradient always reduces as zeros in its group's one collective, so
-    ranks that use different parameters never mismatch (FSDP2 needs this flag for that). True
-    also attaches the reduced gradient to every parameter on every rank (zeros where no rank
-    used it), which ranks running different parameters (MoE routing, multi-modal branches)
-    need: with False a rank's ``.grad`` stays None for a parameter its own backward did not
-    reach, even when other ranks' gradients for it are not zero, and its optimizer skips it."""
+    """Unused parameters always reduce as zeros in their group's collective, so ranks never
+    mismatch. True also attaches the reduced gradient to every parameter on every rank (MoE);
+    with False ``.grad`` stays None where this rank's backward did not reach, even if others did."""
     if not isinstance(reduce_scatter_unused_params, bool):
         raise ArgumentTypeError(f"reduce_scatter_unused_params must be a bool, got {reduce_scatter_unused_params!r}")
     _set_reduction(self, recurse, unused_params=reduce_scatter_unused_params)
 
 
 def set_reduce_scatter_max_input_buffers(self: nn.Module, max_input_buffers: int, *, recurse: bool = True) -> None:
-    """How many gradient reductions may be in flight at once during backward (default 1: more
-    buys overlap only when reductions are slower than a unit's backward, and each costs an
-    unsharded gradient buffer at the peak). The tree's reductions are the root's to bound (its
-    :class:`~fsdp.unit.root.RootContext`): set on any unit of an initialised tree, it applies to
-    the tree; set before the first forward, the largest value set on a unit of the tree applies,
-    as in FSDP2. ``recurse`` is accepted for FSDP2's signature."""
+    """How many gradient reductions may be in flight in backward (default 1; more overlaps only
+    when reductions outlast a unit's backward, each costing an unsharded gradient buffer). Tree-wide
+    (:class:`~fsdp.unit.root.RootContext`): the last value set once initialised, else the largest."""
     if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
         raise TypeError(f"max_input_buffers must be an int, got {type(max_input_buffers).__name__}")
     if max_input_buffers < 1:
@@ -159,24 +126,18 @@ def set_reduce_scatter_max_input_buffers(self: nn.Module, max_input_buffers: int
         state.root_knobs().max_reductions_in_flight = max_input_buffers
 
 
-# ---------------------------------------------------------------- gathers, streams, iteration
-
-
 def set_unshard_in_backward(self: nn.Module, unshard_in_backward: bool) -> None:
-    """False: this unit's backward does not gather its weights again (not recursive), for units
-    whose backward never reads them (an embedding: its gradient needs only the indices). A
-    backward that does read them then reads freed storage, so only for such units."""
+    """False: this unit's backward does not gather its weights again (not recursive); only for
+    units whose backward never reads them (an embedding), else it reads freed storage."""
     if not isinstance(unshard_in_backward, bool):
         raise ArgumentTypeError(f"unshard_in_backward must be a bool, got {unshard_in_backward!r}")
     self._fsdp_state.unshard_in_backward = unshard_in_backward
 
 
 def set_post_optim_event(self: nn.Module, event: DeviceEvent) -> None:
-    """The root's next forward gathers only after ``event`` (recorded after the optimizer step);
-    used once, then dropped. With real streams (CUDA, XPU) the all-gather stream waits for it;
-    unlike FSDP2 it still waits for the current stream too (fsdp's launch always orders after
-    it), so the event adds an ordering and removes none. Elsewhere (CPU) the host waits for the
-    event (:meth:`fsdp.group.streams.CommStreams.gathers_wait`)."""
+    """The root's next forward gathers only after ``event`` (recorded after the optimizer step;
+    used once). Unlike FSDP2 the gathers still wait for the current stream too: the event only
+    adds ordering (:meth:`fsdp.group.streams.CommStreams.gathers_wait`; on CPU the host waits)."""
     if not hasattr(event, "synchronize"):
         raise ArgumentTypeError(f"event must be a torch.Event (or torch.cuda.Event), got {event!r}")
     self._fsdp_state.root_knobs().post_optim_event = event
@@ -188,24 +149,18 @@ def reset_iter_state(self: nn.Module) -> None:
     self._fsdp_state.reset_iter_state()
 
 
-# ---------------------------------------------------------------- FSDP2 internals fsdp lacks
-
-
 def set_custom_all_gather(self: nn.Module, comm: AllGatherComm) -> None:
-    """FSDP2's: gather this unit's weights (not recursive) with ``comm``, an object of FSDP2's
-    ``AllGather`` protocol (``allocate`` + ``__call__(output_tensor=, input_tensor=, group=,
-    async_op=)``), on the flat buffers dbuffer would have used; see :mod:`fsdp.compose.custom_comm`.
-    Every group of the unit uses it (FSDP2 refuses units with several groups; fsdp calls the
-    object once per group, with that group's process group). Set it on every rank."""
+    """Gather this unit's weights (not recursive) with ``comm``, an object of FSDP2's ``AllGather``
+    protocol, on dbuffer's flat buffers (:mod:`fsdp.compose.custom_comm`). Unlike FSDP2, a unit
+    with several groups is accepted: ``comm`` is called once per group. Set it on every rank."""
     custom_comm.check_comm(comm, "set_custom_all_gather", "AllGather")
     for group in self._fsdp_state.groups:
         custom_comm.install(group, all_gather_comm=comm)
 
 
 def set_custom_reduce_scatter(self: nn.Module, comm: ReduceScatterComm) -> None:
-    """FSDP2's: reduce-scatter this unit's gradients (not recursive) with ``comm``, an object of
-    FSDP2's ``ReduceScatter`` protocol (``allocate`` + ``__call__(output_tensor=, input_tensor=,
-    group=, op=, async_op=)``); see :mod:`fsdp.compose.custom_comm`. Set it on every rank."""
+    """Reduce-scatter this unit's gradients (not recursive) with ``comm``, an object of FSDP2's
+    ``ReduceScatter`` protocol (:mod:`fsdp.compose.custom_comm`). Set it on every rank."""
     custom_comm.check_comm(comm, "set_custom_reduce_scatter", "ReduceScatter")
     for group in self._fsdp_state.groups:
         custom_comm.install(group, reduce_scatter_comm=comm)
@@ -219,14 +174,13 @@ def set_separate_reduce_scatter_group(self: nn.Module, enable: bool = True, *, r
 
 
 class CustomCommConflictError(ValueError, AssertionError):
-    """A comm-memory setter on a unit with a custom comm object. A ``ValueError``; also an
-    ``AssertionError``, which is what torch FSDP2 raises for it."""
+    """A comm-memory setter on a unit with a custom comm object: a ``ValueError``, also the
+    ``AssertionError`` FSDP2 raises."""
 
 
 def _comm_memory(self: nn.Module, what: str, kind: str, enable: bool, backend: str = "NCCL") -> None:
-    """Install (``enable``) or remove fsdp's comm objects that allocate from special memory
-    (:mod:`fsdp.compose.custom_comm`) on this unit's groups whose mesh is on CUDA (not recursive, as in
-    FSDP2). A unit with a user's comm object raises first, changing nothing."""
+    """Install (``enable``) or remove fsdp's special-memory comm objects on this unit's CUDA groups
+    (not recursive, as in FSDP2); a user's comm object raises first, changing nothing."""
     groups = self._fsdp_state.groups
     for group in groups:
         pairs = ((group.comms.all_gather_comm, "all gather"), (group.comms.reduce_scatter_comm, "reduce scatter"))
@@ -249,57 +203,41 @@ def _comm_memory(self: nn.Module, what: str, kind: str, enable: bool, backend: s
 
 
 def set_allocate_memory_from_process_group_for_comm(self: nn.Module, enable: bool) -> None:
-    """FSDP2's: this unit's (not recursive) collectives read and write buffers allocated by the
-    process group (NCCL: registered memory, for zero-copy transfers such as SHARP), staged to and
-    from fsdp's persistent buffers by one copy each (:mod:`fsdp.compose.custom_comm`). No effect where the
-    backend has no allocator of its own (gloo, as in FSDP2). A unit with a custom comm object
-    raises ``CustomCommConflictError`` (a ``ValueError`` and FSDP2's ``AssertionError``)."""
+    """This unit's collectives (not recursive) use buffers the process group allocates (NCCL:
+    registered memory, zero-copy), one copy each way (:mod:`fsdp.compose.custom_comm`); no effect
+    on gloo, as in FSDP2. A unit with a custom comm object raises ``CustomCommConflictError``."""
     if not isinstance(enable, bool):
         raise ArgumentTypeError(f"enable must be a bool, got {enable!r}")
     _comm_memory(self, "set_allocate_memory_from_process_group_for_comm", "process_group", enable)
 
 
 def set_symm_mem_for_comm(self: nn.Module, backend: Literal["NCCL"] = "NCCL") -> None:
-    """FSDP2's: this unit's (not recursive) collectives use buffers from the symmetric-memory pool
-    (NCCL's copy-engine / symmetric-kernel algorithms; the reduce-scatter's only when it sums,
-    e.g. with ``set_force_sum_reduction_for_comms(True)``, as NCCL's symmetric reduce-scatter only
-    sums). Collective (a barrier): call on every rank. Off CUDA it raises ``RuntimeError``, as
-    FSDP2 does (symmetric memory needs CUDA and NCCL)."""
+    """This unit's collectives (not recursive) use symmetric-memory buffers (the reduce-scatter only
+    when it sums, as NCCL's). A barrier: call on every rank. Off CUDA it raises ``RuntimeError``."""
     if backend != "NCCL":
         raise ValueError(f"set_symm_mem_for_comm: only backend='NCCL' exists, got {backend!r}")
     _comm_memory(self, "set_symm_mem_for_comm", "symmetric", True, backend)
 
 
 def share_comm_ctx(modules: list[nn.Module]) -> None:
-    """FSDP2 (pipeline parallelism): make several roots share their comm streams. fsdp's units
-    on one device always share them (one set per device, :mod:`fsdp.group.streams`), so this
-    only checks its argument: ``modules``, modules returned by ``fully_shard``; anything else
-    raises FSDP2's ``ValueError``. No collective, no state changed."""
+    """FSDP2 (pipeline parallelism): make several roots share their comm streams. fsdp's units on
+    one device always do (:mod:`fsdp.group.streams`), so this only checks ``modules``: modules
+    returned by ``fully_shard``, else FSDP2's ``ValueError``. No collective, no state changed."""
     for module in modules:
-        if not isinstance(getattr(module, "_fsdp_state", None), FSDPState):  # not a sharded module
+        if not isinstance(getattr(module, "_fsdp_state", None), FSDPState):
             raise ValueError(f"Expects list of FSDPModules but got {module}")
-
-
-# ---------------------------------------------------------------- fully_shard arguments
 
 
 def data_parallel_mesh(
     mesh: Optional[DeviceMesh], dp_mesh_dims: Optional[DataParallelMeshDims]
 ) -> tuple[Optional[DeviceMesh], Optional[DataParallelDims]]:
-    """``mesh`` as fsdp shards over it, and, given ``dp_mesh_dims``, its data-parallel dims.
-
-    Without ``dp_mesh_dims``: ``(mesh, None)``. With it (torch 2.13's contract, torchtitan's
-    ``full_dtensor`` and ``spmd_types``), ``mesh`` is the full SPMD mesh and the first value its
-    data-parallel sub-mesh: ``shard`` alone gives a 1-D mesh, ``shard`` and ``replicate`` a 2-D
-    ``(replicate, shard)`` HSDP mesh, several names of one role are flattened into one dim (as
-    FSDP2 does). Dims named in neither role belong to other parallelisms (tensor parallelism).
-    Parameters that are DTensors on ``mesh`` must be ``Replicate()`` on the dp dims and are
-    sharded as FSDP2 shards them (:mod:`fsdp.compose.tensor_parallel`); plain parameters (which
-    FSDP2 refuses here) are sharded over the dp sub-mesh, each group of ranks along the other
-    dims keeping its own values (spmd_types' tensor-parallel-local tensors). ``replicate`` alone
-    (FSDP2's DDP) is refused: use ``sharding_strategy='no_shard'`` with ``shard=``. On a torch
-    without ``DataParallelMeshDims`` (before 2.12) any ``dp_mesh_dims`` raises
-    ``dbuffer.torch_version.TorchVersionError`` naming the version needed."""
+    """``mesh`` as fsdp shards over it and, given ``dp_mesh_dims`` (torch 2.13's contract: ``mesh``
+    is then the full SPMD mesh), its data-parallel sub-mesh (1-D for ``shard``, 2-D HSDP with
+    ``replicate``; several names of a role are flattened) and dims. DTensor parameters on ``mesh``
+    must be ``Replicate()`` on the dp dims; plain ones (which FSDP2 refuses) are sharded over the dp
+    sub-mesh, each group along the other dims keeping its own values. ``replicate`` alone is refused
+    (use ``shard=`` with ``sharding_strategy='no_shard'``); before torch 2.12 this raises
+    ``dbuffer.torch_version.TorchVersionError``."""
     if dp_mesh_dims is None:
         return mesh, None
     compat.require_data_parallel_mesh_dims()  # torch before 2.12: raises, naming the version

@@ -1,30 +1,11 @@
 """fsdp under torch's names: a switch for frameworks that call torch FSDP2 themselves.
 
-Hugging Face accelerate / ``Trainer``, Lightning Fabric and torchtitan call
-``torch.distributed.fsdp.fully_shard`` and test ``isinstance(m, torch.distributed.fsdp.FSDPModule)``
-in their own code, so changing a user's import is not enough. :func:`torch_names` binds fsdp's
-objects under torch's public FSDP2 names; off, it puts torch's objects back, exactly.
-
-Why rebinding the names, and not making fsdp's module class also a subclass of torch's
-``FSDPModule``: torch's own code (DCP's state-dict helpers, ``clip_grad_norm_`` paths, the FSDP2
-internals) tests that class and then reaches into FSDP2's private state (``_get_fsdp_state``,
-``FSDPParamGroup``), which fsdp does not have; an fsdp module that claimed to be one would break
-there. Rebinding changes only what a name looked up *after* the switch gives: code that runs
-``from torch.distributed.fsdp import fully_shard`` (or reads ``torch.distributed.fsdp.FSDPModule``)
-inside its functions, as these frameworks do, gets fsdp's; torch's internals, which bound their
-names at import, keep torch's. So switch it on before the framework imports those names at
-module level, and keep one implementation per process: the switch is process-wide, as the names are.
-
-One part of torch is rebound on purpose: ``torch.distributed.pipelining`` binds ``FSDPModule``,
-``fully_shard`` and the handles at import and, for a stage module that is an ``FSDPModule``,
-drives the stage's gradient sync through them (``set_manual_backward_finalization``,
-``finalize_backward``; before torch 2.15 the private names :mod:`fsdp.unit.pipelining` answers).
-So its modules, if already imported, are rebound too, and a pipeline of fsdp stages works
-whichever was imported first.
-
-``CPUOffloadPolicy``, ``OffloadPolicy`` and ``DataParallelMeshDims`` are torch's own classes in
-fsdp too (the same objects), so they need no rebinding and work either way (torch 2.11 has no
-``DataParallelMeshDims``: fsdp's is then a stand-in that raises, :mod:`dbuffer.compat`).
+Frameworks (accelerate, Lightning Fabric, torchtitan) call ``torch.distributed.fsdp.fully_shard``
+and test ``isinstance(m, torch.distributed.fsdp.FSDPModule)``, so :func:`torch_names` rebinds
+those names to fsdp's objects; subclassing torch's ``FSDPModule`` would not do, as torch's own code
+then reaches into FSDP2's private state. Only later lookups change: frameworks importing inside
+functions get fsdp's, torch's internals keep theirs. ``torch.distributed.pipelining``, driving
+FSDP2 stages through names bound at import (:mod:`fsdp.unit.pipelining`), is rebound too.
 """
 
 from __future__ import annotations
@@ -40,8 +21,7 @@ from fsdp.unit.surface import share_comm_ctx
 
 __all__ = ["torch_names"]
 
-# Where torch exposes FSDP2's public names (the old ``_composable`` path included), and the
-# private module that defines the class, where frameworks also import ``FSDPModule`` from.
+# FSDP2's public names (the old ``_composable`` path too), and the class's private module.
 _PUBLIC = (
     "torch.distributed.fsdp",
     "torch.distributed.fsdp._fully_shard",
@@ -49,8 +29,7 @@ _PUBLIC = (
     "torch.distributed._composable.fsdp.fully_shard",
 )
 _CLASS_ONLY = ("torch.distributed.fsdp._fully_shard._fully_shard",)
-# Modules that bound FSDP2's names at their import and drive FSDP2 stages through them: rebound
-# when already imported (a later import takes the names from torch.distributed.fsdp anyway).
+# Bound FSDP2's names at import: rebound if already imported (a later import gets fsdp's anyway).
 _PIPELINING = ("torch.distributed.pipelining.stage", "torch.distributed.pipelining.schedules")
 
 _SAVED: Optional[dict[tuple[str, str], object]] = None  # torch's objects while fsdp's are bound
@@ -83,8 +62,7 @@ def _targets():
 
 
 class _Switch:
-    """What :func:`torch_names` returns: as a context manager, it restores on exit the state the
-    call found."""
+    """:func:`torch_names`'s result: a context manager restoring on exit what the call found."""
 
     def __init__(self, was: bool) -> None:
         self.was = was
@@ -97,13 +75,11 @@ class _Switch:
 
 
 def torch_names(enabled: bool = True) -> _Switch:
-    """Bind fsdp's ``fully_shard``, ``FSDPModule``, ``MixedPrecisionPolicy``, ``UnshardHandle``,
-    ``register_fsdp_forward_method`` and ``share_comm_ctx`` under torch's FSDP2 names
-    (``torch.distributed.fsdp``, its ``_fully_shard`` modules, ``torch.distributed._composable.fsdp``),
-    or (``enabled=False``) put torch's back, exactly. Idempotent, process-wide. Use it as a call
-    (on until ``torch_names(False)``) or a context manager (``with fsdp.torch_names(): ...``
-    restores what it found). Switch it on before a framework imports these names at module level.
-    Raises ``TypeError`` for a non-bool."""
+    """Bind fsdp's ``fully_shard``, ``FSDPModule``, ``MixedPrecisionPolicy``, the handles,
+    ``register_fsdp_forward_method`` and ``share_comm_ctx`` under torch's FSDP2 names, or
+    (``enabled=False``) put torch's back, exactly. Idempotent, process-wide; as a context manager
+    (``with fsdp.torch_names():``) restores what it found. Switch it on before a framework imports
+    these names at module level. Raises ``TypeError`` for a non-bool."""
     global _SAVED
     if not isinstance(enabled, bool):
         raise TypeError(f"torch_names(enabled): pass True or False, got {enabled!r}")
@@ -123,8 +99,7 @@ def torch_names(enabled: bool = True) -> _Switch:
 
 
 def _restore_pipelining(saved: dict[tuple[str, str], object]) -> None:
-    """Pipelining modules imported while the switch was on bound fsdp's objects: give them
-    torch's (as ``torch.distributed.fsdp`` had them)."""
+    """Give pipelining modules imported while the switch was on torch's objects back."""
     ours = {id(obj): name for name, obj in _ours().items()}
     for path in _PIPELINING:
         module = sys.modules.get(path)
