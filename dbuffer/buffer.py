@@ -140,9 +140,7 @@ class DBuffer(TensorViews, StorageLifetime):
         if local_buffer is None:
             make = torch.zeros if zero_fill else torch.empty
             local_buffer = make(numel, dtype=dtype, device=self.device)
-        self.local_buffer = local_buffer
-        self._refill_pending = False
-        self._capacity_bytes = local_buffer.untyped_storage().nbytes()
+        self._hold(local_buffer)
 
     def _check_ranks(self) -> None:
         entries = [
@@ -224,9 +222,7 @@ class DBuffer(TensorViews, StorageLifetime):
         numel = out._shard_numel = self.layout.shard_numel_for(out.num_shards)
         if local_buffer is None:
             local_buffer = torch.zeros(numel, dtype=out.dtype, device=self.device)
-        out.local_buffer = local_buffer
-        out._refill_pending = False
-        out._capacity_bytes = local_buffer.untyped_storage().nbytes()
+        out._hold(local_buffer)
         return out
 
     # ------------------------------------------------------------------ inspection

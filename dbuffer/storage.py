@@ -26,12 +26,24 @@ _NO_REFILL = contextlib.nullcontext()  # stateless: shared by every write that r
 
 class StorageLifetime:
     """Mixin of :class:`~dbuffer.buffer.DBuffer`: release and reallocation of its local storage
-    (see the module docstring). The attributes below are set by DBuffer's constructor."""
+    (see the module docstring). The attributes below are set by :meth:`_hold`, which DBuffer's
+    constructors call."""
 
     local_buffer: torch.Tensor
     _capacity_bytes: int  # the storage's size when allocated
     _refill_pending: bool  # reallocated: the next write is a refill, not a modification
+    _owns_storage: bool  # the local buffer is its whole storage, which release may free
 
+    def _hold(self, local_buffer: torch.Tensor) -> None:
+        """Make ``local_buffer`` this buffer's, deciding once whether it owns its storage (a view
+        of a larger one, from ``scatter()`` or a user's ``local_buffer``, does not)."""
+        self.local_buffer = local_buffer
+        self._refill_pending = False
+        self._capacity_bytes = local_buffer.untyped_storage().nbytes()
+        self._owns_storage = (
+            local_buffer.storage_offset() == 0
+            and self._capacity_bytes == local_buffer.numel() * local_buffer.element_size()
+        )
 
     def release_storage(self) -> None:
         """Free the local storage. Views (``get_local_tensor``, parameters, tensors autograd saved)
@@ -41,7 +53,8 @@ class StorageLifetime:
         A collective started with ``async_op=True`` that still reads this buffer (its source) or
         writes it (its ``out``) is waited for first, so that it never touches freed memory; its
         handle's ``wait()`` then returns at once."""
-        self._check_owns_storage("release_storage")
+        if not self._owns_storage:
+            self._refuse_shared_storage("release_storage")
         in_flight = self.__dict__.pop("_in_flight", None)
         for pending in in_flight or ():
             pending.wait()
@@ -65,7 +78,8 @@ class StorageLifetime:
         cut to a prefix (fsdp's forward-only release) is freed first: growing it would copy the
         prefix into the new allocation, bytes the refill overwrites.
         """
-        self._check_owns_storage("reallocate_storage")
+        if not self._owns_storage:
+            self._refuse_shared_storage("reallocate_storage")
         storage = self.local_buffer.untyped_storage()
         if storage.nbytes() != self._capacity_bytes:
             if storage.nbytes():
@@ -83,9 +97,8 @@ class StorageLifetime:
         """Whether :meth:`release_storage` freed the local storage and nothing gave it back."""
         return self.local_buffer.untyped_storage().nbytes() == 0 and self._capacity_bytes > 0
 
-    def _check_owns_storage(self, op: str) -> None:
-        if self.local_buffer.storage_offset() != 0 or self._capacity_bytes != self.local_buffer.numel() * self.local_buffer.element_size():
-            raise ValueError(
-                f"{op}: the local buffer is a view into a larger storage (from scatter() or a "
-                f"user-supplied local_buffer), so freeing it would free its neighbours too"
-            )
+    def _refuse_shared_storage(self, op: str) -> None:
+        raise ValueError(
+            f"{op}: the local buffer is a view into a larger storage (from scatter() or a "
+            f"user-supplied local_buffer), so freeing it would free its neighbours too"
+        )

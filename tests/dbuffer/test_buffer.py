@@ -616,3 +616,26 @@ def _siblings() -> bool:
 
 def test_a_sibling_has_the_same_tensors_and_layout() -> None:
     assert run_ranks(_siblings, 2, backend="threaded") == [True, True]
+
+
+def _shared_storage_refused() -> bool:
+    mesh = _mesh((2,))
+    own = DBuffer(mesh, [S], [(5, 3), (4,)], torch.float32)
+    numel = own.local_buffer.numel()
+    block = torch.arange(3 * numel, dtype=torch.float32)
+    views = [block[:numel], block[numel : 2 * numel]]  # a prefix (offset 0, shorter storage), a middle piece
+    refused = []
+    for view in views:
+        buf = own.sibling(local_buffer=view)
+        for op in (buf.release_storage, buf.reallocate_storage):
+            with pytest.raises(ValueError, match="view into a larger storage"):
+                op()
+            refused.append(torch.equal(block, torch.arange(3 * numel, dtype=torch.float32)))
+    own.release_storage()
+    released = own.is_storage_released()
+    own.reallocate_storage()
+    return all(refused) and len(refused) == 4 and released and not own.is_storage_released()
+
+
+def test_a_buffer_viewing_a_larger_storage_refuses_release_and_keeps_its_neighbours() -> None:
+    assert run_ranks(_shared_storage_refused, 2, backend="threaded") == [True, True]
