@@ -4,37 +4,32 @@ This is the only module of the toolkit that calls torch.distributed collectives.
 
 * NCCL, torch's threaded test group and anything else not named below: the one-call c10d
   collective (``all_gather_single``, ``reduce_scatter_single``, ``all_reduce``; before torch
-  2.13 the first two are ``all_gather_into_tensor`` and ``reduce_scatter_tensor``, same
-  arguments: :mod:`dbuffer.compat`).
-* Gloo, all-gather: ``all_gather_single`` for shards under 2 MiB; from 2 MiB per shard up,
-  point-to-point (``isend``/``irecv``) straight into ``out``. Gloo's ``all_gather_single`` stages
-  through a fresh output-sized buffer and two extra copies, and a fresh large buffer is faulted in
-  page by page on every call.
-* Gloo, reduce-scatter: gloo runs ``reduce_scatter_single`` as a full all-reduce. For shards under
-  2 MiB: ``all_to_all_single`` + a local sum. From 2 MiB up: point-to-point, each rank sending
-  every peer that peer's chunk, receiving the first into ``out`` (when it does not overlap the
-  input) and the others into ``(size - 2) * shard`` elements of scratch, and adding its own
-  chunk. Both reuse their scratch across calls (:func:`release_workspaces` frees it).
-* Gloo, all-reduce: ``dist.all_reduce``. Rebuilt as reduce-scatter + all-gather it moves the
-  same bytes and measured no faster, and its second half could not run in the background.
+  2.13 ``all_gather_into_tensor``, ``reduce_scatter_tensor``: :mod:`dbuffer.compat`). A caller
+  that repeats one call binds it once (:func:`bind`), skipping these decisions at each call.
+* Gloo, all-gather: ``all_gather_single`` for shards under 2 MiB (the crossover
+  ``tools/bench_primitives.py`` finds, point-to-point having more latency); from 2 MiB up,
+  point-to-point (``isend``/``irecv``) straight into ``out`` (gloo's own stages through a fresh
+  output-sized buffer, faulted in page by page, and two extra copies).
+* Gloo, reduce-scatter (gloo runs ``reduce_scatter_single`` as a full all-reduce): under 2 MiB,
+  ``all_to_all_single`` + a local sum; from 2 MiB up, point-to-point, each rank sending every peer
+  its chunk, receiving the first into ``out`` (when apart from the input) and the others into
+  ``(size - 2) * shard`` elements of scratch, reused across calls (:func:`release_workspaces`).
+* Gloo, all-reduce: ``dist.all_reduce`` (as reduce-scatter + all-gather: no faster).
 * Owned layouts whose shards are mostly padding gather by one broadcast per owner's used range
   (:func:`broadcast_segments`) and reduce to the owners by one all-to-all of those ranges
   (:func:`reduce_to_owners`), instead of moving padded shards (see ``buffer.py``).
 * ``avg``: native where the backend has ``ReduceOp.AVG`` (NCCL, threaded); elsewhere a sum and an
   in-place division by the group size on the (already reduced, smaller) output.
 
-Point-to-point messages carry more latency than gloo's collectives, hence the 2 MiB switch: the
-crossover ``tools/bench_primitives.py`` finds between the one-call collectives and point-to-point.
-
 A group of one makes no c10d call (a copy, or nothing); :func:`singleton_groups_communicate`
 (or ``DBUFFER_SINGLETON_C10D=1`` in the environment) makes it call c10d as a group of N does, so
 that one process on one GPU runs the real collective calls (NCCL at world 1) and the stream
 ordering around them: for tests and ``tools/gpu_check.py``.
 
-Every function writes into the ``out`` it is given and returns a :class:`Pending` whose
-``wait()`` finishes the work (post-processing included) and returns ``out``. Each one notes its
-call (number on the group, bytes, the caller's label: :mod:`dbuffer.calls`), and a backend error
-at the launch or the wait becomes a ``CollectiveError`` naming it. With
+Every function writes into the ``out`` it is given and returns a :class:`Pending` whose ``wait()``
+finishes the work and returns ``out``. Each notes its call (number on the group, bytes, the
+caller's label: :mod:`dbuffer.calls`); a backend error at launch or wait becomes a
+``CollectiveError`` naming it. With
 ``DBUFFER_DEBUG_COLLECTIVES=1`` each one first checks that every rank of the group is at the same
 call (:mod:`dbuffer.debug`); off, that costs one bool check.
 """
@@ -56,9 +51,11 @@ from dbuffer.calls import GroupCalls, Pending
 from dbuffer.workspaces import WorkspacePool
 
 __all__ = [
+    "BoundCollective",
     "Pending",
     "all_gather",
     "all_reduce",
+    "bind",
     "broadcast_segments",
     "c10d_reduce_op",
     "group_allocator",
@@ -108,9 +105,8 @@ def _alone(size: int) -> bool:
     return size == 1 and not _SINGLETON_C10D
 
 
-# c10d's one-call all-gather and reduce-scatter under this torch's names (``*_single`` from 2.13,
-# ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` before: :mod:`dbuffer.compat`), looked
-# up in torch.distributed at each call (tests and tools that wrap c10d functions see the calls).
+# c10d's one-call all-gather and reduce-scatter under this torch's names (:mod:`dbuffer.compat`),
+# looked up in torch.distributed at each call (tests and tools that wrap c10d functions see them).
 _ALL_GATHER = compat.all_gather_name()
 _REDUCE_SCATTER = compat.reduce_scatter_name()
 
@@ -126,9 +122,8 @@ class _GroupFacts(NamedTuple):
     calls: GroupCalls  # this rank's collectives on the group, numbered (dbuffer.calls)
 
 
-# A process group's size and backend never change (the same on every rank, unlike the rank, which
-# a group object shared by threads would not have), and c10d's getters cost a dozen Python calls
-# each: every collective of every unit asks. Weakly keyed: a destroyed group is forgotten.
+# A group's size and backend never change (unlike the rank, the same on every rank sharing a group
+# object) and c10d's getters cost a dozen Python calls each. Weakly keyed: a destroyed group goes.
 _FACTS: "weakref.WeakKeyDictionary[dist.ProcessGroup, _GroupFacts]" = weakref.WeakKeyDictionary()
 
 
@@ -139,10 +134,6 @@ def _facts(group: dist.ProcessGroup | None) -> _GroupFacts:
     if facts is None:
         facts = _FACTS[group] = _GroupFacts(dist.get_world_size(group), str(dist.get_backend(group)).lower(), GroupCalls())
     return facts
-
-
-def _backend(group: dist.ProcessGroup) -> str:
-    return _facts(group).backend
 
 
 def _reduce_op(op: str, backend: str) -> tuple[dist.ReduceOp, bool]:
@@ -160,15 +151,14 @@ def c10d_reduce_op(op: str, group: dist.ProcessGroup) -> tuple[dist.ReduceOp, bo
     """The c10d op this module issues for ``op`` (``"sum"``/``"avg"``) on ``group``, and whether
     the result is then divided by the group size: for code that hands dbuffer's buffers to a
     user's collective (fsdp's ``set_custom_reduce_scatter``) and must reduce exactly as we do."""
-    return _reduce_op(op, _backend(group))
+    return _reduce_op(op, _facts(group).backend)
 
 
 def reduce_op_name(op: dist.ReduceOp) -> str:
     """``"sum"`` / ``"avg"`` for c10d's ``SUM`` / ``AVG`` (the names this module's functions take)."""
-    if op == dist.ReduceOp.SUM:
-        return "sum"
-    if op == dist.ReduceOp.AVG:
-        return "avg"
+    for name, c10d_op in (("sum", dist.ReduceOp.SUM), ("avg", dist.ReduceOp.AVG)):
+        if op == c10d_op:
+            return name
     raise ValueError(f"dbuffer's collectives reduce with SUM or AVG, got {op}")
 
 
@@ -227,13 +217,6 @@ def rendezvous_symmetric(t: torch.Tensor, group: dist.ProcessGroup) -> None:
     symm_mem.rendezvous(t, group=group.group_name)
 
 
-def _div_by(size: int, t: torch.Tensor) -> Callable[[], torch.Tensor]:
-    def finish() -> torch.Tensor:
-        return t.div_(size)
-
-    return finish
-
-
 def all_gather(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False) -> Pending:
     """Concatenate every rank's ``inp`` into ``out`` (``out.numel() == size * inp.numel()``)."""
     size, backend, calls = _facts(group)
@@ -277,6 +260,47 @@ def reduce_scatter(
     except RuntimeError as exc:  # the backend's (a sync call's timeout): named
         raise call.failed(exc) from exc
     return _maybe_wait(pending, async_op)
+
+
+class BoundCollective:
+    """:func:`all_gather` or :func:`reduce_scatter` from one fixed ``inp`` into one fixed ``out``,
+    decided once (the group's facts, the c10d op, whether to divide) where the call is c10d's
+    one-call collective (:func:`bind`): what the function would run, for a caller that runs the
+    same call every step (:class:`dbuffer.steps.PreparedRedistribute`)."""
+
+    __slots__ = ("op", "out", "inp", "group", "size", "calls", "kwargs", "divide", "_name", "_debug", "_bytes")
+
+    def __init__(self, op: str, out, inp, group, facts: _GroupFacts, kwargs: dict, divide: bool, debug: str) -> None:
+        self.op, self.out, self.inp, self.group, self.kwargs, self.divide = op, out, inp, group, kwargs, divide
+        self.size, self.calls, self._debug, self._bytes = facts.size, facts.calls, debug, (inp.nbytes, out.nbytes)
+        self._name = _ALL_GATHER if op == "all_gather" else _REDUCE_SCATTER
+
+    def start(self, finish: Callable[[], object]) -> Pending:
+        """Launch asynchronously; the Pending's ``wait()`` waits, divides (``avg`` without a
+        native op) and returns ``finish()``."""
+        if _debug.ENABLED:
+            _debug.check(self.group, self._debug, _describe(self.out, self.inp))
+        call = self.calls.note(self.group, self.op, *self._bytes)
+        try:
+            work = getattr(dist, self._name)(self.out, self.inp, group=self.group, async_op=True, **self.kwargs)
+        except RuntimeError as exc:
+            raise call.failed(exc) from exc
+        if self.divide:
+            return Pending([work], lambda: (self.out.div_(self.size), finish())[1], call)
+        return Pending([work], finish, call)
+
+
+def bind(kind: str, out: torch.Tensor, inp: torch.Tensor, op: str, group: dist.ProcessGroup) -> BoundCollective | None:
+    """``kind`` (``"allgather"`` or ``"reduce_scatter"`` with ``op``) from ``inp`` into ``out``
+    over ``group``, bound once; None where the function decides per call (a group of one; gloo's
+    hand-built paths; the default group ``None``, looked up per call): call the function then."""
+    facts = None if group is None else _facts(group)
+    if facts is None or facts.size == 1 or facts.backend == "gloo":
+        return None
+    if kind == "allgather":
+        return BoundCollective("all_gather", out, inp, group, facts, {}, False, "all_gather")
+    c10d_op, divide = _reduce_op(op, facts.backend)
+    return BoundCollective("reduce_scatter", out, inp, group, facts, {"op": c10d_op}, divide, f"reduce_scatter({op})")
 
 
 def _reduce_scatter(out, inp, group, size: int, backend: str, c10d_op, divide: bool, async_op: bool, call) -> Pending:
@@ -326,7 +350,7 @@ def _reduce_scatter(out, inp, group, size: int, backend: str, c10d_op, divide: b
 
         return Pending(works, finish, call)
     work = getattr(dist, _REDUCE_SCATTER)(out, inp, op=c10d_op, group=group, async_op=async_op)
-    return Pending([work], _div_by(size, out) if divide else (lambda: out), call)
+    return Pending([work], (lambda: out.div_(size)) if divide else (lambda: out), call)
 
 
 def all_reduce(t: torch.Tensor, op: str, group: dist.ProcessGroup, async_op: bool = False) -> Pending:
@@ -342,7 +366,7 @@ def all_reduce(t: torch.Tensor, op: str, group: dist.ProcessGroup, async_op: boo
         work = dist.all_reduce(t, op=c10d_op, group=group, async_op=async_op)
     except RuntimeError as exc:
         raise call.failed(exc) from exc
-    return _maybe_wait(Pending([work], _div_by(size, t) if divide else (lambda: t), call), async_op)
+    return _maybe_wait(Pending([work], (lambda: t.div_(size)) if divide else (lambda: t), call), async_op)
 
 
 def broadcast_segments(

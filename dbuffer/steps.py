@@ -134,7 +134,7 @@ class PreparedRedistribute:
     reallocated. A plan of several steps runs the earlier ones synchronously into temporaries,
     as :meth:`~dbuffer.buffer.DBuffer.redistribute` does."""
 
-    __slots__ = ("source", "out", "requested", "placements", "_steps", "_last")
+    __slots__ = ("source", "out", "requested", "placements", "_steps", "_last", "_bound")
 
     def __init__(self, source: Buffer, out: Buffer, requested: Sequence[AnyPlacement], placements: tuple,
                  steps: Sequence[Step], last: Optional[tuple[int, object, Segments | None]]) -> None:
@@ -147,11 +147,32 @@ class PreparedRedistribute:
         self.placements = placements
         self._steps = tuple(steps)
         self._last = last
+        self._bound = None  # one all-gather or reduce-scatter: bound once, started directly
+        if len(self._steps) == 1 and last[2] is None and self._steps[0].kind in ("allgather", "reduce_scatter"):
+            step = self._steps[0]
+            op = source.placements[step.axis].reduce_op if step.kind == "reduce_scatter" else None
+            self._bound = collectives.bind(step.kind, out.local_buffer, source.local_buffer, op, last[1])
 
     def start(self) -> Pending:
         """Start the redistribution: the last step's collective is left in flight; the
         Pending's ``wait()`` returns ``out``."""
-        return self._run(async_op=True)
+        bound = self._bound
+        if bound is None:
+            return self._run(async_op=True)
+        source, out = self.source, self.out
+        if out.is_storage_released():
+            _released()
+
+        def finish() -> Buffer:
+            source._untrack(pending)
+            out._untrack(pending)
+            return out
+
+        with out._refill_guard():
+            pending = bound.start(finish)
+        source._track(pending)
+        out._track(pending)
+        return pending
 
     def run(self) -> Buffer:
         """Run the redistribution to the end and return ``out``."""
@@ -160,9 +181,7 @@ class PreparedRedistribute:
     def _run(self, async_op: bool) -> Pending:
         out = self.out
         if out.is_storage_released():
-            raise ValueError(
-                "prepared redistribute: out has released storage; call out.reallocate_storage() first"
-            )
+            _released()
         if self._last is None:  # no step: a copy, unless out is the source's storage
             if out.local_buffer.data_ptr() != self.source.local_buffer.data_ptr():
                 out.local_buffer.copy_(self.source.local_buffer)
@@ -172,6 +191,10 @@ class PreparedRedistribute:
             current = current._run(step, None, False).wait()
         size, group, segments = self._last
         return run_step(current, self._steps[-1], out, async_op, size, group, segments)
+
+
+def _released() -> None:
+    raise ValueError("prepared redistribute: out has released storage; call out.reallocate_storage() first")
 
 
 class PreparedSlot:

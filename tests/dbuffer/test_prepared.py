@@ -139,3 +139,90 @@ def _slot_prepares_again_when_asked_otherwise() -> bool:
 
 def test_slot_reuses_a_prepared_move_only_for_the_same_objects() -> None:
     assert all(run_ranks(_slot_prepares_again_when_asked_otherwise, 2, backend="threaded", timeout=60))
+
+
+def _bound_moves_are_exact(native_avg: bool) -> bool:
+    """On a one-call backend (threaded) a prepared all-gather or reduce-scatter is bound once
+    (:func:`dbuffer.collectives.bind`) and started without the per-call decisions: its values
+    equal the sums and means computed here from every rank's known fill, it notes one call per
+    start, and in debug mode it checks what the unbound function checks."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mesh = init_device_mesh("cpu", (world,))
+    for source_pl, target, op in (((S,), (R,), None), ((P,), (S,), "sum"), ((Partial("avg"),), (S,), "avg")):
+        source = DBuffer(mesh, list(source_pl), SHAPES, torch.float32)
+        out = source.sibling(target)
+        prepared = source.prepare_redistribute(target, out=out)
+        assert prepared._bound is not None, "a single one-call step on a threaded group is bound"
+        assert prepared._bound.divide == (op == "avg" and not native_avg)
+        local = source.local_buffer.numel()
+        ranks = torch.arange(world, dtype=torch.float32)
+        index = torch.arange(local, dtype=torch.float32)
+        for shift in (0.0, 5.0):
+            _fill(source, shift)  # rank r holds index * 0.5 + 100 r + shift
+            before = _calls_made(mesh)
+            result = prepared.start().wait()
+            assert result is out and _calls_made(mesh) == before + 1
+            if op is None:  # every rank's shard, in rank order
+                expected = (index * 0.5 + 100 * ranks[:, None] + shift).reshape(-1)
+            else:  # this rank's chunk of the sum (mean) over the ranks
+                chunk = out.local_buffer.numel()
+                mine = index[rank * chunk : (rank + 1) * chunk]
+                expected = world * (mine * 0.5 + shift) + 100 * ranks.sum()
+                expected = expected / world if op == "avg" else expected
+            torch.testing.assert_close(out.local_buffer, expected, rtol=0, atol=1e-5)
+    return True
+
+
+def test_a_bound_gather_or_reduction_is_exact_with_and_without_a_native_average(monkeypatch) -> None:
+    for native_avg in (True, False):  # threaded has AVG; without it, a sum and a division at the wait
+        monkeypatch.setattr(collectives, "_NATIVE_AVG_BACKENDS", ("nccl", "threaded") if native_avg else ("nccl",))
+        assert all(run_ranks(_bound_moves_are_exact, 4, native_avg, backend="threaded", timeout=120))
+
+
+def _debug_checks_of(start) -> list:
+    seen = []
+    checked = collectives._debug.check
+    collectives._debug.check = lambda group, op, detail: seen.append((op, detail))
+    was = collectives._debug.ENABLED
+    collectives._debug.ENABLED = True
+    try:
+        start()
+    finally:
+        collectives._debug.check, collectives._debug.ENABLED = checked, was
+    return seen
+
+
+def _bound_and_plain_debug_checks() -> bool:
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for source_pl, target in (((S,), (R,)), ((Partial("avg"),), (S,))):
+        source = DBuffer(mesh, list(source_pl), SHAPES, torch.float32)
+        out = source.sibling(target)
+        prepared = source.prepare_redistribute(target, out=out)
+        bound = _debug_checks_of(lambda: prepared.start().wait())
+        op = source_pl[0].reduce_op if target == (S,) else None
+        group = mesh.get_group(0)
+        plain = _debug_checks_of(lambda: (
+            collectives.all_gather(out.local_buffer, source.local_buffer, group) if op is None
+            else collectives.reduce_scatter(out.local_buffer, source.local_buffer, op, group)
+        ))
+        assert bound == plain and len(bound) == 1, (bound, plain)
+    return True
+
+
+def test_a_bound_move_checks_in_debug_mode_what_the_function_checks() -> None:
+    assert all(run_ranks(_bound_and_plain_debug_checks, 2, backend="threaded", timeout=60))
+
+
+def _not_bound() -> bool:
+    world = dist.get_world_size()
+    source = DBuffer(init_device_mesh("cpu", (world,)), [S], SHAPES, torch.float32)
+    assert source.prepare_redistribute((R,), out=source.sibling((R,)))._bound is None
+    one = DBuffer(init_device_mesh("cpu", (world, 1)), [R, S], SHAPES, torch.float32)
+    assert one.prepare_redistribute((R, R), out=one.sibling((R, R)))._bound is None
+    return True
+
+
+def test_gloo_and_a_group_of_one_are_not_bound() -> None:
+    """gloo's collectives take hand-built paths chosen per call, a group of one copies: both run
+    the general path (exact there: the tests above on gloo's own suite of primitives)."""
+    assert all(run_ranks(_not_bound, 2, backend="gloo", timeout=60))
