@@ -38,15 +38,20 @@ class Registrations:
     def put(self, params: list[nn.Parameter], last: Optional[list[nn.Parameter]], owner: Callable[[], str]) -> None:
         """Register ``params`` in place of ``last`` (None: at ``fully_shard``); raises, registering
         nothing, as :meth:`check` does (``owner()`` names the unit)."""
-        if last is not None:  # check()'s loop, inline: this runs at every registration
-            for k, module, name in self._slots:
-                if module._parameters.get(name) is not last[k]:
-                    self._raise_replaced(k, module, name, owner)
-        for info, p in zip(self.infos, params):
-            for module, name in info.registrations:
-                module._parameters[name] = p
         if last is None:  # fully_shard: optimizers are checked again
+            for k, module, name in self._slots:
+                module._parameters[name] = params[k]
             note_registration()
+            return
+        # check()'s test and the registration in one pass (four times a unit a step); a slot found
+        # replaced puts the earlier ones back first, so that the raise registers nothing
+        for j, (k, module, name) in enumerate(self._slots):
+            registered = module._parameters
+            if registered.get(name) is not last[k]:
+                for k_done, module_done, name_done in self._slots[:j]:
+                    module_done._parameters[name_done] = last[k_done]
+                self._raise_replaced(k, module, name, owner)
+            registered[name] = params[k]
 
     def check(self, last: Optional[list[nn.Parameter]], owner: Callable[[], str]) -> None:
         """Raise ``RuntimeError`` naming the parameter if a module no longer holds ``last``'s."""

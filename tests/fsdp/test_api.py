@@ -363,9 +363,21 @@ def _stale_parameters(model, batches) -> dict:
     assert m.blocks[0].gate.weight is new  # the user's parameter was not overwritten
     out["reshard"] = _expect(m.blocks[0].reshard, RuntimeError, "Assign parameters before fully_shard")
     assert m.blocks[0].gate.weight is new
+
+    # Replaced while unsharded: the refused reshard registers nothing, not even the parameters
+    # checked before the replaced one (norm.weight stays the unsharded tensor it found).
+    m = copy.deepcopy(model)
+    fsdp.fully_shard(m.blocks[0])
+    fsdp.fully_shard(m)
+    m.blocks[0].unshard()
+    registered = dict(m.blocks[0].named_parameters())
+    assert not isinstance(registered["norm.weight"], DTensor), "unshard() registers the unsharded parameters"
+    m.blocks[0].gate.weight = new
+    out["unsharded_reshard"] = _expect(m.blocks[0].reshard, RuntimeError, "'gate.weight' of the unit of Block was replaced")
+    assert all(p is (new if n == "gate.weight" else registered[n]) for n, p in m.blocks[0].named_parameters())
     return out
 
 
 def test_stale_optimizer_and_reassigned_parameter_raise() -> None:
     results = run_ranks(_stale_parameters, 2, make_model(), make_batches(1), backend="gloo", timeout=60)
-    assert results[0] == results[1] == {"early": "ok", "unsharded": "ok", "reassigned": "ok", "reshard": "ok"}, results
+    assert results[0] == results[1] == {"early": "ok", "unsharded": "ok", "reassigned": "ok", "reshard": "ok", "unsharded_reshard": "ok"}, results
