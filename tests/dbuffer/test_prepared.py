@@ -8,6 +8,8 @@ HSDP plan and an Owned layout; the result lives in ``out``'s storage; bad argume
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -179,17 +181,22 @@ def test_a_bound_gather_or_reduction_is_exact_with_and_without_a_native_average(
         assert all(run_ranks(_bound_moves_are_exact, 4, native_avg, backend="threaded", timeout=120))
 
 
+_RECORDING = threading.local()  # per rank thread: the debug checks it made while recording
+
+
+def _record_check(group, op: str, detail: str) -> None:
+    seen = getattr(_RECORDING, "seen", None)
+    if seen is not None:
+        seen.append((op, detail))
+
+
 def _debug_checks_of(start) -> list:
-    seen = []
-    checked = collectives._debug.check
-    collectives._debug.check = lambda group, op, detail: seen.append((op, detail))
-    was = collectives._debug.ENABLED
-    collectives._debug.ENABLED = True
+    _RECORDING.seen = []
     try:
         start()
+        return _RECORDING.seen
     finally:
-        collectives._debug.check, collectives._debug.ENABLED = checked, was
-    return seen
+        _RECORDING.seen = None
 
 
 def _bound_and_plain_debug_checks() -> bool:
@@ -209,7 +216,10 @@ def _bound_and_plain_debug_checks() -> bool:
     return True
 
 
-def test_a_bound_move_checks_in_debug_mode_what_the_function_checks() -> None:
+def test_a_bound_move_checks_in_debug_mode_what_the_function_checks(monkeypatch) -> None:
+    # set once for the whole process (the ranks are its threads); each rank records its own calls
+    monkeypatch.setattr(collectives._debug, "check", _record_check)
+    monkeypatch.setattr(collectives._debug, "ENABLED", True)
     assert all(run_ranks(_bound_and_plain_debug_checks, 2, backend="threaded", timeout=60))
 
 
