@@ -34,10 +34,9 @@ run executes every line a GPU run does, asynchrony coming from ``async_op=True``
 
 from __future__ import annotations
 
-import contextlib
 import threading
 from types import ModuleType
-from typing import TYPE_CHECKING, Callable, Iterator, Optional, Protocol
+from typing import TYPE_CHECKING, Callable, Optional, Protocol
 
 import torch
 
@@ -116,29 +115,10 @@ class CommStreams:
         event.record(self.current() if stream is None else stream)
         return event
 
-    @contextlib.contextmanager
-    def launch(self, stream: Optional[DeviceStream]) -> Iterator[None]:
-        """Run the launch on ``stream`` after the current stream and :meth:`after_read`'s reads."""
-        if stream is None:
-            yield
-            return
-        origin = self.current()
-        stream.wait_stream(origin)
-        reads = self._reads[id(stream)]
-        for event in reads.values():
-            stream.wait_event(event)
-        reads.clear()
-        handed_back: list[DeviceEvent] = []
-        frames = self._frames()
-        frames.append(handed_back)
-        try:
-            with self.module.stream(stream):
-                yield
-            self._last_launch[id(stream)] = self.record(stream)
-        finally:
-            frames.pop()
-            for event in handed_back:
-                origin.wait_event(event)
+    def launch(self, stream: Optional[DeviceStream]) -> "_Launch":
+        """Run the launch (``with`` body) on ``stream`` after the current stream and
+        :meth:`after_read`'s reads; None: on the current stream, unordered."""
+        return _Launch(self, stream)
 
     def run_on(self, stream: DeviceStream, fn: Callable[[], None]) -> None:
         """Run ``fn`` on ``stream``, ordered after and before the current stream (a user's hook)."""
@@ -184,3 +164,50 @@ class CommStreams:
         if frames is None:
             frames = self._launches.frames = []
         return frames
+
+
+class _Launch:
+    """:meth:`CommStreams.launch`'s context (a class: six launches a unit a step). Enter: the side
+    stream waits for the current stream and the pending reads, and becomes current. Exit: without
+    an error, an event ends the launch (what :meth:`~CommStreams.wait` waits for); always, the
+    launching stream waits for the events handed back inside (:meth:`~CommStreams.launcher_waits`)."""
+
+    __slots__ = ("streams", "stream", "origin", "handed_back", "frames", "context")
+
+    def __init__(self, streams: CommStreams, stream: Optional[DeviceStream]) -> None:
+        self.streams, self.stream = streams, stream
+
+    def __enter__(self) -> None:
+        stream, streams = self.stream, self.streams
+        if stream is None:
+            return
+        self.origin = origin = streams.current()
+        stream.wait_stream(origin)
+        reads = streams._reads[id(stream)]
+        for event in reads.values():
+            stream.wait_event(event)
+        reads.clear()
+        self.handed_back: list[DeviceEvent] = []
+        self.frames = streams._frames()
+        self.frames.append(self.handed_back)
+        self.context = streams.module.stream(stream)
+        try:
+            self.context.__enter__()
+        except BaseException:
+            self._end()
+            raise
+
+    def __exit__(self, kind, exc, tb) -> None:
+        if self.stream is None:
+            return
+        try:
+            self.context.__exit__(kind, exc, tb)
+            if kind is None:
+                self.streams._last_launch[id(self.stream)] = self.streams.record(self.stream)
+        finally:
+            self._end()
+
+    def _end(self) -> None:
+        self.frames.pop()
+        for event in self.handed_back:
+            self.origin.wait_event(event)

@@ -32,6 +32,9 @@ def test_a_cpu_launch_runs_on_the_side_stream_and_restores_the_current_one() -> 
     with pytest.raises(ValueError), s.launch(s.all_gather):
         raise ValueError("a failed launch")
     assert torch.cpu.current_stream() is before
+    # a failed launch ends no launch (nothing for wait() to wait on) and leaves no open frame
+    assert id(s.all_gather) not in s._last_launch and id(s.reduce_scatter) in s._last_launch
+    assert s._frames() == []
     s.wait(s.reduce_scatter)  # stand-in events: nothing to wait for, and no error
 
 
