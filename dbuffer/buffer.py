@@ -36,6 +36,7 @@ methods); each step's collective in :mod:`dbuffer.steps`; argument checks in
 
 from __future__ import annotations
 
+import weakref
 from typing import Sequence
 
 import torch
@@ -353,10 +354,14 @@ class DBuffer(TensorViews, StorageLifetime):
     def cast(self, dtype: torch.dtype, *, out: "DBuffer | None" = None) -> "DBuffer":
         """The same placements in ``dtype`` (a rounding copy; exact when ``dtype`` can hold every
         value, e.g. bf16 -> fp32)."""
-        if out is not None:
-            self._check_out(out, self.placements, dtype, "cast")
-        else:
+        if out is None:
             out = self._like(self.placements, dtype)
+        else:  # out's fit (mesh, placements, layout, dtype, device: fixed) checked once per out
+            fits = self.__dict__.get("_cast_fits")
+            stored = out.local_buffer.numel() == out._shard_numel and not out.is_storage_released()
+            if fits is None or fits[0]() is not out or fits[1] is not dtype or not stored:
+                self._check_out(out, self.placements, dtype, "cast")
+                self.__dict__["_cast_fits"] = (weakref.ref(out), dtype)  # weak: out is the caller's to drop
         out.local_buffer.copy_(self.local_buffer)
         return out
 

@@ -5,8 +5,10 @@ References are computed independently from the full tensors every rank can rebui
 
 from __future__ import annotations
 
+import gc
 import math
 import tempfile
+import weakref
 
 import pytest
 from hypothesis import given, settings
@@ -182,6 +184,21 @@ def _cast_is_exact() -> bool:
     out = DBuffer(mesh, [S], SHAPES, torch.bfloat16)
     down = up.cast(torch.bfloat16, out=out)
     assert down is out and torch.equal(out.local_buffer, bf16.local_buffer)
+    # the second cast into the same out (checked once for its fit) still refuses what changed:
+    # its storage released, or another out that does not fit
+    out.release_storage()
+    with pytest.raises(ValueError, match="cast: out has released storage"):
+        up.cast(torch.bfloat16, out=out)
+    out.reallocate_storage()
+    assert torch.equal(up.cast(torch.bfloat16, out=out).local_buffer, bf16.local_buffer)
+    with pytest.raises(ValueError, match="cast: out has dtype torch.bfloat16; the result has torch.float16"):
+        up.cast(torch.float16, out=out)
+    with pytest.raises(ValueError, match="cast: out has placements"):
+        up.cast(torch.bfloat16, out=DBuffer(mesh, [R], SHAPES, torch.bfloat16))
+    held = weakref.ref(out)
+    del out, down
+    gc.collect()
+    assert held() is None, "a cast keeps no out alive"
     return True
 
 
