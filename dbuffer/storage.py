@@ -91,7 +91,7 @@ class StorageLifetime:
         if not self._refill_pending:
             return _NO_REFILL
         self._refill_pending = False
-        return torch.autograd._unsafe_preserve_version_counter(self.local_buffer)
+        return _KeepVersion(self.local_buffer)
 
     def is_storage_released(self) -> bool:
         """Whether :meth:`release_storage` freed the local storage and nothing gave it back."""
@@ -102,3 +102,19 @@ class StorageLifetime:
             f"{op}: the local buffer is a view into a larger storage (from scatter() or a "
             f"user-supplied local_buffer), so freeing it would free its neighbours too"
         )
+
+
+class _KeepVersion:
+    """``torch.autograd._unsafe_preserve_version_counter`` for one tensor, without its decorator
+    machinery (a refill of every gather target): the version read at entry is restored at exit."""
+
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor, self.version = tensor, tensor._version
+
+    def __enter__(self) -> None:
+        pass
+
+    def __exit__(self, *exc) -> None:
+        torch._C._autograd._unsafe_set_version_counter((self.tensor,), (self.version,))

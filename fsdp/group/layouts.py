@@ -128,6 +128,7 @@ class ChunkedLayout:
         self._split = None
         if items and all(it.dim == 0 and self.chunks.whole_pieces(k) == world for k, it in enumerate(items)):
             self._split = [it.chunk * it.inner for it in items]
+            self._split_total = sum(self._split)  # < shard_numel: the rows end in padding
         self._param_views = _ViewsOf()  # per parameter, [world, piece numel] views of the unsharded weights
         self._grad_columns = _ViewsOf()  # per parameter, its [world, piece numel] columns of the gradient rows
 
@@ -169,7 +170,8 @@ class ChunkedLayout:
             outs = self._param_views.of(unsharded.local_buffer, lambda: [
                 unsharded.get_local_tensor(k).view(world, n) for k, n in enumerate(self._split)
             ])
-            torch.split_with_sizes_copy(rows[:, : sum(self._split)], self._split, dim=1, out=outs)
+            used = rows if rows.shape[1] == self._split_total else rows[:, : self._split_total]
+            torch.split_with_sizes_copy(used, self._split, dim=1, out=outs)
             return
         for k in range(len(self.shapes)):
             self.exchange(k, rows, unsharded.get_local_tensor(k), to_full=True)
@@ -186,7 +188,7 @@ class ChunkedLayout:
     def _columns(self, grad_in: DBuffer) -> list[torch.Tensor]:
         """Per parameter (``_split``), its ``[world, piece numel]`` columns of the gradient rows."""
         return self._grad_columns.of(grad_in.local_buffer, lambda: torch.split(
-            self.rows(grad_in.local_buffer)[:, : sum(self._split)], self._split, dim=1
+            self.rows(grad_in.local_buffer)[:, : self._split_total], self._split, dim=1
         ))
 
     def write_grads(self, grad_in: DBuffer, grads: list[torch.Tensor]) -> None:

@@ -317,7 +317,7 @@ class FSDPState(pipelining.FSDP2Names):
                     if grad and root_default and self.reshard_after_backward:
                         unsharder.release_forward_only()  # False (or a later reader) keeps all, as asked
             if grad:
-                for t in tree_flatten(output)[0]:
+                for t in (output,) if isinstance(output, torch.Tensor) else tree_flatten(output)[0]:
                     if isinstance(t, torch.Tensor) and t.requires_grad:
                         t.register_hook(self._pre_backward_hook)
             return self._cast_output(output)
