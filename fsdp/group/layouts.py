@@ -127,8 +127,7 @@ class ChunkedLayout:
         items = self.chunks.items
         self._split = None
         if items and all(it.dim == 0 and self.chunks.whole_pieces(k) == world for k, it in enumerate(items)):
-            self._split = [it.chunk * it.inner for it in items]
-            self._split_total = sum(self._split)  # < shard_numel: the rows end in padding
+            self._split = [it.chunk * it.inner for it in items]  # sums to shard_numel: no padding
         self._param_views = _ViewsOf()  # per parameter, [world, piece numel] views of the unsharded weights
         self._grad_columns = _ViewsOf()  # per parameter, its [world, piece numel] columns of the gradient rows
 
@@ -170,8 +169,7 @@ class ChunkedLayout:
             outs = self._param_views.of(unsharded.local_buffer, lambda: [
                 unsharded.get_local_tensor(k).view(world, n) for k, n in enumerate(self._split)
             ])
-            used = rows if rows.shape[1] == self._split_total else rows[:, : self._split_total]
-            torch.split_with_sizes_copy(used, self._split, dim=1, out=outs)
+            torch.split_with_sizes_copy(rows, self._split, dim=1, out=outs)
             return
         for k in range(len(self.shapes)):
             self.exchange(k, rows, unsharded.get_local_tensor(k), to_full=True)
@@ -188,17 +186,18 @@ class ChunkedLayout:
     def _columns(self, grad_in: DBuffer) -> list[torch.Tensor]:
         """Per parameter (``_split``), its ``[world, piece numel]`` columns of the gradient rows."""
         return self._grad_columns.of(grad_in.local_buffer, lambda: torch.split(
-            self.rows(grad_in.local_buffer)[:, : self._split_total], self._split, dim=1
+            self.rows(grad_in.local_buffer), self._split, dim=1
         ))
 
     def write_grads(self, grad_in: DBuffer, grads: list[torch.Tensor]) -> None:
-        """Copy every gradient into its columns: one foreach op, or :meth:`write_grad` each."""
+        """Copy every gradient into its columns: FSDP2's one ``_chunk_cat`` (each gradient's
+        dim-0 chunks, one per row, cast to the rows' dtype), or :meth:`write_grad` each."""
         if self._split is None or not all(g.is_contiguous() for g in grads):
             for k, grad in enumerate(grads):
                 self.write_grad(grad_in, k, grad, add=False)
             return
-        columns = self._columns(grad_in)
-        torch._foreach_copy_(columns, [g.view(c.shape) for c, g in zip(columns, grads)])
+        rows = self.rows(grad_in.local_buffer)
+        torch._chunk_cat(grads, dim=0, num_chunks=rows.shape[0], out=rows)
 
     def write_grad(self, grad_in: DBuffer, k: int, grad: Optional[torch.Tensor], add: bool) -> None:
         if self._split is not None and grad is not None and grad.is_contiguous():

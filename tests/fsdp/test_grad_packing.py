@@ -1,7 +1,8 @@
-"""A unit's gradients go into its reduction buffer in one foreach op per group (one dispatch and,
-on a GPU, one launch, however many parameters the group has), in both layouts; where a layout
-cannot (a parameter split along another dim), each parameter takes its own copy. Gradients are
-checked against one process on the global batch."""
+"""A unit's gradients go into its reduction buffer in one op per group (one dispatch and, on a
+GPU, one launch, however many parameters the group has): FSDP2's ``_chunk_cat`` in the chunked
+layout, a foreach copy in the flat one; where a layout cannot (a parameter split along another
+dim), each parameter takes its own copy. Gradients are checked against one process on the
+global batch."""
 
 from __future__ import annotations
 
@@ -52,11 +53,12 @@ def test_one_foreach_write_per_group_and_exact_gradients(layout, shard_dim) -> N
     ref = copy.deepcopy(model)
     loss_fn(ref, x, y).backward()
     for out in run_ranks(_backward, 2, model, x, y, layout, shard_dim, backend="threaded"):
-        foreach = out["ops"]["_foreach_copy_"]
-        if shard_dim == 0:  # every group written at once
-            assert foreach == out["groups"], (foreach, out["groups"])
+        foreach, chunk_cat = out["ops"]["_foreach_copy_"], out["ops"]["_chunk_cat"]
+        if shard_dim == 0:  # every group written at once: chunked by _chunk_cat, flat by a foreach copy
+            one_op = chunk_cat if layout == "chunk" else foreach
+            assert one_op == out["groups"] and foreach + chunk_cat == one_op, (foreach, chunk_cat, out["groups"])
         else:  # dim-1 pieces are strided: a copy per parameter
-            assert foreach == 0 and out["ops"]["copy_"] >= sum(1 for _ in model.parameters())
+            assert foreach == chunk_cat == 0 and out["ops"]["copy_"] >= sum(1 for _ in model.parameters())
         for n, p in ref.named_parameters():
             assert torch.allclose(out["grads"][n], p.grad, atol=1e-6, rtol=1e-5), n
 
