@@ -31,10 +31,7 @@ def get_state_dict(
     torch returns live tensors where nothing is sharded, so an export would change with training.
     """
     optimizers = _optimizers(optimizers)
-    if not optimizers:
-        out = dsd.get_model_state_dict(model, options=options), {}
-    else:
-        out = dsd.get_state_dict(model, optimizers, options=options)
+    out = dsd.get_state_dict(model, optimizers, options=options) if optimizers else (dsd.get_model_state_dict(model, options=options), {})
     if options is not None and options.full_state_dict:
         live = {_storage(t) for t in _live_tensors(model, optimizers)}
         out = tuple(_copy_if_in(sd, live) for sd in out)
@@ -90,9 +87,7 @@ def _copy_if_in(obj: Any, live: set[int]) -> Any:
         return obj.clone() if _storage(obj) in live else obj
     if isinstance(obj, dict):
         return {k: _copy_if_in(v, live) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_copy_if_in(v, live) for v in obj]
-    return obj
+    return [_copy_if_in(v, live) for v in obj] if isinstance(obj, list) else obj
 
 
 class _TensorInfo(NamedTuple):
@@ -101,9 +96,7 @@ class _TensorInfo(NamedTuple):
 
 
 def _optimizers(optimizers: Optimizers) -> tuple[torch.optim.Optimizer, ...]:
-    if isinstance(optimizers, torch.optim.Optimizer):
-        return (optimizers,)
-    return tuple(optimizers or ())
+    return (optimizers,) if isinstance(optimizers, torch.optim.Optimizer) else tuple(optimizers or ())
 
 
 class _Source(NamedTuple):

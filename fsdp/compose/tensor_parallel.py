@@ -315,10 +315,8 @@ def clip_grad_norm_(
                      if isinstance(norm, DTensor) else norm)
     device = norms[0].device
     norms = [n.to(device) for n in norms]
-    if math.isinf(norm_type):
-        total = torch.stack(norms).max()
-    else:
-        total = torch.linalg.vector_norm(torch.stack(norms), norm_type)
+    stacked = torch.stack(norms)
+    total = stacked.max() if math.isinf(norm_type) else torch.linalg.vector_norm(stacked, norm_type)
     if error_if_nonfinite and (total.isnan() or total.isinf()):
         raise RuntimeError(
             f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, so it cannot "

@@ -16,13 +16,7 @@ if TYPE_CHECKING:
     from dbuffer import DBuffer
 
 __all__ = [
-    "FLOAT32_OR_WIDER",
-    "MixedPrecisionPolicy",
-    "Strategy",
-    "as_policy",
-    "converted",
-    "parse_strategy",
-    "reduces_in_grad_dtype",
+    "FLOAT32_OR_WIDER", "MixedPrecisionPolicy", "Strategy", "as_policy", "converted", "parse_strategy", "reduces_in_grad_dtype",
 ]
 
 

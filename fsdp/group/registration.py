@@ -38,20 +38,15 @@ class Registrations:
     def put(self, params: list[nn.Parameter], last: Optional[list[nn.Parameter]], owner: Callable[[], str]) -> None:
         """Register ``params`` in place of ``last`` (None: at ``fully_shard``); raises, registering
         nothing, as :meth:`check` does (``owner()`` names the unit)."""
-        if last is None:  # fully_shard: optimizers are checked again
-            for k, module, name in self._slots:
-                module._parameters[name] = params[k]
-            note_registration()
-            return
-        # check()'s test and the registration in one pass (four times a unit a step); a slot found
-        # replaced puts the earlier ones back first, so that the raise registers nothing
-        for j, (k, module, name) in enumerate(self._slots):
+        for j, (k, module, name) in enumerate(self._slots):  # check() and registration in one pass
             registered = module._parameters
-            if registered.get(name) is not last[k]:
-                for k_done, module_done, name_done in self._slots[:j]:
+            if last is not None and registered.get(name) is not last[k]:
+                for k_done, module_done, name_done in self._slots[:j]:  # put back: register nothing
                     module_done._parameters[name_done] = last[k_done]
                 self._raise_replaced(k, module, name, owner)
             registered[name] = params[k]
+        if last is None:  # fully_shard: optimizers are checked again
+            note_registration()
 
     def check(self, last: Optional[list[nn.Parameter]], owner: Callable[[], str]) -> None:
         """Raise ``RuntimeError`` naming the parameter if a module no longer holds ``last``'s."""

@@ -116,8 +116,7 @@ class CommStreams:
         return event
 
     def launch(self, stream: Optional[DeviceStream]) -> "_Launch":
-        """Run the launch (``with`` body) on ``stream`` after the current stream and
-        :meth:`after_read`'s reads; None: on the current stream, unordered."""
+        """Run the ``with`` body on ``stream`` after the current stream and :meth:`after_read`'s reads."""
         return _Launch(self, stream)
 
     def run_on(self, stream: DeviceStream, fn: Callable[[], None]) -> None:
@@ -167,10 +166,8 @@ class CommStreams:
 
 
 class _Launch:
-    """:meth:`CommStreams.launch`'s context (a class: six launches a unit a step). Enter: the side
-    stream waits for the current stream and the pending reads, and becomes current. Exit: without
-    an error, an event ends the launch (what :meth:`~CommStreams.wait` waits for); always, the
-    launching stream waits for the events handed back inside (:meth:`~CommStreams.launcher_waits`)."""
+    """:meth:`CommStreams.launch`'s context, a class rather than a generator (six a unit a step):
+    the protocol's launch, line for line; the launch's event is recorded only if the body ran."""
 
     __slots__ = ("streams", "stream", "origin", "handed_back", "frames", "context")
 
@@ -178,17 +175,16 @@ class _Launch:
         self.streams, self.stream = streams, stream
 
     def __enter__(self) -> None:
-        stream, streams = self.stream, self.streams
+        streams, stream = self.streams, self.stream
         if stream is None:
             return
-        self.origin = origin = streams.current()
-        stream.wait_stream(origin)
+        self.origin = streams.current()
+        stream.wait_stream(self.origin)
         reads = streams._reads[id(stream)]
         for event in reads.values():
             stream.wait_event(event)
         reads.clear()
-        self.handed_back: list[DeviceEvent] = []
-        self.frames = streams._frames()
+        self.handed_back, self.frames = [], streams._frames()
         self.frames.append(self.handed_back)
         self.context = streams.module.stream(stream)
         try:
@@ -198,14 +194,13 @@ class _Launch:
             raise
 
     def __exit__(self, kind, exc, tb) -> None:
-        if self.stream is None:
-            return
-        try:
-            self.context.__exit__(kind, exc, tb)
-            if kind is None:
-                self.streams._last_launch[id(self.stream)] = self.streams.record(self.stream)
-        finally:
-            self._end()
+        if self.stream is not None:
+            try:
+                self.context.__exit__(kind, exc, tb)
+                if kind is None:
+                    self.streams._last_launch[id(self.stream)] = self.streams.record(self.stream)
+            finally:
+                self._end()
 
     def _end(self) -> None:
         self.frames.pop()

@@ -207,9 +207,7 @@ class BufferWeights:
         """The sharded weights a gather reads: the own row :meth:`begin_gather` cast into (an
         in-place gather), else ``model``, under offload uploaded now on the gather's stream."""
         row, self._row = self._row, None
-        if row is not None:
-            return row
-        return self.parts.offload.upload(self.model)
+        return row if row is not None else self.parts.offload.upload(self.model)
 
     def gathered_buffer(self) -> DBuffer:
         """The buffer an all-gather of the weights fills."""

@@ -167,10 +167,7 @@ class Muon(torch.optim.Optimizer):
         update = torch.lerp(grad, buf, momentum) if group["nesterov"] else buf
         ns_dtype = _NS_DTYPES[group["ns_dtype"]]
         ortho = newton_schulz(update, group["ns_steps"], group["ns_coefficients"], group["ns_eps"], ns_dtype)
-        if group["adjust_lr"] == "original":
-            scale = math.sqrt(max(1.0, rows / cols))
-        else:
-            scale = 0.2 * math.sqrt(max(rows, cols))
+        scale = math.sqrt(max(1.0, rows / cols)) if group["adjust_lr"] == "original" else 0.2 * math.sqrt(max(rows, cols))
         lr = group["lr"]
         if group["weight_decay"]:
             local.mul_(1 - lr * group["weight_decay"])

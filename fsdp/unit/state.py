@@ -336,9 +336,7 @@ class FSDPState(pipelining.FSDP2Names):
     def _next_units(self, explicit: Optional[list["FSDPState"]], step: int) -> list["FSDPState"]:
         if explicit is not None:
             return explicit
-        if self.root is None:
-            return []
-        return self.root.root_ctx.neighbour(self, step)
+        return [] if self.root is None else self.root.root_ctx.neighbour(self, step)
 
     # ------------------------------------------------------------------ backward
 

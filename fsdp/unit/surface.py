@@ -24,12 +24,7 @@ if TYPE_CHECKING:
     from fsdp.group.comms import AllGatherComm, ReduceScatterComm
     from fsdp.group.streams import DeviceEvent, DeviceStream
 
-__all__ = [
-    "ArgumentTypeError",
-    "DataParallelMeshDims",
-    "data_parallel_mesh",
-    "share_comm_ctx",
-]
+__all__ = ["ArgumentTypeError", "DataParallelMeshDims", "data_parallel_mesh", "share_comm_ctx"]
 
 
 # FSDP2's class; before torch 2.12 a stand-in whose constructor raises (dbuffer.compat).
