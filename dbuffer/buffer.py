@@ -45,7 +45,9 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from dbuffer import collectives
 from dbuffer.agreement import check_agreement
-from dbuffer.buffer_checks import check_local_buffer, check_primitive, check_shapes, check_tensors, out_mismatch, out_problem
+from dbuffer.buffer_checks import (
+    check_local_buffer, check_primitive, check_shapes, check_tensors, out_lacks_storage, out_mismatch, out_problem,
+)
 from dbuffer.collectives import Pending
 from dbuffer.layout import Layout, OwnedLayout, RaggedLayout, compute_layout, compute_owned_layout
 from dbuffer.placements import (
@@ -358,8 +360,7 @@ class DBuffer(TensorViews, StorageLifetime):
             out = self._like(self.placements, dtype)
         else:  # out's fit (mesh, placements, layout, dtype, device: fixed) checked once per out
             fits = self.__dict__.get("_cast_fits")
-            stored = out.local_buffer.numel() == out._shard_numel and not out.is_storage_released()
-            if fits is None or fits[0]() is not out or fits[1] is not dtype or not stored:
+            if fits is None or fits[0]() is not out or fits[1] is not dtype or out_lacks_storage(out):
                 self._check_out(out, self.placements, dtype, "cast")
                 self.__dict__["_cast_fits"] = (weakref.ref(out), dtype)  # weak: out is the caller's to drop
         out.local_buffer.copy_(self.local_buffer)

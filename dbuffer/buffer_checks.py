@@ -16,7 +16,9 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from dbuffer.layout import OwnedLayout
 from dbuffer.placements import AnyPlacement, Owned, is_shard
 
-__all__ = ["check_local_buffer", "check_primitive", "check_shapes", "check_tensors", "out_mismatch", "out_problem"]
+__all__ = [
+    "check_local_buffer", "check_primitive", "check_shapes", "check_tensors", "out_lacks_storage", "out_mismatch", "out_problem",
+]
 
 # The placement a primitive's axis must have before it runs.
 PRIMITIVE_SOURCES = {"allgather": (Shard, Owned), "reduce_scatter": (Partial,), "allreduce": (Partial,), "scatter": (Replicate,)}
@@ -73,9 +75,14 @@ def out_problem(buf, out, placements: Sequence[AnyPlacement], dtype: torch.dtype
     and ``dtype`` now (a phrase whose subject is ``out``), or None if it fits: it must match
     (:func:`out_mismatch`) and have storage."""
     problem = out_mismatch(buf, out, placements, dtype)
-    if problem is None and (out.local_buffer.numel() != out._shard_numel or out.is_storage_released()):
+    if problem is None and out_lacks_storage(out):
         return "has released storage; call out.reallocate_storage() first"
     return problem
+
+
+def out_lacks_storage(out) -> bool:
+    """Whether the DBuffer ``out`` cannot be written now: its storage released (or cut)."""
+    return out.local_buffer.numel() != out._shard_numel or out.is_storage_released()
 
 
 def out_mismatch(buf, out, placements: Sequence[AnyPlacement], dtype: torch.dtype) -> str | None:
