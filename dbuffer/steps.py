@@ -110,14 +110,19 @@ def run_step(
         )
     if not async_op:
         return Pending([work], lambda: (work.wait(), out)[1])
+    return _tracked(source, out, lambda finish: Pending([work], lambda: (work.wait(), finish())[1]))
+
+
+def _tracked(source: Buffer, out: Buffer, start) -> Pending:
+    """``start(finish)``'s Pending, tracked by both buffers until it is waited for (``finish``,
+    which it runs last, untracks it and returns ``out``)."""
 
     def finish() -> Buffer:
-        work.wait()
         source._untrack(pending)
         out._untrack(pending)
         return out
 
-    pending = Pending([work], finish)
+    pending = start(finish)
     source._track(pending)
     out._track(pending)
     return pending
@@ -159,20 +164,11 @@ class PreparedRedistribute:
         bound = self._bound
         if bound is None:
             return self._run(async_op=True)
-        source, out = self.source, self.out
+        out = self.out
         if out.is_storage_released():
             _released()
-
-        def finish() -> Buffer:
-            source._untrack(pending)
-            out._untrack(pending)
-            return out
-
         with out._refill_guard():
-            pending = bound.start(finish)
-        source._track(pending)
-        out._track(pending)
-        return pending
+            return _tracked(self.source, out, bound.start)
 
     def run(self) -> Buffer:
         """Run the redistribution to the end and return ``out``."""
