@@ -18,8 +18,8 @@ This is the only module of the toolkit that calls torch.distributed collectives.
 * Owned layouts whose shards are mostly padding gather by one broadcast per owner's used range
   (:func:`broadcast_segments`) and reduce to the owners by one all-to-all of those ranges
   (:func:`reduce_to_owners`), instead of moving padded shards (see ``buffer.py``).
-* ``avg``: native where the backend has ``ReduceOp.AVG`` (NCCL, threaded); elsewhere a sum and an
-  in-place division by the group size on the (already reduced, smaller) output.
+* ``avg``: native where the backend has ``ReduceOp.AVG`` (NCCL, threaded; the fake group computes
+  nothing: NCCL's route); elsewhere a sum and an in-place division by the group size on the output.
 
 A group of one makes no c10d call (a copy, or nothing); :func:`singleton_groups_communicate`
 (or ``DBUFFER_SINGLETON_C10D=1`` in the environment) makes it call c10d as a group of N does, so
@@ -82,7 +82,7 @@ def mesh_device(mesh: DeviceMesh) -> torch.device:
     return torch.device(kind, torch.get_device_module(kind).current_device())
 
 
-_NATIVE_AVG_BACKENDS = ("nccl", "threaded")
+_NATIVE_AVG_BACKENDS = ("nccl", "threaded", "fake")
 
 # Whether a group of one calls c10d anyway (see the module docstring).
 _SINGLETON_C10D = os.environ.get("DBUFFER_SINGLETON_C10D", "0") == "1"

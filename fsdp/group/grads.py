@@ -149,7 +149,8 @@ class GradReducer:
                 self._held[k] = grad if held is None else held + grad
 
     def end_backward(self) -> None:
-        self.pack_held()  # gradients kept for a later (sync) backward live in grad_in
+        if self._held:  # gradients kept for a later (sync) backward live in grad_in
+            self.pack_held()
         self._seen.clear()
 
     def has_local_grads(self) -> bool:
@@ -165,7 +166,8 @@ class GradReducer:
         if self._in_flight is not None:  # it may still be reading grad_in
             self.finish_reduce()
         buffers, streams, reduce_dtype = self.parts.buffers, self.parts.streams, self.dtypes.reduce
-        self.pack_held()
+        if self._held:
+            self.pack_held()
         self._zero_unwritten()
         target_pl, route = self.main_grad.placements, self.route
         if route.collective is ReduceCollective.SHARD_AXIS_ONLY:

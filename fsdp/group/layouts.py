@@ -130,6 +130,7 @@ class ChunkedLayout:
             self._split = [it.chunk * it.inner for it in items]  # sums to shard_numel: no padding
         self._param_views = _ViewsOf()  # per parameter, [world, piece numel] views of the unsharded weights
         self._grad_columns = _ViewsOf()  # per parameter, its [world, piece numel] columns of the gradient rows
+        self._gathered_rows, self._grad_rows = _ViewsOf(), _ViewsOf()  # rows(): one view each, made once
 
     def buffer_shapes(self):
         return self._flat, compute_layout(self._flat, self.chunks.num_shards)
@@ -162,6 +163,13 @@ class ChunkedLayout:
         """A shard-major flat buffer (all shards or a run of them) as ``[shards, shard_numel]``."""
         return flat.view(-1, self.chunks.shard_numel)
 
+    def gathered_rows(self, gathered: DBuffer) -> torch.Tensor:
+        """:meth:`rows` of a gather's whole target, one view made once (like the other views here)."""
+        return self._gathered_rows.of(gathered.local_buffer, lambda: (self.rows(gathered.local_buffer),))[0]
+
+    def _grad_rows_of(self, grad_in: DBuffer) -> torch.Tensor:
+        return self._grad_rows.of(grad_in.local_buffer, lambda: (self.rows(grad_in.local_buffer),))[0]
+
     def copy_out(self, rows: torch.Tensor, unsharded: DBuffer) -> None:
         """Every parameter's pieces from the gathered ``rows`` into ``unsharded``."""
         if self._split is not None:
@@ -185,9 +193,7 @@ class ChunkedLayout:
 
     def _columns(self, grad_in: DBuffer) -> list[torch.Tensor]:
         """Per parameter (``_split``), its ``[world, piece numel]`` columns of the gradient rows."""
-        return self._grad_columns.of(grad_in.local_buffer, lambda: torch.split(
-            self.rows(grad_in.local_buffer), self._split, dim=1
-        ))
+        return self._grad_columns.of(grad_in.local_buffer, lambda: torch.split(self._grad_rows_of(grad_in), self._split, dim=1))
 
     def write_grads(self, grad_in: DBuffer, grads: list[torch.Tensor]) -> None:
         """Copy every gradient into its columns: FSDP2's one ``_chunk_cat`` (each gradient's
@@ -196,7 +202,7 @@ class ChunkedLayout:
             for k, grad in enumerate(grads):
                 self.write_grad(grad_in, k, grad, add=False)
             return
-        rows = self.rows(grad_in.local_buffer)
+        rows = self._grad_rows_of(grad_in)
         torch._chunk_cat(grads, dim=0, num_chunks=rows.shape[0], out=rows)
 
     def write_grad(self, grad_in: DBuffer, k: int, grad: Optional[torch.Tensor], add: bool) -> None:
@@ -207,7 +213,7 @@ class ChunkedLayout:
             else:
                 columns.copy_(grad.view(columns.shape))
             return
-        rows = self.rows(grad_in.local_buffer)
+        rows = self._grad_rows_of(grad_in)
         if grad is None:
             it = self.chunks.items[k]
             rows[:, it.offset : it.offset + it.chunk * it.inner].zero_()

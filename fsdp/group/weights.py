@@ -226,7 +226,7 @@ class BufferWeights:
             with label("fsdp::copy_out"):
                 self.unsharded.reallocate_storage()
                 own = rows is None
-                layout.copy_out(layout.rows(self.gathered.local_buffer) if own else rows, self.unsharded)
+                layout.copy_out(layout.gathered_rows(self.gathered) if own else rows, self.unsharded)
                 if own and not self.keep_unsharded_storage:
                     self.gathered.release_storage()
         if refill:

@@ -181,6 +181,21 @@ def test_a_bound_gather_or_reduction_is_exact_with_and_without_a_native_average(
         assert all(run_ranks(_bound_moves_are_exact, 4, native_avg, backend="threaded", timeout=120))
 
 
+def _fake_group_average() -> bool:
+    group = dist.group.WORLD
+    assert collectives.c10d_reduce_op("avg", group) == (dist.ReduceOp.AVG, False)
+    source = DBuffer(init_device_mesh("cpu", (dist.get_world_size(),)), [Partial("avg")], SHAPES, torch.float32)
+    prepared = source.prepare_redistribute([S], out=source.sibling((S,)))
+    assert prepared._bound is not None and not prepared._bound.divide
+    return True
+
+
+def test_the_fake_group_averages_as_nccl_does_with_no_division_of_its_own() -> None:
+    """torch's fake group (the host benchmarks' stand-in for NCCL, as FSDP2 uses it too) gets
+    NCCL's native ``AVG``: a sum and a division there would be work no GPU run does."""
+    assert run_ranks(_fake_group_average, 8, backend="fake") == [True]
+
+
 _RECORDING = threading.local()  # per rank thread: the debug checks it made while recording
 
 

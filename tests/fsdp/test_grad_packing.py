@@ -98,3 +98,32 @@ def test_micro_batch_gradients_add_without_a_graph_under_create_graph() -> None:
         for n, p in ref.named_parameters():
             assert not out["grads"][n].requires_grad, n
             assert torch.allclose(out["grads"][n], p.grad, atol=1e-6, rtol=1e-5), n
+
+
+def _row_views_over_steps(model, x, y) -> bool:
+    """Two steps of a sharded model; then each group's ``[shards, shard_numel]`` row views (the
+    copy-out's source, the gradients' target) are the objects the steps used and still views of
+    their buffers' storage, which every step released and reallocated."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    m = copy.deepcopy(model)
+    for block in m.blocks:
+        fsdp.fully_shard(block)
+    fsdp.fully_shard(m)
+    per = x.shape[0] // world
+    groups = [g for mod in m.modules() if isinstance(mod, fsdp.FSDPModule) for g in mod._fsdp_state.groups]
+    seen = []
+    for _ in range(2):
+        loss_fn(m, x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]).backward()
+        seen.append([(g.layout.gathered_rows(g.weights.gathered), g.layout._grad_rows_of(g.grads.grad_in)) for g in groups])
+    for g, (first, second) in zip(groups, zip(*seen)):
+        assert first[0] is second[0] and first[1] is second[1], "a row view made again"
+        for rows, buf in zip(first, (g.weights.gathered, g.grads.grad_in)):
+            buf.reallocate_storage()
+            assert rows.untyped_storage()._cdata == buf.local_buffer.untyped_storage()._cdata
+            assert rows.data_ptr() == buf.local_buffer.data_ptr() and rows.numel() == buf.local_buffer.numel()
+    return True
+
+
+def test_row_views_are_made_once_and_stay_views_of_their_buffers() -> None:
+    model, ((x, y),) = make_model(), make_batches(1)
+    assert all(run_ranks(_row_views_over_steps, 2, model, x, y, backend="threaded"))
