@@ -59,6 +59,7 @@ def measure(cfg: BenchConfig, world: int, mode: str, device: torch.device) -> di
 
     from tests.models.llama import Llama
 
+    forget_sharding_caches()
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     try:
         mesh = init_device_mesh(device.type, (world,))
@@ -85,6 +86,21 @@ def measure(cfg: BenchConfig, world: int, mode: str, device: torch.device) -> di
         return {"phases": phases, "above": above, "ranges": prof.key_averages(), "cycles": cycles}
     finally:
         dist.destroy_process_group()
+
+
+def forget_sharding_caches() -> None:
+    """Empty DTensor's sharding-propagation caches (Python's and the C++ fast path's). A mode run
+    after another in this process would find there the entries of the last mode's destroyed mesh,
+    which hash like its own and are compared at every optimizer op's lookup (a cost no training
+    process, with its one mesh, pays): each mode starts as in a fresh process."""
+    from torch.distributed.tensor import DTensor
+
+    cached = DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding
+    if hasattr(cached, "cache_clear"):
+        cached.cache_clear()
+    fast_path = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    if fast_path is not None:
+        fast_path()
 
 
 def gather_cycle(block: torch.nn.Module, device: torch.device, rounds: int = 200) -> tuple[float, float]:

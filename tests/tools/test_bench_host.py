@@ -42,3 +42,28 @@ def test_bench_host_reports_every_method_phase_and_range() -> None:
         # every unit (3 blocks + the root) enters its forward and backward hooks once per step
         assert ranges["fsdp::pre_forward"] == ranges["fsdp::post_forward"] == ranges["fsdp::pre_backward"] == 1.0, ranges
         assert abs(ranges["fsdp::root_pre_forward"] - 0.25) <= 0.05, ranges  # once per step, 4 units (1 decimal)
+
+
+def test_each_mode_starts_with_empty_sharding_caches() -> None:
+    """A DTensor op's sharding, cached in Python and in the C++ fast path, is forgotten before a
+    mode is measured (entries of an earlier mode's destroyed mesh would be compared at lookups)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from tools.bench_host import forget_sharding_caches
+
+    cached = DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding
+    stats = getattr(torch._C, "_get_DTensor_sharding_propagator_cache_stats", lambda: (0, 0))
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    try:
+        t = distribute_tensor(torch.ones(8, 2), init_device_mesh("cpu", (4,)), [Shard(0)])
+        torch._foreach_add_([t], [t * 2])
+        torch._foreach_mul_([t], 3.0)
+    finally:
+        dist.destroy_process_group()
+    assert cached.cache_info().currsize + sum(stats()) > 0, "the ops above cached nothing to forget"
+    forget_sharding_caches()
+    assert cached.cache_info().currsize == 0 and sum(stats()) == 0
