@@ -189,7 +189,7 @@ class FSDPState(pipelining.FSDP2Names):
     def unshard_for_backward(self, async_op: bool = False) -> None:
         """:meth:`unshard`, but what only forward reads stays freed (:mod:`fsdp.group.forward_only`)."""
         if not any(u.forward_only_freed() for u in self.unsharders):
-            return self.unshard(async_op)
+            return self._unshard_groups(self.groups, self.unsharders, async_op)
         kept = [(g, u) for g, u in zip(self.groups, self.unsharders) if not u.forward_only_freed()]
         self._unshard_groups([g for g, _ in kept], [u for _, u in kept], async_op)
 
