@@ -149,8 +149,7 @@ class GradReducer:
                 self._held[k] = grad if held is None else held + grad
 
     def end_backward(self) -> None:
-        if self._held:  # gradients kept for a later (sync) backward live in grad_in
-            self.pack_held()
+        self.pack_held()  # gradients kept for a later (sync) backward live in grad_in
         self._seen.clear()
 
     def has_local_grads(self) -> bool:

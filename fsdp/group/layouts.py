@@ -193,7 +193,8 @@ class ChunkedLayout:
 
     def _columns(self, grad_in: DBuffer) -> list[torch.Tensor]:
         """Per parameter (``_split``), its ``[world, piece numel]`` columns of the gradient rows."""
-        return self._grad_columns.of(grad_in.local_buffer, lambda: torch.split(self._grad_rows_of(grad_in), self._split, dim=1))
+        rows = self._grad_rows_of(grad_in)
+        return self._grad_columns.of(grad_in.local_buffer, lambda: torch.split(rows, self._split, dim=1))
 
     def write_grads(self, grad_in: DBuffer, grads: list[torch.Tensor]) -> None:
         """Copy every gradient into its columns: FSDP2's one ``_chunk_cat`` (each gradient's

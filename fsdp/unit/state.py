@@ -296,9 +296,7 @@ class FSDPState(pipelining.FSDP2Names):
         """``reshard_after_forward``, or if None (the default, as in FSDP2): all but the root."""
         if self.read_after_forward:  # kept for a unit reading its weights later (fsdp.unit.read_watch)
             return False
-        if self.reshard_after_forward is None:
-            return self.root is not self
-        return self.reshard_after_forward
+        return self.root is not self if self.reshard_after_forward is None else self.reshard_after_forward
 
     def _post_forward(self, module: nn.Module, args: tuple, output: object) -> object:
         if in_backward():  # a recomputation: its backward runs next, on these weights
@@ -331,9 +329,7 @@ class FSDPState(pipelining.FSDP2Names):
             self.register_unsharded_params()
 
     def _cast_output(self, output: object) -> object:
-        if self.policy.output_dtype is not None:
-            output = cast_floats(output, self.policy.output_dtype)
-        return output
+        return output if self.policy.output_dtype is None else cast_floats(output, self.policy.output_dtype)
 
     def _next_units(self, explicit: Optional[list["FSDPState"]], step: int) -> list["FSDPState"]:
         if explicit is not None:

@@ -114,7 +114,8 @@ def _row_views_over_steps(model, x, y) -> bool:
     seen = []
     for _ in range(2):
         loss_fn(m, x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]).backward()
-        seen.append([(g.layout.gathered_rows(g.weights.gathered), g.layout._grad_rows_of(g.grads.grad_in)) for g in groups])
+        seen.append([(g.layout.gathered_rows(g.weights.gathered), g.layout._grad_rows_of(g.grads.grad_in))
+                     for g in groups])
     for g, (first, second) in zip(groups, zip(*seen)):
         assert first[0] is second[0] and first[1] is second[1], "a row view made again"
         for rows, buf in zip(first, (g.weights.gathered, g.grads.grad_in)):
