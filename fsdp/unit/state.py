@@ -14,7 +14,7 @@ A ZeRO-3 step per unit (other strategies skip gathers and frees), with the
    ``grad_in`` (allocated only then, as FSDP2), launches its reduction (at most one in flight) and
    frees the unsharded storage (POST_BACKWARD);
 5. the root's final autograd callback (IDLE) reduces what is left, reshards, waits for every
-   reduction and attaches ``param.grad`` (manual finalization: :meth:`FSDPState.finalize_backward`).
+   reduction and attaches ``param.grad`` (manual finalization: :meth:`fsdp.FSDPModule.finalize_backward`).
 
 Tree-wide state is the root's :class:`~fsdp.unit.root.RootContext`. Activation checkpointing:
 step 3 also registers the unsharded parameters for a recomputation outside the hooks; hooks run
