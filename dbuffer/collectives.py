@@ -1,6 +1,6 @@
 """The fastest correct way to run each collective on each backend, on flat 1-D tensors.
 
-This is the only module of the toolkit that calls torch.distributed collectives.
+The toolkit's only caller of torch.distributed collectives (teardown's one barrier aside).
 
 * NCCL, torch's threaded test group and anything else not named below: the one-call c10d
   collective (``all_gather_single``, ``reduce_scatter_single``, ``all_reduce``; before torch

@@ -3,9 +3,9 @@
 When one rank skips a step, a forward, a collective or a save, its peers wait in a collective
 that will never be matched until the process group's timeout, and then get the backend's generic
 error. With ``DBUFFER_DEBUG_COLLECTIVES=1`` in the environment (read once, when ``dbuffer`` is
-imported; :func:`set_enabled` switches it at run time), every collective the toolkit runs (they all
-go through :mod:`dbuffer.collectives`) and every :func:`fsdp.checkpoint.save` / ``load`` first
-checks across the group's ranks that all of them are at the same call:
+imported; :func:`set_enabled` switches it at run time), every collective of :mod:`dbuffer.collectives`
+(all the toolkit runs, but teardown's last barrier) and every :func:`fsdp.checkpoint.save` /
+``load`` first checks across the group's ranks that all of them are at the same call:
 
 * each rank numbers its calls per process group (``#0, #1, ...``) and publishes
   ``op dtype sizes`` and the caller's label (fsdp's unit: ``of fsdp unit 'encoder' (Encoder)``,

@@ -290,8 +290,6 @@ class SubclassWeights:
     def has_unsharded(self) -> bool:
         return self._alive
 
-    shares_gather = True  # its gather lands in rank-major rows it copies out of anyway
-
     def keep_slice(self, post) -> None:
         """Never called: :func:`~fsdp.group.plan.can_keep_slice` is false for these weights."""
         raise RuntimeError("tensor-subclass weights keep no post-forward slice (the plan keeps none)")

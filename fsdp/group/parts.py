@@ -86,10 +86,10 @@ class SharedGatherPart(Protocol):
 
 
 class Weights(Protocol):
-    """Makes a group's model weights from ``main`` (:mod:`fsdp.group.weights`); the group drives
-    :meth:`refresh`, :meth:`begin_gather` to :meth:`end_gather`, then :meth:`free_unsharded`."""
+    """Makes a group's model weights from ``main`` (:mod:`fsdp.group.weights`); the group's
+    Unsharder drives :meth:`refresh`, :meth:`begin_gather` to :meth:`end_gather`, then
+    :meth:`free_unsharded`."""
 
-    shares_gather: bool  # its gathers may be one collective with the unit's other groups
     dtype_fixed: Optional[str]  # why module.to(dtype) must not change its dtype (None: it may)
     keep_unsharded_storage: bool  # set_keep_unsharded_storage: storage stays across reshards
 

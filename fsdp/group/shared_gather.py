@@ -1,8 +1,10 @@
 """One all-gather for several groups of a unit, as FSDP2 gathers a unit's parameters in one collective.
 
-A unit has one group per (dtype, ``requires_grad``, mesh) bucket. Groups that copy out of
-rank-major rows anyway (``weights.shares_gather``) pack their shards into one byte shard, gathered
-once; each copies its columns out (:meth:`~fsdp.group.unsharder.Unsharder.join_gather`).
+A unit has one group per (dtype, ``requires_grad``, mesh) bucket. Groups whose plan lets them
+share (``Sharing.MAY_SHARE``: ZeRO-3, the chunked layout's rank-major rows they copy out of anyway,
+dbuffer's comms; :meth:`~fsdp.group.unsharder.Unsharder.can_share_gather`) pack their shards into
+one byte shard, gathered once; each joins it (:meth:`~fsdp.group.unsharder.Unsharder.join_gather`)
+and copies its columns out when it waits (:meth:`~fsdp.group.unsharder.Unsharder.wait_unshard`).
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """How a group's weights move between the optimizer's shard and the modules: its ``weights`` part.
 
-A :class:`~fsdp.group.param_group.ParameterGroup` drives the cycle (refresh after the optimizer,
-gather, hand the unsharded parameters to the modules, free); its part decides what moves:
+The group's :class:`~fsdp.group.unsharder.Unsharder` runs the cycle the unit drives (refresh
+after the optimizer, gather, hand the unsharded parameters to the modules, free); this part
+decides what moves:
 
 * :class:`BufferWeights` (default): DBuffers. A gather casts ``main`` straight into this rank's row
   of its target, as FSDP2's copy-in does, and all-gathers in place: into ``unsharded`` (flat
@@ -172,12 +173,6 @@ class BufferWeights:
 
     def has_unsharded(self) -> bool:
         return not self.unsharded.is_storage_released()
-
-    @property
-    def shares_gather(self) -> bool:
-        """Whether the unit may gather this part with its other groups in one collective
-        (:class:`~fsdp.group.shared_gather.SharedGather`): into rows the layout copies from."""
-        return self.gathered is not None
 
     def begin_gather(self, kind: GatherKind = GatherKind.OWN) -> Optional[DBuffer]:
         """Before a gather of ``kind``, on the compute stream: unless ``SHARED``, allocate and

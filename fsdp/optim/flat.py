@@ -57,7 +57,8 @@ class FlatOptimizer(torch.optim.Optimizer):
 
     With torch.optim's implementation (the CPU default) and state dtype, results match it bit for
     bit where the kernels round independently of position, else to rounding. ``clip_grad_norm_``
-    clips what it steps; ``zero_grad()`` drops the main grads of groups whose ``param.grad`` is None.
+    clips what it steps; ``zero_grad()`` drops (``set_to_none=True``) or zeroes every group's
+    main grads.
     """
 
     def __init__(

@@ -154,7 +154,8 @@ class FSDPModule:
 
     def set_modules_to_backward_prefetch(self, modules: list["FSDPModule"]) -> None:
         """Start gathering these units right after this unit's backward gather (replacing the
-        default, the previous unit in forward order). ``TypeError`` for a module not sharded."""
+        default, as FSDP2's: the next unit in reverse order of forward ends). ``TypeError`` for a
+        module not sharded."""
         self._fsdp_state.backward_prefetch = [_state_of(m) for m in modules]
 
     def to_empty(self, *, device, recurse: bool = True):

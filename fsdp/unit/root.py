@@ -3,9 +3,10 @@
 The first unit to run forward becomes the root of the units below it (``FSDPState._lazy_init``),
 holding what exists once per tree, as FSDP2's root contexts do; other units' ``root_ctx`` is None.
 Root-only knobs set before then create a unit's context, of which lazy initialisation keeps only
-the root's; a unit whose gradients arrive before then acts as its own root. Each backward ends in
-the root's callback (:func:`end_of_backward`); under manual finalization a pipeline schedule ends
-its several backwards once (:func:`finalize_backward`), in the order :class:`Finalization` checks.
+the root's (and the largest reduction bound any asked for); a unit whose gradients arrive before
+then acts as its own root. Each backward ends in the root's callback (:func:`end_of_backward`);
+under manual finalization a pipeline schedule ends its several backwards once
+(:func:`finalize_backward`), in the order :class:`Finalization` checks.
 """
 
 from __future__ import annotations
@@ -248,10 +249,11 @@ def end_backward(ctx: RootContext) -> None:
 
 
 def finalize_backward(root: Unit) -> None:
-    """Close ``root``'s backward iteration: each unit, last in forward order first, reduces what it
-    holds if it syncs (pipeline-assigned gradients too) and settles; :func:`finish_finalized` waits.
-    Raises ``RuntimeError`` (FSDP2's), changing nothing, on a non-root, with manual finalization
-    off, in a backward, before the previous one was waited for, or if HSDP defers an all-reduce."""
+    """Close ``root``'s backward iteration: each unit, in reverse ``named_modules`` order (the root
+    last), reduces what it holds if it syncs (pipeline-assigned gradients too) and settles;
+    :func:`finish_finalized` waits. Raises ``RuntimeError`` (FSDP2's), changing nothing, on a
+    non-root, with manual finalization off, in a backward, before the previous one was waited
+    for, or if HSDP defers an all-reduce."""
     ctx = root.root_ctx
     if root.root is not root or ctx is None:
         raise RuntimeError("finalize_backward must be called on the root FSDP module")

@@ -10,9 +10,9 @@ A ZeRO-3 step per unit (other strategies skip gathers and frees), with the
    free the unsharded storage; others keep them (under ``no_grad`` too) until step 5 or
    ``reshard()``. Outputs are hooked for step 3;
 3. pre-backward (PRE_BACKWARD; first output gradient): gather again, prefetch the unit before;
-4. gradient hooks: a group's first finishes the reduction in flight, its last copies them into
-   ``grad_in`` (allocated only then, as FSDP2), launches its reduction (at most one in flight) and
-   frees the unsharded storage (POST_BACKWARD);
+4. gradient hooks: a group's first finishes the reduction in flight, its last frees the
+   unsharded storage (POST_BACKWARD), then copies them into ``grad_in`` (allocated only then, as
+   FSDP2) and launches its reduction (at most one in flight);
 5. the root's final autograd callback (IDLE) reduces what is left, reshards, waits for every
    reduction and attaches ``param.grad`` (manual finalization: :meth:`fsdp.FSDPModule.finalize_backward`).
 
@@ -158,7 +158,8 @@ class FSDPState(pipelining.FSDP2Names):
 
     def root_knobs(self) -> RootContext:
         """Where a knob only the root reads goes: the root's context once initialised (shared by the
-        tree, as in FSDP2); before, this unit's own, kept only if the unit becomes a root."""
+        tree, as in FSDP2); before, this unit's own, kept only if the unit becomes a root (but the
+        largest reduction bound any unit asked for: :func:`~fsdp.unit.lazy_init.find_tree`)."""
         return self._owner().root_ctx
 
     def _tree(self) -> list["FSDPState"]:
