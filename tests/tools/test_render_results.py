@@ -90,6 +90,17 @@ def test_markdown_has_both_layouts_ratios_counts_and_provenance() -> None:
     assert "No results yet" in render({"runs": {}})
 
 
+def test_modes_of_one_run_state_their_setup_once() -> None:
+    one_run = {m: results.record("python3 tools/bench_fsdp.py", **_timed_fields(m)) for m in ("fp32", "bf16")}
+    one_run["bf16"]["date"] = one_run["fp32"]["date"]  # recorded a moment apart, in the same minute
+    table = render({"runs": one_run})
+    assert table.count("median of 6 timed steps") == 1
+    assert "* bf16: the same model, run and host as fp32." in table
+    assert table.count("own share") == 2  # each mode still states its own ratios
+    one_run["bf16"]["config"]["dim"] += 1  # another setup: stated in full
+    assert render({"runs": one_run}).count("median of 6 timed steps") == 2
+
+
 def test_render_results_rewrites_only_between_the_markers_and_checks(tmp_path: Path, capsys) -> None:
     results_dir, readme = tmp_path / "results", tmp_path / "README.md"
     before, after = "# Title\n\ntext before\n", "\ntext after\n"

@@ -4,7 +4,7 @@ holds, made from ``tools/results/bench_fsdp.json`` (:mod:`tools.kit.results`) by
 
 One table of the timed modes (``fp32``, ``bf16``: a row per method, ratios against FSDP2 and the
 floor, peak memory, the collectives a step asks for, bytes sent), each mode's provenance under
-it (model, steps, date, host, command), and one table of the collective counts (``--counts``: per
+it (model, steps, date, host, command; once for modes of the same run), and one table of the collective counts (``--counts``: per
 model, ours on both layouts against FSDP2).
 """
 
@@ -35,7 +35,7 @@ def _f(x: Optional[float], spec: str = ".2f") -> str:
 
 
 def _timed_rows(mode: str, res: dict) -> list[str]:
-    methods, r = res["methods"], res["ratios"]
+    methods = res["methods"]
     fsdp2, floor = methods.get("fsdp2", {}), methods.get("floor", {})
     rows = []
     for name in ("ours", "row", "flat", "lean", "fsdp2", "floor"):
@@ -61,12 +61,18 @@ def _timed_rows(mode: str, res: dict) -> list[str]:
     return rows
 
 
-def _timed_notes(mode: str, run: dict) -> list[str]:
+def _setup(run: dict) -> str:
+    """A timed mode's provenance: model, sizes, world, steps, date, host and command."""
     res, cfg = run["result"], run["config"]
-    notes = [f"* {mode}: {run.get('model', 'Llama')}; vocab {cfg['vocab']}, dim {cfg['dim']}, {cfg['layers']} layers, "
-             f"batch {cfg['batch']}x{cfg['seq']} per rank, world {run['world']} ({run['backend']}, "
-             f"{run['threads_per_rank']} thread per rank); median of {res['steps']} timed steps per method, "
-             f"interleaved. {run['date']}, {describe_host(run)}; `{run['command']}`."]
+    return (f"{run.get('model', 'Llama')}; vocab {cfg['vocab']}, dim {cfg['dim']}, {cfg['layers']} layers, "
+            f"batch {cfg['batch']}x{cfg['seq']} per rank, world {run['world']} ({run['backend']}, "
+            f"{run['threads_per_rank']} thread per rank); median of {res['steps']} timed steps per method, "
+            f"interleaved. {run['date']}, {describe_host(run)}; `{run['command']}`.")
+
+
+def _timed_notes(mode: str, run: dict, setup: str) -> list[str]:
+    res = run["result"]
+    notes = [f"* {mode}: {setup}"]
     r = res["ratios"]
     if r.get("cpu_ours_over_floor_plus_c10d") is not None:
         notes.append(f"  The framework's own share (ours' CPU time / (floor + its c10d calls replayed alone)): "
@@ -121,8 +127,12 @@ def render(data: dict) -> str:
         for mode in timed:
             lines += _timed_rows(mode, runs[mode]["result"])
         lines.append("")
-        for mode in timed:
-            lines += _timed_notes(mode, runs[mode])
+        setups: dict[str, str] = {}
+        for mode in timed:  # a mode measured in the same run as one before says so, not it all again
+            setup = _setup(runs[mode])
+            same = next((m for m, s in setups.items() if s == setup), None)
+            setups[mode] = setup
+            lines += _timed_notes(mode, runs[mode], f"the same model, run and host as {same}." if same else setup)
     if "counts" in runs:
         lines += [""] + _counts_table(runs["counts"])
     if len(lines) == 1:
