@@ -3,12 +3,12 @@
 a rename that leaves a docstring pointing at nothing fails here, not in a reader's search
 (tools/'s: ``tests/tools/test_tool_docstring_refs.py``, as only those tests import tools/).
 
-A name (``~`` and a trailing ``()`` dropped; of ``title <name>``, the name) resolves, in this order: as a full dotted path
-(``fsdp.group.plan.GroupPlan``, ``torch.nn.Module``); relative to the docstring's module
-(``GroupPlan.buffer``; ``.files`` from its package); relative to the enclosing class and its
-bases; in a module's docstring, as a member of a class the module defines; as a public name of
-``fsdp`` or ``dbuffer``. A class's member is an attribute, an annotation, or an instance
-attribute one of its methods assigns (``self.name =``).
+A name (``~`` and a trailing ``()`` dropped; of ``title <name>``, the name) resolves, in this
+order: as a full dotted path (``fsdp.group.plan.GroupPlan``, ``torch.nn.Module``); relative to
+the docstring's module (``GroupPlan.buffer``; ``.files`` from its package); relative to the
+enclosing class and its bases; in a module's docstring, as a member of a class the module
+defines; as a public name of ``fsdp`` or ``dbuffer``. A class's member is an attribute, an
+annotation, or an instance attribute one of its methods assigns (``self.name =``).
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ holds, made from ``tools/results/bench_fsdp.json`` (:mod:`tools.kit.results`) by
 
 One table of the timed modes (``fp32``, ``bf16``: a row per method, ratios against FSDP2 and the
 floor, peak memory, the collectives a step asks for, bytes sent), each mode's provenance under
-it (model, steps, date, host, command; once for modes of the same run), and one table of the collective counts (``--counts``: per
-model, ours on both layouts against FSDP2).
+it (model, steps, date, host, command; once for modes of the same run), and one table of the
+collective counts (``--counts``: per model, ours on both layouts against FSDP2).
 """
 
 from __future__ import annotations
